@@ -52,3 +52,12 @@ def measure_matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
         fn = lambda: a @ b  # noqa: E731
     ms = time_cuda(fn, flush_l2=False, iters=20)
     return 2 * n**3 / (ms * 1e-3)
+
+
+class Ceilings(dict):
+    """Measured ceilings of the current GPU: keys `copy_bps`, `bf16_flops`, `fp8_flops`."""
+
+    @classmethod
+    def measure(cls) -> "Ceilings":
+        return cls(copy_bps=measure_copy_bandwidth(), bf16_flops=measure_matmul_rate(torch.bfloat16),
+                   fp8_flops=measure_matmul_rate(torch.float8_e4m3fn))
