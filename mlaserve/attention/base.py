@@ -1,0 +1,32 @@
+"""The attention-backend seam: MLA attention over the latent KV cache, absorbed (decode) or not (extend)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from mlaserve.core import ForwardContext
+
+# expand_kv(latent [n, L]) -> (k_nope [n, H, Dn], v [n, H, Dv]): applies kv_b_proj
+ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class BaseAttnBackend(ABC):
+    """MLA attention for one batch. Shapes: `T` new tokens, `H` local heads, `L` kv_lora_rank, `R` rope dim.
+
+    The caller has already written the new tokens' latent rows into the pool (`ctx.out_slots`), so every
+    cache row a query may see is in `ctx.kv_pool` through `ctx.req_to_token`.
+    """
+
+    def __init__(self, sm_scale: float, kv_lora_rank: int, rope_dim: int):
+        self.sm_scale, self.kv_lora_rank, self.rope_dim = sm_scale, kv_lora_rank, rope_dim
+
+    @abstractmethod
+    def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+               ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
+        """Non-absorbed MLA. q: [T, H, Dn + R], kv_c: [T, L], k_pe: [T, R] (the new tokens) -> [T, H, Dv]."""
+
+    @abstractmethod
+    def decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Absorbed MLA. q: [T, H, L + R] (latent query + roped query) -> o_latent [T, H, L]."""

@@ -1,0 +1,52 @@
+"""Reference MLA attention in plain PyTorch (CPU default, `--attention-backend torch`): one request at a time."""
+from __future__ import annotations
+
+import torch
+
+from mlaserve.attention.base import BaseAttnBackend, ExpandKV
+from mlaserve.core import ForwardContext
+
+
+class TorchMLABackend(BaseAttnBackend):
+    def _request_rows(self, layer: int, ctx: ForwardContext, b: int, dtype: torch.dtype) -> torch.Tensor:
+        slots = ctx.req_to_token[ctx.req_pool_idx[b], : ctx.seq_lens_cpu[b]].long()
+        return ctx.kv_pool.load(layer, slots, dtype)                       # [S, L + R]
+
+    def _spans(self, ctx: ForwardContext):
+        start = 0
+        for b, n in enumerate(ctx.extend_lens_cpu):
+            yield b, start, n
+            start += n
+
+    def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+               ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], q.shape[1], 0)
+        outs = []
+        for b, start, n in self._spans(ctx):
+            rows = self._request_rows(layer, ctx, b, q.dtype)               # [S, L + R]
+            k_nope, v = expand_kv(rows[:, : self.kv_lora_rank])             # [S, H, Dn], [S, H, Dv]
+            k_rope = rows[:, None, self.kv_lora_rank:].expand(-1, k_nope.shape[1], -1)
+            k = torch.cat([k_nope, k_rope], dim=-1)                         # [S, H, Dn + R]
+            outs.append(_causal_attention(q[start:start + n], k, v, self.sm_scale))
+        return torch.cat(outs, dim=0) if outs else out
+
+    def decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        outs = []
+        n = ctx.num_q
+        for b in range(ctx.batch_size):
+            rows = self._request_rows(layer, ctx, b, q.dtype)               # [S, L + R]
+            k = rows[:, None, :].expand(-1, q.shape[1], -1)                 # one latent head shared by H
+            v = k[..., : self.kv_lora_rank]
+            outs.append(_causal_attention(q[b * n:(b + 1) * n], k, v, self.sm_scale))
+        return torch.cat(outs, dim=0) if outs else q.new_empty(0, q.shape[1], self.kv_lora_rank)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [n, H, D], k: [S, H, D], v: [S, H, Dv]; query i sits at position S - n + i. fp32 softmax."""
+    n, s = q.shape[0], k.shape[0]
+    scores = torch.einsum("nhd,shd->hns", q.float(), k.float()) * scale    # [H, n, S]
+    q_pos = torch.arange(s - n, s, device=q.device)[:, None]
+    mask = torch.arange(s, device=q.device)[None, :] > q_pos               # [n, S]
+    scores.masked_fill_(mask, float("-inf"))
+    p = scores.softmax(dim=-1)
+    return torch.einsum("hns,shd->nhd", p, v.float()).to(q.dtype)

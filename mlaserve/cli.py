@@ -1,0 +1,33 @@
+"""`mlaserve` command line: serve | bench ... | tune ... | make-checkpoint (subcommands imported lazily)."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "make-checkpoint": ("mlaserve.tools.make_checkpoint", "create a synthetic DeepSeek checkpoint"),
+    "bench kernels": ("mlaserve.bench.kernels", "time every Triton kernel at DeepSeek shapes (GPU)"),
+    "tune fused-moe": ("mlaserve.tools.tune_fused_moe", "search fused-MoE kernel configs (GPU)"),
+    "tune fp8-gemm": ("mlaserve.tools.tune_fp8_gemm", "search block-FP8 GEMM kernel configs (GPU)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: mlaserve <command> [options]", "", "commands:"]
+    lines += [f"  {name:<18} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if name in COMMANDS:
+            module = importlib.import_module(COMMANDS[name][0])
+            return module.main(argv[words:]) or 0
+    print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+    return 0 if argv and argv[0] in ("-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Frozen configuration dataclasses; `ModelConfig.from_hf` parses an original DeepSeek `config.json`."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+class ConfigError(ValueError):
+    """A config.json key has a value mlaserve cannot serve (the message names key and value)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (`rope_scaling` with type "yarn"); factor 1 means plain RoPE."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Block-wise FP8 (DeepSeek-V3 format): e4m3 weights, float32 `weight_scale_inv` per block."""
+
+    method: str = "fp8"
+    fmt: str = "e4m3"
+    block: tuple[int, int] = (128, 128)
+    activation_scheme: str = "dynamic"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a DeepSeek V2 / V2-Lite / V3 / R1 checkpoint, with DeepSeek/HF names."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    topk_method: str
+    scoring_func: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    num_nextn_predict_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    quant: QuantConfig | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # --- derived values -------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one latent KV-cache row: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times mscale^2 under YaRN (DeepSeek-V2 sec. 2.1, YaRN paper)."""
+        scale = self.qk_head_dim ** -0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim and rs.factor > 1:
+            m = yarn_mscale(rs.factor, rs.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.quant is not None
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+                and layer_idx % self.moe_layer_freq == 0)
+
+    # --- parsing --------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path: str | Path) -> "ModelConfig":
+        """Parse a checkpoint directory's `config.json` (or the file itself)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.exists():
+            raise ConfigError(f"{p}: no config.json found")
+        return cls.from_dict(json.loads(p.read_text()))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        arch = _architecture(d)
+        heads = d["num_attention_heads"]
+        if d.get("num_key_value_heads", heads) != heads:
+            _bad("num_key_value_heads", d["num_key_value_heads"], f"MLA needs it equal to num_attention_heads ({heads})")
+        if d.get("hidden_act", "silu") != "silu":
+            _bad("hidden_act", d["hidden_act"], "only silu")
+        topk_method = d.get("topk_method", "greedy")
+        if topk_method not in TOPK_METHODS:
+            _bad("topk_method", topk_method, f"supported: {', '.join(TOPK_METHODS)}")
+        scoring = d.get("scoring_func", "softmax")
+        if scoring not in SCORING_FUNCS:
+            _bad("scoring_func", scoring, f"supported: {', '.join(SCORING_FUNCS)}")
+        if topk_method == "noaux_tc" and scoring != "sigmoid":
+            _bad("scoring_func", scoring, "noaux_tc routing needs sigmoid")
+        n_experts = d.get("n_routed_experts") or 0
+        n_group = d.get("n_group") or 1
+        if n_experts and n_experts % n_group:
+            _bad("n_group", n_group, f"must divide n_routed_experts ({n_experts})")
+        cfg = cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            moe_intermediate_size=d.get("moe_intermediate_size") or 0,
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            q_lora_rank=d.get("q_lora_rank"),
+            kv_lora_rank=d["kv_lora_rank"],
+            qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"],
+            v_head_dim=d["v_head_dim"],
+            n_routed_experts=n_experts,
+            n_shared_experts=d.get("n_shared_experts") or 0,
+            num_experts_per_tok=d.get("num_experts_per_tok") or 0,
+            topk_method=topk_method,
+            scoring_func=scoring,
+            n_group=n_group,
+            topk_group=d.get("topk_group") or 1,
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=d.get("first_k_dense_replace", 0),
+            moe_layer_freq=d.get("moe_layer_freq", 1),
+            num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0) or 0,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(d.get("rope_scaling") or d.get("rope_parameters")),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=_eos(d.get("eos_token_id")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            quant=_quant(d.get("quantization_config")),
+            raw=dict(d),
+        )
+        if cfg.n_routed_experts and cfg.topk_group > cfg.n_group:
+            _bad("topk_group", cfg.topk_group, f"must be <= n_group ({cfg.n_group})")
+        if cfg.n_routed_experts and cfg.num_experts_per_tok > cfg.n_routed_experts:
+            _bad("num_experts_per_tok", cfg.num_experts_per_tok, "exceeds n_routed_experts")
+        return cfg
+
+    def with_(self, **changes: Any) -> "ModelConfig":
+        return replace(self, **changes)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _bad(key: str, value: Any, why: str) -> None:
+    raise ConfigError(f"config.json: unsupported {key}={value!r} ({why})")
+
+
+def _architecture(d: dict) -> str:
+    archs = d.get("architectures") or []
+    model_type = d.get("model_type")
+    for a in archs:
+        if a in SUPPORTED_ARCHS:
+            return a
+    if not archs and model_type in ("deepseek_v2", "deepseek_v3"):
+        return "DeepseekV2ForCausalLM" if model_type == "deepseek_v2" else "DeepseekV3ForCausalLM"
+    _bad("architectures", archs or model_type, f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    raise AssertionError  # unreachable
+
+
+def _eos(v: Any) -> int | None:
+    return v[0] if isinstance(v, list) and v else v
+
+
+def _rope_scaling(rs: dict | None) -> RopeScaling | None:
+    if not rs:
+        return None
+    kind = rs.get("type") or rs.get("rope_type")
+    if kind in (None, "default") and "factor" not in rs:
+        return None
+    if kind not in ("yarn", "deepseek_yarn"):
+        _bad("rope_scaling.type", kind, "only yarn")
+    known = {f.name for f in fields(RopeScaling)}
+    return RopeScaling(**{k: v for k, v in rs.items() if k in known})
+
+
+def _quant(qc: dict | None) -> QuantConfig | None:
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "fp8":
+        _bad("quantization_config.quant_method", method, "only fp8")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        _bad("quantization_config.fmt", fmt, "only e4m3")
+    block = tuple(qc.get("weight_block_size") or ())
+    if block != (128, 128):
+        _bad("quantization_config.weight_block_size", list(block), "only [128, 128]")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        _bad("quantization_config.activation_scheme", scheme, "only dynamic")
+    return QuantConfig(method=method, fmt=fmt, block=(128, 128), activation_scheme=scheme)

@@ -1,0 +1,233 @@
+"""Absorbed-MLA decode attention over the paged latent KV cache (DeepSeek-V2 sec. 2.1, weight absorption).
+
+Legend: `T` query tokens (= B * num_q), `B` requests, `H` local heads, `D` = L + R = 576, `L` kv_lora_rank (512),
+`R` qk_rope_head_dim (64), `S` kv splits, `N` cached tokens of one request. One latent KV head: K = all D, V = K[:L].
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NUM_SMS = 132              # H100 SXM; the split heuristic aims for ~WAVES programs per SM
+WAVES = 2
+MIN_SPLIT_TOKENS = 128     # a split shorter than this costs more in the reduce than it gains
+MAX_SPLITS = 128
+REDUCE_TILE = 8192         # fp32 values of [S, BLOCK_L] one reduce program holds
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+class MLADecodeConfig(NamedTuple):
+    block_h: int      # query rows (token x head pairs of one request) per program; each cache tile serves them all
+    block_n: int      # cached tokens per tile
+    num_warps: int
+    num_stages: int
+
+
+# Keyed by query rows per request (num_q * H), smallest key >= rows wins; larger row counts use the last
+# entry with several head blocks. H=16 (V2-Lite) is bandwidth-bound; H=128 (V3, ~241 FLOP/byte) compute-bound.
+CONFIGS: dict[int, MLADecodeConfig] = {
+    16: MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
+    32: MLADecodeConfig(block_h=32, block_n=64, num_warps=4, num_stages=2),
+    64: MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
+}
+
+
+def pick_config(rows: int) -> MLADecodeConfig:
+    for key in sorted(CONFIGS):
+        if rows <= key:
+            return CONFIGS[key]
+    return CONFIGS[max(CONFIGS)]
+
+
+def choose_num_kv_splits(programs: int, max_len: int, num_sms: int = NUM_SMS) -> int:
+    """Splits per request so `programs` (requests x head blocks) x splits fills the GPU without tiny splits."""
+    want = triton.cdiv(WAVES * num_sms, max(programs, 1))
+    most = triton.cdiv(max(max_len, 1), MIN_SPLIT_TOKENS)
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+@triton.jit
+def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+                       qk_scale, v_scale, stride_qt, stride_qh, stride_kv, stride_rtt, H, num_q, num_splits,
+                       L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp."""
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    pool_row = tl.load(ReqPoolIdx + b).to(tl.int64)
+
+    # rows = (query token j, head h) pairs of request b, j-major: one cache tile is read once for all of them.
+    rows = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < num_q * H
+    j = rows // H
+    h = rows % H
+    t = (b * num_q + j).to(tl.int64)
+    limit = seq_len - num_q + j + 1                  # [BLOCK_H] row sees cache positions < limit (causal)
+
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    q_row = Q + t * stride_qt + h * stride_qh
+    q_nope = tl.load(q_row[:, None] + offs_l[None, :], mask=row_ok[:, None], other=0.0)     # [BLOCK_H, L]
+    q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)   # [BLOCK_H, R]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, L], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        slot = tl.load(ReqToToken + pool_row * stride_rtt + pos, mask=pos_ok, other=0).to(tl.int64)
+        kv_row = KV + slot * stride_kv
+        kv_nope = tl.load(kv_row[:, None] + offs_l[None, :], mask=pos_ok[:, None], other=0.0)  # [BLOCK_N, L]
+        kv_pe = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [BLOCK_N, R]
+        kv_nope = kv_nope.to(DOT_DTYPE)
+        # s: [BLOCK_H, BLOCK_N] = q . K^T, the 576-wide dot split as 512 latent + 64 rope
+        s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
+        s += tl.dot(q_pe, tl.trans(kv_pe.to(DOT_DTYPE)), input_precision=DOT_PREC)
+        visible = (pos[None, :] < limit[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # NOTE: a row may see nothing in this tile or split; a finite pivot keeps exp2 free of (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_nope, input_precision=DOT_PREC)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None] * v_scale
+    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    mid = (t * H + h) * num_splits + split           # [BLOCK_H] row of MidO [T*H*S, L] / MidLse [T*H*S]
+    tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None])
+    tl.store(MidLse + mid, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_decode_reduce_kernel(MidO, MidLse, Out, stride_ot, stride_oh, H, num_splits,
+                              L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Stage 2: merge the S partial outputs of one (token, head) by their log-sum-exp, one L chunk each."""
+    th = tl.program_id(0).to(tl.int64)               # t * H + h
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_splits
+    lse = tl.load(MidLse + th * num_splits + offs_s, mask=s_ok, other=float("-inf"))     # [BLOCK_S]
+    w = tl.exp2(lse - tl.max(lse, axis=0))           # empty splits weigh 0
+    mid = (th * num_splits + offs_s)[:, None] * L + offs_l[None, :]
+    o = tl.load(MidO + mid, mask=s_ok[:, None], other=0.0)                              # [BLOCK_S, BLOCK_L]
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    out = Out + (th // H) * stride_ot + (th % H) * stride_oh + offs_l
+    tl.store(out, res.to(Out.dtype.element_ty))
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _check_args(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor,
+                seq_lens: torch.Tensor, kv_lora_rank: int, num_q: int, num_kv_splits: int | None,
+                out: torch.Tensor | None) -> None:
+    assert q.dim() == 3, f"q must be [T, H, D], got {tuple(q.shape)}"
+    t, h, d = q.shape
+    r = d - kv_lora_rank
+    assert _is_pow2(kv_lora_rank) and _is_pow2(r), \
+        f"kv_lora_rank ({kv_lora_rank}) and rope dim D - kv_lora_rank ({r}) must be powers of two >= 16"
+    assert q.dtype in _FLOAT, f"q dtype must be fp16/bf16/fp32, got {q.dtype}"
+    assert q.stride(2) == 1, "q must be contiguous in its last dim"
+    assert kv_cache.dim() == 2 and kv_cache.shape[1] == d, \
+        f"kv_cache must be [num_slots, {d}], got {tuple(kv_cache.shape)}"
+    assert kv_cache.dtype in _FLOAT + _FP8, f"kv_cache dtype must be fp16/bf16/fp32/fp8, got {kv_cache.dtype}"
+    assert kv_cache.stride(1) == 1, "kv_cache rows must be contiguous"
+    assert req_to_token.dim() == 2 and req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, \
+        "req_to_token must be a row-contiguous int32 [max_reqs, max_context] tensor"
+    b = seq_lens.shape[0]
+    assert seq_lens.shape == (b,) and seq_lens.dtype in (torch.int32, torch.int64), "seq_lens must be int32 [B]"
+    assert req_pool_idx.shape == (b,) and req_pool_idx.dtype in (torch.int32, torch.int64), \
+        f"req_pool_idx must be int32/int64 [B={b}], got {req_pool_idx.dtype} {tuple(req_pool_idx.shape)}"
+    assert num_q >= 1 and t == b * num_q, f"q has T={t} tokens but B={b} requests x num_q={num_q}"
+    assert num_kv_splits is None or num_kv_splits >= 1, f"num_kv_splits must be >= 1, got {num_kv_splits}"
+    devs = {x.device for x in (q, kv_cache, req_to_token, req_pool_idx, seq_lens)}
+    assert len(devs) == 1, f"all tensors must be on one device, got {devs}"
+    if out is not None:
+        assert out.shape == (t, h, kv_lora_rank) and out.dtype == q.dtype and out.stride(2) == 1, \
+            f"out must be [{t}, {h}, {kv_lora_rank}] {q.dtype}, last dim contiguous"
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor,
+               seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512, num_q: int = 1,
+               kv_scale: float | None = None, num_kv_splits: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Absorbed-MLA decode: out[t, h] = softmax(q[t, h] . K^T * sm_scale) @ V over the request's cached tokens.
+
+    Args:
+        q: [T, H, D] absorbed latent query (L) + roped query (R); T = B * num_q, request b owns rows b*num_q ...
+        kv_cache: [num_slots, D] one layer's latent pool; fp8 values are `stored * kv_scale`.
+        req_to_token: [max_reqs, max_context] int32, position -> slot. req_pool_idx: [B] its row per request.
+        seq_lens: [B] cached tokens per request including the num_q new ones; query token j of request b sits
+            at position seq_lens[b] - num_q + j and sees positions 0 .. that one (needs seq_lens[b] >= num_q).
+        num_kv_splits: splits of each request's tokens; None picks one from B and max(seq_lens) (a host sync:
+            pass it explicitly under CUDA-graph capture).
+    Returns:
+        [T, H, L] in q.dtype (written into `out` when given).
+    """
+    _check_args(q, kv_cache, req_to_token, req_pool_idx, seq_lens, kv_lora_rank, num_q, num_kv_splits, out)
+    t, h, d = q.shape
+    big_l = kv_lora_rank
+    out = q.new_empty((t, h, big_l)) if out is None else out
+    if t == 0:
+        return out
+    b = seq_lens.shape[0]
+    cfg = pick_config(num_q * h)
+    head_blocks = triton.cdiv(num_q * h, cfg.block_h)
+    splits = num_kv_splits or choose_num_kv_splits(b * head_blocks, int(seq_lens.max()))
+    mid_o = torch.empty((t, h, splits, big_l), dtype=torch.float32, device=q.device)   # [T, H, S, L]
+    mid_lse = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)        # [T, H, S]
+    scale = 1.0 if kv_scale is None else float(kv_scale)
+    _mla_decode_kernel[(b, head_blocks, splits)](
+        q, kv_cache, req_to_token, req_pool_idx, seq_lens, mid_o, mid_lse,
+        sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
+        h, num_q, splits, L=big_l, R=d - big_l, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC="ieee" if q.dtype == torch.float32 else None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    block_s = triton.next_power_of_2(splits)
+    block_l = max(16, min(big_l, REDUCE_TILE // block_s))
+    _mla_decode_reduce_kernel[(t * h, big_l // block_l)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), h, splits,
+        L=big_l, BLOCK_S=block_s, BLOCK_L=block_l, num_warps=4)
+    return out
+
+
+def mla_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
+                   req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512,
+                   num_q: int = 1, kv_scale: float | None = None, num_kv_splits: int | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference (the spec of `mla_decode`), one request at a time in fp32. `num_kv_splits` does not change
+    the math and is ignored."""
+    t, h, _ = q.shape
+    res = torch.empty((t, h, kv_lora_rank), dtype=torch.float32, device=q.device)
+    scale = 1.0 if kv_scale is None else kv_scale
+    for b, (row, n) in enumerate(zip(req_pool_idx.tolist(), seq_lens.tolist())):
+        kv = kv_cache[req_to_token[row, :n].long()].float() * scale           # [N, D]
+        q_b = q[b * num_q:(b + 1) * num_q].float()                            # [num_q, H, D]
+        s = torch.einsum("jhd,nd->jhn", q_b, kv) * sm_scale                   # [num_q, H, N]
+        last = n - num_q + torch.arange(num_q, device=q.device)               # [num_q] position of query j
+        hidden = torch.arange(n, device=q.device)[None, :] > last[:, None]    # [num_q, N] causal mask
+        s = s.masked_fill(hidden[:, None, :], float("-inf"))
+        res[b * num_q:(b + 1) * num_q] = torch.softmax(s, dim=-1) @ kv[:, :kv_lora_rank]
+    if out is None:
+        return res.to(q.dtype)
+    return out.copy_(res)

@@ -1,0 +1,98 @@
+"""Linear layers: bf16/fp32 or DeepSeek block-FP8 (e4m3 weight + float32 `weight_scale_inv` per 128x128 block).
+
+Tensor-parallel ready: `tp_dim=0` shards the output rows (column parallel), `tp_dim=1` the input columns
+(row parallel); each parameter carries a `weight_loader` that slices the full checkpoint tensor.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from mlaserve.config import QuantConfig
+from mlaserve.kernels import fp8_gemm as fp8_kernels
+from mlaserve.kernels.quant import per_token_group_quant_fp8_ref
+
+
+class ShapeError(ValueError):
+    """A checkpoint tensor does not have the shape the model expects (message names both)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def copy_checked(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ShapeError(f"{name}: checkpoint shape {list(loaded.shape)}, expected {list(param.shape)}")
+    param.data.copy_(loaded.to(param.dtype))
+
+
+def shard(t: torch.Tensor, dim: int | None, rank: int, size: int, unit: int = 1) -> torch.Tensor:
+    """Slice `t` along `dim` into `size` equal parts (in multiples of `unit` rows) and return part `rank`."""
+    if dim is None or size == 1:
+        return t
+    n = t.shape[dim]
+    if n % size or (n // size) % unit:
+        raise ShapeError(f"dimension {n} cannot be split {size} ways in units of {unit}")
+    part = n // size
+    return t.narrow(dim, rank * part, part)
+
+
+class Linear(torch.nn.Module):
+    """y = x @ W^T (+ b). With `quant`, W is block-FP8 and activations are quantised per token per 128."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 quant: QuantConfig | None = None, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", tp_dim: int | None = None, tp_rank: int = 0,
+                 tp_size: int = 1):
+        super().__init__()
+        self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
+        out_local = out_features // tp_size if tp_dim == 0 else out_features
+        in_local = in_features // tp_size if tp_dim == 1 else in_features
+        self.in_features, self.out_features = in_local, out_local
+        self.quant = quant
+        wdtype = torch.float8_e4m3fn if quant else dtype
+        self.weight = torch.nn.Parameter(torch.empty(out_local, in_local, dtype=wdtype, device=device),
+                                         requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+        if quant:
+            bn, bk = quant.block
+            self.weight_scale_inv = torch.nn.Parameter(
+                torch.empty(cdiv(out_local, bn), cdiv(in_local, bk), dtype=torch.float32, device=device),
+                requires_grad=False)
+            self.weight_scale_inv.weight_loader = self._load_scale
+        self.bias = None
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_local, dtype=dtype, device=device), requires_grad=False)
+            self.bias.weight_loader = self._load_bias
+
+    def _load_weight(self, name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        copy_checked(name, param, shard(loaded, self.tp_dim, self.tp_rank, self.tp_size))
+
+    def _load_scale(self, name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        copy_checked(name, param, shard(loaded, self.tp_dim, self.tp_rank, self.tp_size))
+
+    def _load_bias(self, name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        copy_checked(name, param, shard(loaded, 0 if self.tp_dim == 0 else None, self.tp_rank, self.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.linear(x, self.weight, self.bias)
+        y = fp8_linear(x, self.weight, self.weight_scale_inv)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp8={self.quant is not None}"
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
+    """Block-FP8 linear: the Triton kernels on GPU (or under the interpreter), the references otherwise."""
+    fast = getattr(fp8_kernels, "fp8_linear", None)
+    if fast is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return fast(x, w_q, w_scale_inv)
+    shape = x.shape
+    x_q, x_s = per_token_group_quant_fp8_ref(x.reshape(-1, shape[-1]))
+    y = fp8_kernels.fp8_gemm_ref(x_q, x_s, w_q, w_scale_inv, out_dtype=x.dtype)
+    return y.view(*shape[:-1], w_q.shape[0])

@@ -1,0 +1,71 @@
+"""Multi-head Latent Attention (DeepSeek-V2 sec. 2.1), both forms over the paged latent KV cache.
+
+Legend: `T` tokens, `H` local heads, `L` kv_lora_rank, `R` qk_rope_head_dim, `Dn` qk_nope_head_dim,
+`Dv` v_head_dim. Extend (prefill) runs the non-absorbed form: k_nope / v are expanded from the latent
+through kv_b_proj. Decode runs the absorbed form: W_UK folds into the query (q_nope @ w_kc -> [T, H, L])
+and W_UV after attention (o_latent @ w_vc -> [T, H, Dv]), so attention reads the 576-wide latent rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from mlaserve.config import ModelConfig
+from mlaserve.core import ForwardContext, ForwardMode
+from mlaserve.layers.linear import Linear
+from mlaserve.layers.rmsnorm import RMSNorm
+from mlaserve.layers.rope import RotaryEmbedding
+
+
+class MLAAttention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *,
+                 dtype: torch.dtype, device: torch.device | str, absorb: bool = True, dequant_fp8: bool = False):
+        super().__init__()
+        self.layer_id, self.rotary, self.absorb = layer_id, rotary, absorb
+        self.h = cfg.num_attention_heads
+        self.dn, self.r, self.dv, self.l = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        quant = None if dequant_fp8 else cfg.quant
+        kw = dict(dtype=dtype, device=device, quant=quant)
+        hid, qk = cfg.hidden_size, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(hid, self.h * qk, **kw)
+        else:
+            self.q_a_proj = Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.h * qk, **kw)
+        self.kv_a_proj_with_mqa = Linear(hid, self.l + self.r, bias=cfg.attention_bias, **kw)
+        self.kv_a_layernorm = RMSNorm(self.l, cfg.rms_norm_eps, dtype, device)
+        self.kv_b_proj = Linear(self.l, self.h * (self.dn + self.dv), **kw)
+        self.o_proj = Linear(self.h * self.dv, hid, bias=cfg.attention_bias, **kw)
+        self.q_lora = cfg.q_lora_rank is not None
+        # Absorbed weights, derived from kv_b_proj after loading (models/weights.py).
+        self.register_buffer("w_kc", torch.empty(self.h, self.dn, self.l, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("w_vc", torch.empty(self.h, self.dv, self.l, dtype=dtype, device=device), persistent=False)
+
+    def set_absorbed(self, kv_b: torch.Tensor) -> None:
+        """kv_b: dequantised kv_b_proj weight [H * (Dn + Dv), L] -> w_kc [H, Dn, L], w_vc [H, Dv, L]."""
+        w = kv_b.view(self.h, self.dn + self.dv, self.l)
+        self.w_kc.copy_(w[:, : self.dn])
+        self.w_vc.copy_(w[:, self.dn:])
+
+    def expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # latent: [n, L] -> k_nope [n, H, Dn], v [n, H, Dv]
+        kv = self.kv_b_proj(latent).view(-1, self.h, self.dn + self.dv)
+        return kv[..., : self.dn], kv[..., self.dn:]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(t, self.h, self.dn + self.r)                               # [T, H, Dn + R]
+        latent = self.kv_a_proj_with_mqa(x)                                   # [T, L + R]
+        kv_c = self.kv_a_layernorm(latent[:, : self.l])                       # [T, L]
+        q_pe, k_pe = self.rotary(q[..., self.dn:], latent[:, self.l:], positions)
+        ctx.kv_pool.store(self.layer_id, ctx.out_slots, kv_c, k_pe)
+        backend = ctx.attn_backend
+        if ctx.mode is ForwardMode.DECODE and self.absorb:
+            q_lat = torch.einsum("thd,hdl->thl", q[..., : self.dn], self.w_kc)   # absorb W_UK: [T, H, L]
+            o_lat = backend.decode(self.layer_id, torch.cat([q_lat, q_pe], dim=-1), ctx)   # [T, H, L]
+            o = torch.einsum("thl,hvl->thv", o_lat, self.w_vc)                 # apply W_UV: [T, H, Dv]
+        else:
+            q = torch.cat([q[..., : self.dn], q_pe], dim=-1)
+            o = backend.extend(self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
+        return self.o_proj(o.reshape(t, self.h * self.dv))

@@ -1,0 +1,109 @@
+"""DeepSeek feed-forward: dense SwiGLU MLP (dense-first layers, shared experts) and the routed MoE.
+
+Legend: `T` tokens, `h` hidden, `I` moe_intermediate_size, `E` routed experts, `K` experts per token.
+Routed experts are stacked at load time: w13 [E, 2I, h] (gate rows then up rows), w2 [E, h, I].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mlaserve.config import ModelConfig, QuantConfig
+from mlaserve.kernels import fused_moe as moe_kernels
+from mlaserve.kernels import moe_topk as topk_kernels
+from mlaserve.layers.linear import Linear, ShapeError, cdiv, copy_checked
+
+
+class DenseMLP(torch.nn.Module):
+    def __init__(self, hidden: int, intermediate: int, *, quant: QuantConfig | None,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        kw = dict(quant=quant, dtype=dtype, device=device)
+        self.gate_proj = Linear(hidden, intermediate, **kw)
+        self.up_proj = Linear(hidden, intermediate, **kw)
+        self.down_proj = Linear(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(torch.nn.Module):
+    """`mlp.gate`: fp32 logits over E experts; softmax or sigmoid (+ e_score_correction_bias) routing."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.cfg = cfg
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        self.weight = torch.nn.Parameter(torch.empty(e, h, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = lambda name, p, t: copy_checked(name, p, t)
+        self.e_score_correction_bias = None
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = torch.nn.Parameter(
+                torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False)
+            self.e_score_correction_bias.weight_loader = lambda name, p, t: copy_checked(name, p, t)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())                     # [T, E]
+        c = self.cfg
+        topk = topk_kernels.moe_topk if x.is_cuda else topk_kernels.moe_topk_ref
+        return topk(logits, c.num_experts_per_tok, topk_method=c.topk_method, scoring_func=c.scoring_func,
+                    n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                    routed_scaling_factor=c.routed_scaling_factor,
+                    e_score_correction_bias=self.e_score_correction_bias)  # weights [T, K] f32, ids [T, K]
+
+
+class RoutedExperts(torch.nn.Module):
+    """E SwiGLU experts as two stacked tensors, bf16 or block-FP8 (per-expert `weight_scale_inv`)."""
+
+    def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.i, self.quant = i, quant
+        wdtype = torch.float8_e4m3fn if quant else dtype
+        self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, h, dtype=wdtype, device=device), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.empty(e, h, i, dtype=wdtype, device=device), requires_grad=False)
+        self.w13_scale = self.w2_scale = None
+        if quant:
+            bn, bk = quant.block
+            if i % bn:
+                raise ShapeError(f"block-FP8 experts need moe_intermediate_size ({i}) divisible by {bn}")
+            self.w13_scale = torch.nn.Parameter(torch.empty(e, 2 * i // bn, cdiv(h, bk), device=device),
+                                                requires_grad=False)
+            self.w2_scale = torch.nn.Parameter(torch.empty(e, cdiv(h, bn), i // bk, device=device),
+                                               requires_grad=False)
+
+    def load_expert(self, name: str, expert: int, proj: str, loaded: torch.Tensor, scale: bool) -> None:
+        """Copy one checkpoint tensor `mlp.experts.{expert}.{proj}.weight[_scale_inv]` into its stack."""
+        stack = (self.w2_scale if proj == "down_proj" else self.w13_scale) if scale else \
+            (self.w2 if proj == "down_proj" else self.w13)
+        rows = stack.shape[1] // 2
+        dst = stack[expert]
+        if proj == "gate_proj":
+            dst = dst[:rows]
+        elif proj == "up_proj":
+            dst = dst[rows:]
+        copy_checked(name, dst, loaded)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        fn = moe_kernels.fused_moe if x.is_cuda else moe_kernels.fused_moe_ref
+        return fn(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.gate = Router(cfg, dtype, device)
+        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device)
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                           quant=quant, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,119 @@
+"""DeepSeek V2 / V2-Lite / V3 / R1 decoder and its NextN (MTP) layer, one file, switched by config.
+
+Legend: `T` tokens in the batch, `h` hidden_size, `V` vocab_size.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mlaserve.config import ModelConfig
+from mlaserve.core import ForwardContext
+from mlaserve.layers.embedding import LMHead, VocabEmbedding
+from mlaserve.layers.linear import Linear
+from mlaserve.layers.mla import MLAAttention
+from mlaserve.layers.moe import MoE, DenseMLP
+from mlaserve.layers.rmsnorm import RMSNorm
+from mlaserve.layers.rope import RotaryEmbedding
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor    # [n, V] fp32: rows of ctx.logits_indices (all T when None)
+    hidden: torch.Tensor    # [T, h] final-normed hidden states (the MTP layer's input)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *, dtype: torch.dtype,
+                 device: torch.device | str, absorb: bool, dequant_fp8: bool):
+        super().__init__()
+        quant = None if dequant_fp8 else cfg.quant
+        self.self_attn = MLAAttention(cfg, layer_id, rotary, dtype=dtype, device=device, absorb=absorb,
+                                      dequant_fp8=dequant_fp8)
+        if cfg.is_moe_layer(layer_id):
+            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, **kw):
+        super().__init__()
+        dtype, device = kw["dtype"], kw["device"]
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, rotary, **kw) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                                      # [T, h]
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class SharedHead(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
+
+
+class NextNLayer(torch.nn.Module):
+    """DeepSeek-V3 MTP module (V3 paper sec. 2.2), checkpoint layer index `num_hidden_layers`.
+
+    draft_logits = head(norm(Decoder(eh_proj([enorm(embed(next_tokens)); hnorm(hidden)]))))
+    with `hidden` the main model's final-normed hidden state at the same position. Shares `embed_tokens`.
+    """
+
+    def __init__(self, cfg: ModelConfig, embed: VocabEmbedding, rotary: RotaryEmbedding, **kw):
+        super().__init__()
+        dtype, device = kw["dtype"], kw["device"]
+        self.embed = embed
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, rotary, **kw)
+        self.shared_head = SharedHead(cfg, dtype, device)
+
+    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> ModelOutput:
+        x = self.eh_proj(torch.cat([self.enorm(self.embed(next_ids)), self.hnorm(hidden)], dim=-1))
+        x = self.shared_head.norm(self.block(positions, x, ctx))
+        rows = x if ctx.logits_indices is None else x[ctx.logits_indices]
+        return ModelOutput(self.shared_head.head(rows), x)
+
+
+class DeepseekForCausalLM(torch.nn.Module):
+    """The whole model. `absorb=False` runs decode non-absorbed too (`--disable-mla`);
+    `dequant_fp8=True` keeps an FP8 checkpoint's weights as `dtype`; `load_mtp` builds the NextN layer."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", absorb: bool = True, dequant_fp8: bool = False,
+                 load_mtp: bool = False, max_pos: int | None = None):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.rotary = RotaryEmbedding(cfg, max_pos, device)
+        kw = dict(dtype=dtype, device=device, absorb=absorb, dequant_fp8=dequant_fp8)
+        self.model = DeepseekModel(cfg, self.rotary, **kw)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.mtp = None
+        if load_mtp:
+            if cfg.num_nextn_predict_layers < 1:
+                raise ValueError("this checkpoint has no MTP layer (num_nextn_predict_layers = 0)")
+            self.mtp = NextNLayer(cfg, self.model.embed_tokens, self.rotary, **kw)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.cfg.num_hidden_layers + (1 if self.mtp is not None else 0)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
+        hidden = self.model(input_ids, positions, ctx)
+        rows = hidden if ctx.logits_indices is None else hidden[ctx.logits_indices]
+        return ModelOutput(self.lm_head(rows), hidden)

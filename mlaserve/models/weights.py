@@ -1,0 +1,293 @@
+"""DeepSeek checkpoint names, shapes and dtypes; loading sharded safetensors one tensor at a time; dummy weights.
+
+`checkpoint_specs(cfg)` is the one definition of the original checkpoint layout: make-checkpoint writes it,
+the loader checks against it, `--load-format dummy` generates it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import torch
+from tqdm import tqdm
+
+from mlaserve.config import ModelConfig
+from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref
+from mlaserve.layers.linear import cdiv, copy_checked
+
+# kinds: "linear" (FP8 in FP8 checkpoints), "dense" (a bf16 matrix: embeddings, router, heads, eh_proj),
+# "norm", "bias" (float32 e_score_correction_bias), "scale" (float32 weight_scale_inv)
+
+
+class TensorSpec(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match config.json (the message names the tensor)."""
+
+
+def _attn_specs(cfg: ModelConfig, p: str) -> Iterator[TensorSpec]:
+    h, hid = cfg.num_attention_heads, cfg.hidden_size
+    if cfg.q_lora_rank is None:
+        yield TensorSpec(f"{p}self_attn.q_proj.weight", (h * cfg.qk_head_dim, hid), "linear")
+    else:
+        yield TensorSpec(f"{p}self_attn.q_a_proj.weight", (cfg.q_lora_rank, hid), "linear")
+        yield TensorSpec(f"{p}self_attn.q_a_layernorm.weight", (cfg.q_lora_rank,), "norm")
+        yield TensorSpec(f"{p}self_attn.q_b_proj.weight", (h * cfg.qk_head_dim, cfg.q_lora_rank), "linear")
+    yield TensorSpec(f"{p}self_attn.kv_a_proj_with_mqa.weight", (cfg.kv_cache_dim, hid), "linear")
+    yield TensorSpec(f"{p}self_attn.kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm")
+    yield TensorSpec(f"{p}self_attn.kv_b_proj.weight",
+                     (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "linear")
+    yield TensorSpec(f"{p}self_attn.o_proj.weight", (hid, h * cfg.v_head_dim), "linear")
+
+
+def _mlp_specs(p: str, hid: int, inter: int) -> Iterator[TensorSpec]:
+    yield TensorSpec(f"{p}gate_proj.weight", (inter, hid), "linear")
+    yield TensorSpec(f"{p}up_proj.weight", (inter, hid), "linear")
+    yield TensorSpec(f"{p}down_proj.weight", (hid, inter), "linear")
+
+
+def _layer_specs(cfg: ModelConfig, i: int) -> Iterator[TensorSpec]:
+    p, hid = f"model.layers.{i}.", cfg.hidden_size
+    yield TensorSpec(f"{p}input_layernorm.weight", (hid,), "norm")
+    yield from _attn_specs(cfg, p)
+    yield TensorSpec(f"{p}post_attention_layernorm.weight", (hid,), "norm")
+    if not cfg.is_moe_layer(i):
+        yield from _mlp_specs(f"{p}mlp.", hid, cfg.intermediate_size)
+        return
+    yield TensorSpec(f"{p}mlp.gate.weight", (cfg.n_routed_experts, hid), "dense")
+    if cfg.topk_method == "noaux_tc":
+        yield TensorSpec(f"{p}mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,), "bias")
+    for j in range(cfg.n_routed_experts):
+        yield from _mlp_specs(f"{p}mlp.experts.{j}.", hid, cfg.moe_intermediate_size)
+    if cfg.n_shared_experts:
+        yield from _mlp_specs(f"{p}mlp.shared_experts.", hid, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+
+def _mtp_specs(cfg: ModelConfig) -> Iterator[TensorSpec]:
+    n, hid, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    p = f"model.layers.{n}."
+    yield TensorSpec(f"{p}embed_tokens.weight", (v, hid), "dense")   # a copy of the shared embedding
+    yield TensorSpec(f"{p}enorm.weight", (hid,), "norm")
+    yield TensorSpec(f"{p}hnorm.weight", (hid,), "norm")
+    yield TensorSpec(f"{p}eh_proj.weight", (hid, 2 * hid), "dense")
+    yield from _layer_specs(cfg, n)
+    yield TensorSpec(f"{p}shared_head.norm.weight", (hid,), "norm")
+    yield TensorSpec(f"{p}shared_head.head.weight", (v, hid), "dense")
+
+
+def checkpoint_specs(cfg: ModelConfig, include_mtp: bool = True) -> list[TensorSpec]:
+    """Every tensor of the original checkpoint, in file order, FP8 scales after their weights."""
+    specs = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "dense")]
+    for i in range(cfg.num_hidden_layers):
+        specs.extend(_layer_specs(cfg, i))
+    specs.append(TensorSpec("model.norm.weight", (cfg.hidden_size,), "norm"))
+    specs.append(TensorSpec("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "dense"))
+    if include_mtp and cfg.num_nextn_predict_layers:
+        specs.extend(_mtp_specs(cfg))
+    if cfg.quant is None:
+        return specs
+    bn, bk = cfg.quant.block
+    out: list[TensorSpec] = []
+    for s in specs:
+        out.append(s)
+        if s.kind == "linear":
+            out.append(TensorSpec(s.name + "_scale_inv", (cdiv(s.shape[0], bn), cdiv(s.shape[1], bk)), "scale"))
+    return out
+
+
+def spec_dtype(spec: TensorSpec, cfg: ModelConfig) -> torch.dtype:
+    if spec.kind in ("bias", "scale"):
+        return torch.float32
+    if spec.kind == "linear" and cfg.quant is not None:
+        return torch.float8_e4m3fn
+    return torch.bfloat16
+
+
+# --- synthetic values ---------------------------------------------------------------------------
+
+LOGIT_STD = 4.0   # lm_head scale: logits ~ N(0, 4^2), so greedy picks are far from ties
+
+
+def synthetic_tensor(spec: TensorSpec, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Random float32 values for `spec`, reproducible per (seed, name), scaled to keep activations O(1).
+
+    Matrices get std 1/sqrt(fan_in) (the heads 4/sqrt(fan_in), the embedding 1), norms 1 + N(0, 0.1^2),
+    the noaux_tc bias N(0, 0.05^2).
+    """
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**63)
+    x = torch.randn(spec.shape, generator=gen, device=device, dtype=torch.float32)
+    if spec.kind == "norm":
+        return 1.0 + 0.1 * x
+    if spec.kind == "bias":
+        return 0.05 * x
+    if spec.name.endswith("embed_tokens.weight"):
+        return x
+    gain = LOGIT_STD if spec.name.endswith(("lm_head.weight", "shared_head.head.weight")) else 1.0
+    return x * (gain / spec.shape[1] ** 0.5)
+
+
+def synthetic_checkpoint(cfg: ModelConfig, seed: int, specs: list[TensorSpec] | None = None,
+                         device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in checkpoint dtypes; FP8 linears are block-quantised with their scale_inv following."""
+    specs = specs if specs is not None else checkpoint_specs(cfg)
+    embed = None
+    for spec in specs:
+        if spec.kind == "scale":
+            continue
+        if spec.name.startswith(f"model.layers.{cfg.num_hidden_layers}.embed_tokens"):
+            yield spec.name, embed if embed is not None else synthetic_tensor(
+                TensorSpec("model.embed_tokens.weight", spec.shape, "dense"), seed, device).to(torch.bfloat16)
+            continue
+        x = synthetic_tensor(spec, seed, device)
+        if spec.kind == "linear" and cfg.quant is not None:
+            w_q, s = block_quant_fp8_ref(x, cfg.quant.block)
+            yield spec.name, w_q
+            yield spec.name + "_scale_inv", s
+            continue
+        x = x.to(spec_dtype(spec, cfg))
+        if spec.name == "model.embed_tokens.weight":
+            embed = x
+        yield spec.name, x
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+
+
+def iter_safetensors(path: str | Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """(tensor count, iterator of (name, tensor)) over a checkpoint directory, shard by shard via the index."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path}: no model.safetensors.index.json or model.safetensors")
+    handles = [safe_open(str(path / f), framework="pt") for f in files]
+    count = sum(len(list(h.keys())) for h in handles)
+
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
+        for h in handles:
+            for name in h.keys():
+                yield name, h.get_tensor(name)
+    return count, gen()
+
+
+class WeightLoader:
+    """Routes checkpoint tensors to the model's parameters by original name, checking each against its spec."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, dequant_fp8: bool):
+        self.model, self.cfg, self.dequant = model, cfg, dequant_fp8
+        has_mtp = getattr(model, "mtp", None) is not None
+        self.specs = {s.name: s for s in checkpoint_specs(cfg, include_mtp=has_mtp)}
+        self.all_names = {s.name for s in checkpoint_specs(cfg, include_mtp=True)}
+        self.params = dict(model.named_parameters())
+        self.seen: set[str] = set()
+        self.pending: dict[str, torch.Tensor] = {}   # fp8 weight or scale awaiting its partner (dequant)
+        self.mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+
+    def param_name(self, name: str) -> str:
+        if name.startswith(self.mtp_prefix):
+            rest = name[len(self.mtp_prefix):]
+            if rest.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head.")):
+                return "mtp." + rest
+            return "mtp.block." + rest
+        return name
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.specs.get(name)
+        if spec is None:
+            if name in self.all_names:          # MTP weights of a model built without the MTP layer
+                return
+            raise CheckpointError(f"unexpected tensor {name!r} (shape {list(tensor.shape)}) for this config.json")
+        if tuple(tensor.shape) != spec.shape:
+            raise CheckpointError(f"{name}: shape {list(tensor.shape)}, expected {list(spec.shape)}")
+        self.seen.add(name)
+        if name == f"{self.mtp_prefix}embed_tokens.weight":
+            return                               # the MTP layer shares model.embed_tokens
+        if self.dequant and self.cfg.quant is not None and spec.kind in ("linear", "scale"):
+            self._pair_and_dequant(name, tensor, spec)
+            return
+        self._route(name, tensor)
+
+    def _pair_and_dequant(self, name: str, tensor: torch.Tensor, spec: TensorSpec) -> None:
+        w_name = name[: -len("_scale_inv")] if spec.kind == "scale" else name
+        partner = name + "_scale_inv" if spec.kind == "linear" else w_name
+        if partner not in self.pending:
+            self.pending[name] = tensor
+            return
+        other = self.pending.pop(partner)
+        w, s = (tensor, other) if spec.kind == "linear" else (other, tensor)
+        self._route(w_name, block_dequant_ref(w, s, self.cfg.quant.block, torch.float32))
+
+    def _route(self, name: str, tensor: torch.Tensor) -> None:
+        m = _EXPERT.match(name)
+        if m:
+            experts = self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1])
+            experts.load_expert(name, int(m.group(2)), m.group(3), tensor, scale=m.group(4) is not None)
+            return
+        pname = self.param_name(name)
+        param = self.params.get(pname)
+        if param is None:
+            raise CheckpointError(f"{name}: no parameter {pname!r} in the model")
+        getattr(param, "weight_loader", copy_checked)(name, param, tensor)
+
+    def finish(self) -> None:
+        missing = [n for n in self.specs if n not in self.seen]
+        if missing:
+            raise CheckpointError(f"missing tensor {missing[0]!r} (expected shape {list(self.specs[missing[0]].shape)})"
+                                  + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        if self.pending:
+            raise CheckpointError(f"FP8 tensor {next(iter(self.pending))!r} has no weight/scale partner")
+        derive_absorbed(self.model, self.cfg)
+
+
+def derive_absorbed(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """w_kc / w_vc of every MLA layer from kv_b_proj (dequantised first when FP8)."""
+    from mlaserve.layers.mla import MLAAttention
+
+    for mod in model.modules():
+        if isinstance(mod, MLAAttention):
+            lin = mod.kv_b_proj
+            w = lin.weight.float() if lin.quant is None else \
+                block_dequant_ref(lin.weight, lin.weight_scale_inv, lin.quant.block, torch.float32)
+            mod.set_absorbed(w.to(mod.w_kc.dtype))
+
+
+def load_weights(model: torch.nn.Module, cfg: ModelConfig, path: str | Path | None, *,
+                 load_format: str = "auto", dequant_fp8: bool = False, seed: int = 0,
+                 progress: bool = True) -> None:
+    """Fill `model` from a checkpoint directory (`auto`/`safetensors`) or with random values (`dummy`)."""
+    loader = WeightLoader(model, cfg, dequant_fp8=dequant_fp8)
+    device = next(model.parameters()).device
+    if load_format == "dummy":
+        specs = list(loader.specs.values())
+        total, items = len(specs), synthetic_checkpoint(cfg, seed, specs, device)
+    elif load_format in ("auto", "safetensors"):
+        if path is None:
+            raise CheckpointError("no checkpoint path given")
+        total, items = iter_safetensors(path)
+    else:
+        raise ValueError(f"unknown load format {load_format!r}; choices: auto, safetensors, dummy")
+    for name, tensor in tqdm(items, total=total, desc="loading weights", unit="tensor",
+                             disable=not progress, leave=False):
+        loader.load(name, tensor.to(device))
+    loader.finish()
