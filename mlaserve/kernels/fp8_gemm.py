@@ -1,13 +1,25 @@
 """Block-scaled FP8 GEMM: y = (x_q * x_scale) @ (w_q * w_scale_inv)^T with fp32 accumulation.
 
 Shapes: x_q [M, K] e4m3 with x_scale [M, ceil(K/128)] (per token per 128 channels),
-w_q [N, K] e4m3 with w_scale_inv [ceil(N/128), ceil(K/128)], y [M, N].
+w_q [N, K] e4m3 with w_scale_inv [ceil(N/128), ceil(K/128)], y [M, N]. Also `fp8_linear` (quantise + GEMM)
+and `fp8_bmm` (per-head FP8 batched matmul for the absorbed MLA weights, H heads).
 """
 from __future__ import annotations
 
-import torch
+import functools
+import json
+import logging
+import os
+from pathlib import Path
 
-from mlaserve.kernels.quant import block_dequant_ref
+import torch
+import triton
+import triton.language as tl
+
+from mlaserve.kernels.quant import (FP8_E4M3_MAX, FP8_MIN_SCALE, _round_to_fp8_grid, block_dequant_ref,
+                                    per_token_group_quant_fp8, per_token_group_quant_fp8_ref)
+
+logger = logging.getLogger(__name__)
 
 
 def fp8_gemm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
@@ -17,3 +29,298 @@ def fp8_gemm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
     x = x_q.float() * x_scale.repeat_interleave(block[1], dim=1)[:, :k]
     w = block_dequant_ref(w_q, w_scale_inv, block, torch.float32)
     return (x @ w.t()).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block-scaled GEMM kernel
+# ---------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
+    stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # Grid: (tiles of C, SPLIT_K). GROUP_M swizzle: consecutive programs walk GROUP_M row-tiles of one
+    # column of C, so the B tiles they share are still in L2.
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # NOTE: rows / cols past the edge wrap around (loads need no M/N mask); only the store is masked.
+    rm = (offs_m % M).to(tl.int64)
+    rn = (offs_n % N).to(tl.int64)
+
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_start = pid_k * tiles_per_split
+    k_end = tl.minimum(k_start + tiles_per_split, k_tiles)
+
+    a_ptrs = a_ptr + rm[:, None] * stride_am + (k_start * BLOCK_K + offs_k)[None, :]   # [BM, BK]
+    b_ptrs = b_ptr + rn[None, :] * stride_bn + (k_start * BLOCK_K + offs_k)[:, None]   # [BK, BN]
+    as_ptrs = as_ptr + rm * stride_asm                                                 # [BM]
+    if SCALE_N % BLOCK_N == 0:
+        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_bsn                   # one scale row
+    else:
+        bs_ptrs = bs_ptr + (rn // SCALE_N) * stride_bsn                                # [BN]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(k_start, k_end):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        ks = (kt * BLOCK_K) // SCALE_K
+        a_s = tl.load(as_ptrs + ks * stride_ask)
+        b_s = tl.load(bs_ptrs + ks * stride_bsk)
+        # Promote each K-block's fp8 product to fp32 with both scales (DeepSeek-V3 sec. 3.3.2).
+        if SCALE_N % BLOCK_N == 0:
+            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+        else:
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    c_ptrs = c_ptr + pid_k * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16, block: tuple[int, int] = (128, 128),
+             config: dict | None = None) -> torch.Tensor:
+    """y [M, N] = (x_q * x_scale) @ (w_q * w_scale_inv)^T, fp32 accumulation (contract of `fp8_gemm_ref`).
+
+    Args:
+        x_q: [M, K] float8_e4m3fn, K contiguous. x_scale: [M, ceil(K/block[1])] float32.
+        w_q: [N, K] float8_e4m3fn, K contiguous. w_scale_inv: [ceil(N/block[0]), ceil(K/block[1])] float32.
+        config: BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages; default `get_fp8_gemm_config`.
+            BLOCK_K must divide block[1] so one weight scale applies per K-step.
+    """
+    _check_gemm_args(x_q, x_scale, w_q, w_scale_inv, block)
+    (m, k), n = x_q.shape, w_q.shape[0]
+    cfg = dict(config) if config is not None else get_fp8_gemm_config(n, k, m)
+    assert block[1] % cfg["BLOCK_K"] == 0, f"BLOCK_K={cfg['BLOCK_K']} must divide the scale block {block[1]}"
+    split = cfg.get("SPLIT_K", 1)
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    c = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x_q.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
+    _fp8_gemm_kernel[grid](
+        x_q, w_q, c, x_scale, w_scale_inv, m, n, k,
+        x_q.stride(0), w_q.stride(0), c.stride(0) if split > 1 else 0, c.stride(-2),
+        x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
+        SCALE_N=block[0], SCALE_K=block[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1), SPLIT_K=split,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
+    if split > 1:
+        out.copy_(c.sum(dim=0))                                          # [S, M, N] fp32 -> [M, N]
+    return out
+
+
+def _check_gemm_args(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+                     block: tuple[int, int]) -> None:
+    assert x_q.dim() == 2 and w_q.dim() == 2, f"x_q [M, K] and w_q [N, K], got {tuple(x_q.shape)}, {tuple(w_q.shape)}"
+    assert x_q.dtype == w_q.dtype == torch.float8_e4m3fn, (
+        f"x_q, w_q must be float8_e4m3fn, got {x_q.dtype}, {w_q.dtype}")
+    (m, k), (n, kw) = x_q.shape, w_q.shape
+    assert k == kw, f"K mismatch: x_q has {k}, w_q has {kw}"
+    assert x_q.stride(1) == 1 and w_q.stride(1) == 1, "x_q and w_q must be contiguous along K"
+    gk, gn = -(-k // block[1]), -(-n // block[0])
+    assert x_scale.shape == (m, gk) and x_scale.dtype == torch.float32, (
+        f"x_scale must be float32 [{m}, {gk}], got {x_scale.dtype} {tuple(x_scale.shape)}")
+    assert w_scale_inv.shape == (gn, gk) and w_scale_inv.dtype == torch.float32, (
+        f"w_scale_inv must be float32 [{gn}, {gk}], got {w_scale_inv.dtype} {tuple(w_scale_inv.shape)}")
+    devices = {t.device for t in (x_q, x_scale, w_q, w_scale_inv)}
+    assert len(devices) == 1, f"all operands must be on one device, got {devices}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tuned configs: configs/N=..,K=..,device_name=..,dtype=fp8_w8a8,block_shape=[128, 128].json
+# holding {"<M>": {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, num_warps, num_stages}, ...}
+# ---------------------------------------------------------------------------------------------------
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def config_file_name(n: int, k: int, device_name: str) -> str:
+    return f"N={n},K={k},device_name={device_name},dtype=fp8_w8a8,block_shape=[128, 128].json"
+
+
+@functools.lru_cache(maxsize=None)
+def current_device_name() -> str:
+    return torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+
+
+@functools.lru_cache(maxsize=None)
+def _load_configs(config_dir: str, n: int, k: int, device_name: str) -> dict[int, dict] | None:
+    path = Path(config_dir) / config_file_name(n, k, device_name)
+    if not path.is_file():
+        logger.warning("fp8_gemm: no tuned config %s; using defaults (tune: python -m "
+                       "mlaserve.tools.tune_fp8_gemm --shapes %d,%d)", path.name, n, k)
+        return None
+    with open(path) as f:
+        return {int(m): cfg for m, cfg in json.load(f).items()}
+
+
+def default_fp8_gemm_config(n: int, k: int, m: int, num_sms: int = 132) -> dict:
+    """Untuned choice: skinny tiles + split-K for decode (fill the SMs), 128x128x128 for prefill."""
+    if m <= 64:
+        block_m = max(16, triton.next_power_of_2(m))
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
+        split, k_tiles = 1, triton.cdiv(k, 128)
+        while tiles * split < num_sms and k_tiles // (2 * split) >= 2:
+            split *= 2
+        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=split, num_warps=4, num_stages=4)
+    if m <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, num_warps=8, num_stages=3)
+
+
+def get_fp8_gemm_config(N: int, K: int, M: int, device_name: str | None = None) -> dict:
+    """Kernel config for an [M, K] x [N, K]^T GEMM: the tuned entry of the nearest M, else a default."""
+    configs = _load_configs(str(CONFIG_DIR), N, K, device_name or current_device_name())
+    if not configs:
+        return default_fp8_gemm_config(N, K, M, _num_sms())
+    return dict(configs[min(configs, key=lambda mm: (abs(mm - M), mm))])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Linear layer entry point: dynamic per-token-group activation quantisation + block GEMM
+# ---------------------------------------------------------------------------------------------------
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(w_q, w_scale_inv)^T (+ bias), x quantised per token per 128 channels.
+
+    Triton on CUDA (and under TRITON_INTERPRET=1); `fp8_linear_ref` on plain CPU. Output dtype: out_dtype or x.dtype.
+    """
+    if not _use_triton(x):
+        return fp8_linear_ref(x, w_q, w_scale_inv, bias, out_dtype)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_q, x_scale = per_token_group_quant_fp8(x.reshape(-1, k), 128)     # [T, K], [T, ceil(K/128)]
+    y = fp8_gemm(x_q, x_scale, w_q, w_scale_inv, out_dtype=out_dtype or x.dtype)
+    if bias is not None:
+        y += bias
+    return y.view(*lead, w_q.shape[0])
+
+
+def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference of `fp8_linear` through `per_token_group_quant_fp8_ref` and `fp8_gemm_ref` (fp32 until the end)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_q, x_scale = per_token_group_quant_fp8_ref(x.reshape(-1, k), 128)
+    y = fp8_gemm_ref(x_q, x_scale, w_q, w_scale_inv, out_dtype=torch.float32)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype).view(*lead, w_q.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batched per-head FP8 matmul for the absorbed MLA weights w_kc / w_vc (one scale per head)
+# ---------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_bmm_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
+    stride_xh, stride_xm, stride_xk, stride_wh, stride_wn, stride_oh, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    # Grid: (tiles of out[h], H). x rows are quantised in-kernel: pass 1 finds each row's amax over K,
+    # pass 2 quantises x tiles to e4m3 and feeds the fp8 dot; both scales are applied once at the end.
+    pid, h = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + h * stride_xh + (offs_m % M)[:, None] * stride_xm                 # [BM, 1]
+    w_cols = w_ptr + h * stride_wh + (offs_n % N)[None, :] * stride_wn                 # [1, BN]
+
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        x = tl.load(x_rows + kk[None, :] * stride_xk, mask=kk[None, :] < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    scale = tl.maximum(amax, MIN_SCALE) / FP8_MAX                                      # [BM]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        x = tl.load(x_rows + kk[None, :] * stride_xk, mask=kk[None, :] < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
+        if INTERPRETED:
+            q = _round_to_fp8_grid(q, 3, -6)
+        w = tl.load(w_cols + kk[:, None], mask=kk[:, None] < K, other=0.0)           # [BK, BN] e4m3
+        acc = tl.dot(q.to(tl.float8e4nv), w, acc)
+    acc = acc * scale[:, None] * tl.load(ws_ptr + h)
+
+    out_ptrs = out_ptr + h * stride_oh + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def fp8_bmm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """out[h] = x[h] @ (w_q[h] * w_scale[h])^T, x quantised per (head, row) to e4m3 (scale = amax / 448).
+
+    Args:
+        x: [H, M, K] bf16/fp16/fp32, any strides (e.g. q_nope.transpose(0, 1) of [B, H, 128]).
+        w_q: [H, N, K] float8_e4m3fn, K contiguous (w_kc [H, 512, 128] or w_vc [H, 128, 512]).
+        w_scale: [H] float32, one dequantisation scale per head.
+    Returns:
+        [H, M, N] in x.dtype, contiguous.
+    """
+    assert x.dim() == 3 and w_q.dim() == 3, f"x [H, M, K], w_q [H, N, K]; got {tuple(x.shape)}, {tuple(w_q.shape)}"
+    (h, m, k), (hw, n, kw) = x.shape, w_q.shape
+    assert (h, k) == (hw, kw), f"head count / K mismatch: x {tuple(x.shape)} vs w_q {tuple(w_q.shape)}"
+    assert x.is_floating_point() and x.element_size() >= 2, f"x must be fp16/bf16/fp32, got {x.dtype}"
+    assert w_q.dtype == torch.float8_e4m3fn and w_q.stride(2) == 1, "w_q must be float8_e4m3fn, contiguous along K"
+    assert w_scale.shape == (h,) and w_scale.dtype == torch.float32, f"w_scale must be float32 [{h}]"
+    out = torch.empty((h, m, n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = 64 if m <= 64 else 128
+    block_k = min(128, max(32, triton.next_power_of_2(k)))                # fp8 MMA needs K-steps >= 32
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), h)
+    _fp8_bmm_kernel[grid](
+        x, w_q, w_scale, out, m, n, k,
+        x.stride(0), x.stride(1), x.stride(2), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE,
+        INTERPRETED=not x.is_cuda, num_warps=4, num_stages=3,
+    )
+    return out
+
+
+def fp8_bmm_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Reference of `fp8_bmm`: quantise each x row over its K channels, dequantise, fp32 bmm."""
+    h, m, k = x.shape
+    x_q, x_scale = per_token_group_quant_fp8_ref(x.reshape(h * m, k), group=max(k, 1))
+    x_deq = (x_q.float() * x_scale).view(h, m, k)                        # [H, M, K]
+    w = w_q.float() * w_scale.view(h, 1, 1)                              # [H, N, K]
+    return torch.bmm(x_deq, w.transpose(1, 2)).to(x.dtype)               # [H, M, N]

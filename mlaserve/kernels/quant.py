@@ -5,6 +5,8 @@ Shapes: `M` rows (tokens), `K` channels, `G = ceil(K / group)` groups, `N` weigh
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
@@ -57,3 +59,85 @@ def block_dequant_ref(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     bn, bk = block
     s = scale_inv.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
     return (w_q.float() * s).to(dtype)
+
+
+# (mantissa bits, smallest normal exponent) of each fp8 format, for the interpreter's software rounding.
+_FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+
+
+@triton.jit
+def _round_to_fp8_grid(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round fp32 `v` to the nearest (ties to even) value of an fp8 grid, returned as fp32.
+
+    NOTE: only for the CPU interpreter, whose fp32 -> fp8 cast truncates and drops mantissa carries;
+    on GPU the cast itself rounds to nearest even. Assumes |v| is already clamped to the format's max.
+    """
+    e = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF                  # biased exponent of v
+    e = tl.maximum(e, MIN_EXP + 127)                                 # subnormals share the smallest step
+    step = ((e - MANT) << 23).to(tl.float32, bitcast=True)          # 2^(exp - MANT): the grid spacing
+    r = ((tl.abs(v) / step + 12582912.0) - 12582912.0) * step        # 1.5 * 2^23: fp32 add rounds to int
+    return tl.where(v < 0, -r, r)                                    # keeps -0.0 as the GPU cast does
+
+
+@triton.jit
+def _per_token_group_quant_fp8_kernel(
+    x_ptr, xq_ptr, scale_ptr, M, K, G, stride_xm, stride_xk,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # One program: BLOCK_M rows x GROUPS_PER_PROG groups; each group is a [BLOCK_M, BLOCK_G] tile.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_G)
+    row_ok = rows < M
+    rows = rows.to(tl.int64)
+    for i in tl.static_range(GROUPS_PER_PROG):
+        g = tl.program_id(1) * GROUPS_PER_PROG + i
+        k = g * GROUP + cols                                                  # [BLOCK_G]
+        mask = row_ok[:, None] & ((cols < GROUP) & (k < K))[None, :]          # [BLOCK_M, BLOCK_G]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_SCALE) / FP8_MAX    # [BLOCK_M]
+        q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
+        if INTERPRETED:
+            q = _round_to_fp8_grid(q, MANT, MIN_EXP)
+        tl.store(xq_ptr + rows[:, None] * K + k[None, :], q.to(xq_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + rows * G + g, scale, mask=row_ok & (rows * 0 + g < G))
+
+
+def _quant_launch_shape(m: int, g: int, block_g: int) -> tuple[int, int]:
+    """(BLOCK_M, GROUPS_PER_PROG): ~2K elements per tile, up to 8 groups per program."""
+    block_m = min(triton.next_power_of_2(max(m, 1)), max(1, 2048 // block_g))
+    return block_m, min(g, 8)
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128,
+                              dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `per_token_group_quant_fp8_ref` (same contract and rounding).
+
+    Args:
+        x: [M, K] float (any strides). K need not be a multiple of `group`; any `group` >= 1.
+    Returns:
+        (x_q [M, K] `dtype`, contiguous; scale [M, G] float32, contiguous) with x ~= x_q * scale.
+    """
+    assert x.dim() == 2, f"x must be [M, K], got shape {tuple(x.shape)}"
+    assert x.is_floating_point() and x.element_size() >= 2, f"x must be fp16/bf16/fp32, got {x.dtype}"
+    assert dtype in _FP8_GRID, f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}"
+    assert group >= 1, f"group must be >= 1, got {group}"
+    m, k = x.shape
+    g = -(-k // group)
+    x_q = torch.empty((m, k), dtype=dtype, device=x.device)
+    scale = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return x_q, scale
+    block_g = triton.next_power_of_2(group)
+    block_m, groups_per_prog = _quant_launch_shape(m, g, block_g)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(g, groups_per_prog))
+    mant, min_exp = _FP8_GRID[dtype]
+    _per_token_group_quant_fp8_kernel[grid](
+        x, x_q, scale, m, k, g, x.stride(0), x.stride(1),
+        GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog,
+        FP8_MAX=fp8_max(dtype), MIN_SCALE=FP8_MIN_SCALE, MANT=mant, MIN_EXP=min_exp,
+        INTERPRETED=not x.is_cuda, num_warps=4,
+    )
+    return x_q, scale

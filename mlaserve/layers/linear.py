@@ -5,14 +5,11 @@ Tensor-parallel ready: `tp_dim=0` shards the output rows (column parallel), `tp_
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from mlaserve.config import QuantConfig
 from mlaserve.kernels import fp8_gemm as fp8_kernels
-from mlaserve.kernels.quant import per_token_group_quant_fp8_ref
 
 
 class ShapeError(ValueError):
@@ -88,11 +85,6 @@ class Linear(torch.nn.Module):
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
-    """Block-FP8 linear: the Triton kernels on GPU (or under the interpreter), the references otherwise."""
-    fast = getattr(fp8_kernels, "fp8_linear", None)
-    if fast is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return fast(x, w_q, w_scale_inv)
-    shape = x.shape
-    x_q, x_s = per_token_group_quant_fp8_ref(x.reshape(-1, shape[-1]))
-    y = fp8_kernels.fp8_gemm_ref(x_q, x_s, w_q, w_scale_inv, out_dtype=x.dtype)
-    return y.view(*shape[:-1], w_q.shape[0])
+    """Block-FP8 linear: the Triton kernels on GPU, the PyTorch references on the CPU."""
+    fn = fp8_kernels.fp8_linear if x.is_cuda else fp8_kernels.fp8_linear_ref
+    return fn(x, w_q, w_scale_inv)

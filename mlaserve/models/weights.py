@@ -149,7 +149,7 @@ def synthetic_checkpoint(cfg: ModelConfig, seed: int, specs: list[TensorSpec] | 
         if spec.kind == "scale":
             continue
         if spec.name.startswith(f"model.layers.{cfg.num_hidden_layers}.embed_tokens"):
-            yield spec.name, embed if embed is not None else synthetic_tensor(
+            yield spec.name, embed.clone() if embed is not None else synthetic_tensor(
                 TensorSpec("model.embed_tokens.weight", spec.shape, "dense"), seed, device).to(torch.bfloat16)
             continue
         x = synthetic_tensor(spec, seed, device)

@@ -54,6 +54,7 @@ def make_config(src: dict, *, num_layers: int | None, shrink: bool, fp8: bool) -
     d = shrink_config(src) if shrink else dict(src)
     if num_layers is not None:
         d["num_hidden_layers"] = num_layers
+    d.pop("quantization_config", None)
     if fp8:
         d["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                     "weight_block_size": [128, 128]}

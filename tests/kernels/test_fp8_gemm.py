@@ -1,0 +1,151 @@
+"""fp8_gemm / fp8_linear / fp8_bmm (Triton; interpreter on CPU) against their references, config lookup,
+the tuner's search space and the bench cases' arithmetic."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from mlaserve.bench.kernel_cases import fp8_gemm as gemm_cases
+from mlaserve.bench.kernel_cases import quant as quant_cases
+from mlaserve.kernels import fp8_gemm as fp8_gemm_mod
+from mlaserve.kernels.fp8_gemm import (fp8_bmm, fp8_bmm_ref, fp8_gemm, fp8_gemm_ref, fp8_linear, fp8_linear_ref,
+                                       get_fp8_gemm_config)
+from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref, per_token_group_quant_fp8_ref
+from mlaserve.tools import tune_fp8_gemm
+
+# Tolerances, as max |y - ref| / max |ref|:
+#   fp32 output vs the fp32 reference: same fp8 inputs, only the summation order differs -> 1e-5;
+#   bf16 output: both sides round once to bf16 (2^-8 relative) -> 1e-2.
+# Against the unquantised matmul (quantisation error of the activations, e4m3 = 3 mantissa bits),
+# as ||y - ref|| / ||ref||: about 0.026 for Gaussian activations -> 0.05.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+QUANT_TOL = 0.05
+
+
+def _rel_max(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def _rel_norm(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _operands(m: int, n: int, k: int, device: str):
+    x_q, x_s = per_token_group_quant_fp8_ref(torch.randn(m, k, device=device))
+    w_q, w_s = block_quant_fp8_ref(torch.randn(n, k, device=device) * 0.05)
+    return x_q, x_s, w_q, w_s
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("n,k", [(200, 384), (256, 300)])             # N, then K, not multiples of 128
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_gemm_matches_ref(device: str, m: int, n: int, k: int, out_dtype: torch.dtype) -> None:
+    x_q, x_s, w_q, w_s = _operands(m, n, k, device)
+    y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=out_dtype)
+    assert y.shape == (m, n) and y.dtype == out_dtype
+    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= TOL[out_dtype]
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SPLIT_K=3),      # split-K, two K-steps per scale
+    dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=128, GROUP_M=2, SPLIT_K=1),    # tile spans two weight-scale rows
+])
+def test_fp8_gemm_tile_configs(device: str, cfg: dict) -> None:
+    x_q, x_s, w_q, w_s = _operands(70, 300, 520, device)
+    y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=torch.float32, config=cfg)
+    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= TOL[torch.float32]
+
+
+def test_fp8_gemm_rejects_bad_scales(device: str) -> None:
+    x_q, x_s, w_q, w_s = _operands(4, 200, 300, device)
+    with pytest.raises(AssertionError, match="w_scale_inv"):
+        fp8_gemm(x_q, x_s, w_q, w_s.t().contiguous())
+    with pytest.raises(AssertionError, match="float8_e4m3fn"):
+        fp8_gemm(x_q.float(), x_s, w_q, w_s)
+
+
+def test_fp8_linear(device: str) -> None:
+    x = torch.randn(2, 3, 300, device=device, dtype=torch.bfloat16)
+    w_q, w_s = block_quant_fp8_ref(torch.randn(200, 300, device=device) * 0.05)
+    bias = torch.randn(200, device=device, dtype=torch.bfloat16)
+    y = fp8_linear(x, w_q, w_s, bias)
+    assert y.shape == (2, 3, 200) and y.dtype == torch.bfloat16
+    assert _rel_max(y, fp8_linear_ref(x, w_q, w_s, bias)) <= TOL[torch.bfloat16]
+    dense = x.float() @ block_dequant_ref(w_q, w_s, dtype=torch.float32).t() + bias.float()
+    assert _rel_norm(fp8_linear(x, w_q, w_s, out_dtype=torch.float32), dense - bias.float()) <= QUANT_TOL
+    assert _rel_norm(y, dense) <= QUANT_TOL
+
+
+def test_fp8_linear_uses_ref_on_plain_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(fp8_gemm_mod, "fp8_gemm", None)                  # must not be reached
+    x = torch.randn(5, 256)
+    w_q, w_s = block_quant_fp8_ref(torch.randn(130, 256))
+    assert torch.equal(fp8_linear(x, w_q, w_s), fp8_linear_ref(x, w_q, w_s))
+
+
+@pytest.mark.parametrize("n,k", [(64, 128), (40, 300)])               # w_kc-like (K = 128), odd K
+def test_fp8_bmm(device: str, n: int, k: int) -> None:
+    h, b = 4, 3
+    x = torch.randn(b, h, k, device=device).transpose(0, 1)              # [H, B, K] view of [B, H, K]
+    w = torch.randn(h, n, k, device=device) * torch.rand(h, 1, 1, device=device)
+    w_scale = w.abs().amax(dim=(1, 2)) / 448.0                           # one scale per head
+    w_q = (w / w_scale[:, None, None]).to(torch.float8_e4m3fn)
+    y = fp8_bmm(x, w_q, w_scale)
+    assert y.shape == (h, b, n) and y.dtype == x.dtype
+    assert _rel_max(y, fp8_bmm_ref(x, w_q, w_scale)) <= TOL[torch.float32]
+    dense = torch.bmm(x, (w_q.float() * w_scale[:, None, None]).transpose(1, 2))
+    assert _rel_norm(y, dense) <= QUANT_TOL
+    xb = x.to(torch.bfloat16)
+    assert _rel_max(fp8_bmm(xb, w_q, w_scale), fp8_bmm_ref(xb, w_q, w_scale)) <= TOL[torch.bfloat16]
+
+
+def test_config_lookup_nearest_m(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setattr(fp8_gemm_mod, "CONFIG_DIR", tmp_path)
+    table = {m: dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=s, num_warps=4, num_stages=3)
+             for m, bm, s in [(1, 16, 2), (64, 64, 1), (2048, 128, 1)]}
+    (tmp_path / fp8_gemm_mod.config_file_name(200, 384, "dev")).write_text(json.dumps(table))
+    assert get_fp8_gemm_config(200, 384, 3, "dev") == table[1]
+    assert get_fp8_gemm_config(200, 384, 40, "dev") == table[64]
+    assert get_fp8_gemm_config(200, 384, 9000, "dev") == table[2048]
+    with caplog.at_level(logging.WARNING, logger=fp8_gemm_mod.__name__):
+        cfg = get_fp8_gemm_config(7168, 2048, 1, "dev")
+        assert get_fp8_gemm_config(7168, 2048, 4096, "dev")["BLOCK_M"] == 128
+    assert cfg["BLOCK_K"] == 128 and cfg["BLOCK_M"] == 16 and cfg["SPLIT_K"] > 1
+    assert len(caplog.records) == 1                                      # one line per missing file
+
+
+def test_tuned_config_drives_kernel(tmp_path, monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    monkeypatch.setattr(fp8_gemm_mod, "CONFIG_DIR", tmp_path)
+    path = tmp_path / fp8_gemm_mod.config_file_name(96, 384, fp8_gemm_mod.current_device_name())
+    x_q, x_s, w_q, w_s = _operands(5, 96, 384, device)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=96, GROUP_M=1, SPLIT_K=2, num_warps=4, num_stages=3)
+    path.write_text(json.dumps({"4": cfg}))                              # BLOCK_K must divide 128
+    with pytest.raises(AssertionError, match="BLOCK_K"):
+        fp8_gemm(x_q, x_s, w_q, w_s)
+    fp8_gemm_mod._load_configs.cache_clear()
+    path.write_text(json.dumps({"4": dict(cfg, BLOCK_K=128)}))
+    y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=torch.float32)
+    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= TOL[torch.float32]
+
+
+def test_tuner_search_space_and_cpu_exit() -> None:
+    for m in (1, 16, 48, 4096):
+        space = tune_fp8_gemm.search_space(m, 7168, 2048)
+        assert space and all(128 % c["BLOCK_K"] == 0 for c in space)
+        assert all(c["SPLIT_K"] == 1 for c in space) or m <= 64
+    assert {c["BLOCK_M"] for c in tune_fp8_gemm.search_space(1, 7168, 2048)} == {16}
+    assert tune_fp8_gemm.parse_shape("2112,7168") == (2112, 7168)
+    if not torch.cuda.is_available():
+        assert tune_fp8_gemm.main([]) == 1
+
+
+def test_bench_case_arithmetic() -> None:
+    assert gemm_cases.weight_bytes(7168, 2048) == 7168 * 2048 + 56 * 16 * 4
+    assert gemm_cases.weight_bytes(2112, 7168) == 2112 * 7168 + 17 * 56 * 4
+    assert gemm_cases.gemm_flops(4096, 7168, 16384) == 2 * 4096 * 7168 * 16384
+    assert len(gemm_cases.shape_grid(quick=False)) == 24
+    assert quant_cases.quant_bytes(4096, 7168) == 4096 * 7168 * 3 + 4096 * 56 * 4

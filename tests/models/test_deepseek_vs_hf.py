@@ -1,0 +1,207 @@
+"""Our DeepSeek model against Hugging Face transformers on checkpoints written by make-checkpoint."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from seq_runner import SeqRunner
+
+from mlaserve.config import ModelConfig
+from mlaserve.kernels.quant import block_dequant_ref
+from mlaserve.models.deepseek import DeepseekForCausalLM
+from mlaserve.models.weights import load_weights
+
+transformers = pytest.importorskip("transformers")
+
+# Tolerances on per-token prompt log-probs, measured on CPU (2026-11-21), 4 fresh random 40-token prompts each:
+# - fp32: max |d| ~2e-5 (tolerance 1e-4, as the issue asks).
+# - bf16 (ours bf16 vs HF bf16): mean |d| 0.02 (v2-lite) .. 0.09 (v3), p90 0.04 .. 0.2; max 0.06 .. 1.1, the
+#   large ones at single positions where bf16 rounding flips a routed-expert choice (a discontinuity that
+#   no bf16 implementation avoids). Asserted: mean <= 0.15 and p90 <= 0.3.
+# - FP8 path (e4m3 weights, activations quantised per token per 128 channels) vs HF on the dequantised
+#   weights in fp32: mean 0.37 .. 0.50, p90 0.74 .. 0.92, max up to 2.8 (activation quantisation error
+#   through 3 layers of random weights with logits of std 4). Asserted: mean <= 0.7 and p90 <= 1.3; the
+#   same checkpoint with dequantised weights (no activation quantisation) matches HF to 1e-4.
+FP32_TOL = 1e-4
+
+
+def assert_close_stats(d: torch.Tensor, mean: float, p90: float, what: str) -> None:
+    d = d.abs().float()
+    assert torch.isfinite(d).all(), what
+    assert d.mean() <= mean and d.quantile(0.9) <= p90, \
+        f"{what}: mean |dlogprob| {d.mean():.3f}, p90 {d.quantile(0.9):.3f}, max {d.max():.3f}"
+
+
+def ours(path: Path, dtype: torch.dtype, **kw) -> tuple[DeepseekForCausalLM, ModelConfig]:
+    cfg = ModelConfig.from_hf(path)
+    model = DeepseekForCausalLM(cfg, dtype=dtype, **kw)
+    load_weights(model, cfg, path, dequant_fp8=kw.get("dequant_fp8", False), progress=False)
+    return model, cfg
+
+
+def hf(path: Path, dtype: torch.dtype):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] -> log p(ids[i + 1] | ids[: i + 1]) [S - 1]."""
+    return logits[:-1].float().log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+
+
+def ours_prompt_logprobs(model, cfg, ids: torch.Tensor) -> torch.Tensor:
+    out = SeqRunner(model, cfg).extend({0: ids.tolist()}, all_logits=True)
+    return prompt_logprobs(out.logits, ids)
+
+
+def hf_prompt_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return prompt_logprobs(model(ids[None]).logits[0], ids)
+
+
+def random_prompt(cfg: ModelConfig, n: int) -> torch.Tensor:
+    return torch.randint(2, cfg.vocab_size, (n,))
+
+
+@pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3"])
+def test_prompt_logprobs_fp32(checkpoints, variant):
+    path = checkpoints(variant)
+    model, cfg = ours(path, torch.float32)
+    ids = random_prompt(cfg, 40)
+    diff = (ours_prompt_logprobs(model, cfg, ids) - hf_prompt_logprobs(hf(path, torch.float32), ids)).abs().max()
+    assert diff <= FP32_TOL, f"{variant}: max |dlogprob| {diff:.2e}"
+
+
+@pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3"])
+def test_prompt_logprobs_bf16(checkpoints, variant):
+    path = checkpoints(variant)
+    model, cfg = ours(path, torch.bfloat16)
+    ids = random_prompt(cfg, 40)
+    a, b = ours_prompt_logprobs(model, cfg, ids), hf_prompt_logprobs(hf(path, torch.bfloat16), ids)
+    assert_close_stats(a - b, 0.15, 0.3, f"bf16 {variant}")
+
+
+@pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3"])
+def test_greedy_decode_matches_hf_generate(checkpoints, variant):
+    """Two prompts prefilled together, then 32 tokens of batched absorbed decode through the KV cache."""
+    path = checkpoints(variant)
+    model, cfg = ours(path, torch.float32)
+    ref_model = hf(path, torch.float32)
+    prompts = [random_prompt(cfg, 11), random_prompt(cfg, 17)]
+    runner = SeqRunner(model, cfg)
+    nxt = runner.extend({i: p.tolist() for i, p in enumerate(prompts)}).logits.argmax(-1)
+    generated = [[int(t)] for t in nxt]
+    for _ in range(31):
+        nxt = runner.decode({i: g[-1] for i, g in enumerate(generated)}).logits.argmax(-1)
+        for g, t in zip(generated, nxt):
+            g.append(int(t))
+    for p, g in zip(prompts, generated):
+        want = ref_model.generate(p[None], max_new_tokens=32, do_sample=False, pad_token_id=0)[0, len(p):]
+        assert g == want.tolist()
+
+
+def test_absorbed_and_non_absorbed_agree(checkpoints):
+    path = checkpoints("v3")
+    outs = []
+    ids = None
+    for absorb in (True, False):
+        model, cfg = ours(path, torch.float32, absorb=absorb)
+        ids = random_prompt(cfg, 9) if ids is None else ids
+        runner = SeqRunner(model, cfg)
+        runner.extend({0: ids[:5].tolist()})
+        outs.append(torch.stack([runner.decode({0: int(t)}).logits[0] for t in ids[5:]]))
+    assert (outs[0] - outs[1]).abs().max() <= 1e-4
+
+
+def dequantised_copy(src: Path, dst: Path) -> Path:
+    """The FP8 checkpoint with every weight dequantised to float32 (what HF is compared on)."""
+    dst.mkdir(exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        tensors |= load_file(f)
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = tensors.get(name + "_scale_inv")
+        out[name] = block_dequant_ref(t, scale, (128, 128), torch.float32) if scale is not None else t.float()
+    save_file(out, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_fp8_checkpoint_vs_hf_on_dequantised_weights(checkpoints, tmp_path):
+    path = checkpoints("v3-fp8")
+    ref = hf(dequantised_copy(path, tmp_path / "deq"), torch.float32)
+    fp8_model, cfg = ours(path, torch.float32)
+    assert fp8_model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn
+    ids = random_prompt(cfg, 32)
+    want = hf_prompt_logprobs(ref, ids)
+    got = ours_prompt_logprobs(fp8_model, cfg, ids)
+    assert_close_stats(got - want, 0.7, 1.3, "FP8 path")
+    deq_model, _ = ours(path, torch.float32, dequant_fp8=True)
+    exact = ours_prompt_logprobs(deq_model, cfg, ids)
+    assert (exact - want).abs().max() <= FP32_TOL
+
+
+def test_mtp_draft_logits_match_definition(checkpoints):
+    """NextN: head(norm(layer(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])))) recomputed with HF's own
+    DeepseekV3DecoderLayer loaded from the checkpoint's MTP weights."""
+    path = checkpoints("v3")
+    model, cfg = ours(path, torch.float32, load_mtp=True)
+    ids = random_prompt(cfg, 12)
+    runner = SeqRunner(model, cfg)
+    main = runner.extend({0: ids.tolist()}, all_logits=True)
+    next_ids = torch.cat([ids[1:], main.logits[-1:].argmax(-1)])
+    draft = mtp_forward(runner, model, next_ids, main.hidden)
+
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m3
+    hf_cfg = transformers.AutoConfig.from_pretrained(path)
+    hf_cfg.num_hidden_layers = cfg.num_hidden_layers + 1
+    n = cfg.num_hidden_layers
+    layer = m3.DeepseekV3DecoderLayer(hf_cfg, n).float().eval()
+    rotary = m3.DeepseekV3RotaryEmbedding(hf_cfg)
+    w = {}
+    for f in path.glob("*.safetensors"):
+        w |= {k: v.float() for k, v in load_file(f).items() if k.startswith(f"model.layers.{n}.")}
+    p = f"model.layers.{n}."
+    state = {k[len(p):]: v for k, v in w.items()
+             if not k[len(p):].startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens", "mlp.experts."))}
+    e = cfg.n_routed_experts
+    state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[f"{p}mlp.experts.{j}.gate_proj.weight"],
+                                                                w[f"{p}mlp.experts.{j}.up_proj.weight"]]) for j in range(e)])
+    state["mlp.experts.down_proj"] = torch.stack([w[f"{p}mlp.experts.{j}.down_proj.weight"] for j in range(e)])
+    layer.load_state_dict(state, strict=True)
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+
+    emb = w[f"{p}embed_tokens.weight"][next_ids]
+    x = torch.cat([rms(emb, w[f"{p}enorm.weight"]), rms(main.hidden, w[f"{p}hnorm.weight"])], -1)
+    x = x @ w[f"{p}eh_proj.weight"].t()
+    pos = torch.arange(len(ids))[None]
+    mask = torch.full((len(ids), len(ids)), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        x = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=rotary(x[None], pos))[0]
+    want = rms(x, w[f"{p}shared_head.norm.weight"]) @ w[f"{p}shared_head.head.weight"].t()
+    assert (draft - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def mtp_forward(runner: SeqRunner, model: DeepseekForCausalLM, next_ids: torch.Tensor, hidden: torch.Tensor):
+    """Run the NextN layer over the same positions (its own KV-cache layer) and return all draft logits."""
+    from mlaserve.core import ForwardMode
+    from mlaserve.engine.forward_batch import build_context
+
+    n = len(next_ids)
+    slots = runner.req_to_token[0, :n].long()
+    ctx = build_context(ForwardMode.EXTEND, req_pool_idx=[0], prefix_lens=[0], extend_lens=[n], out_slots=slots,
+                        req_to_token=runner.req_to_token, kv_pool=runner.pool, attn_backend=runner.backend,
+                        device="cpu", last_token_logits=False)
+    with torch.no_grad():
+        return model.mtp(next_ids, hidden, ctx.positions, ctx).logits

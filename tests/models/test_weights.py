@@ -1,0 +1,95 @@
+"""Weight loading: original names through the index, clear one-line errors, dummy weights, w_kc / w_vc."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mlaserve.config import ModelConfig
+from mlaserve.kernels.quant import block_dequant_ref
+from mlaserve.models.deepseek import DeepseekForCausalLM
+from mlaserve.models.weights import CheckpointError, load_weights
+
+
+def build(path, **kw):
+    cfg = ModelConfig.from_hf(path)
+    return DeepseekForCausalLM(cfg, dtype=torch.float32, **kw), cfg
+
+
+def corrupt(src, dst, edit):
+    """Copy a checkpoint and apply `edit(tensors)` to its first shard."""
+    shutil.copytree(src, dst)
+    shard = sorted(dst.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, str(shard))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or v != shard.name}
+    for k in tensors:
+        index["weight_map"][k] = shard.name
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def test_missing_tensor_is_named(checkpoints, tmp_path):
+    bad = corrupt(checkpoints("v2-lite"), tmp_path / "bad", lambda t: t.pop("model.layers.0.self_attn.kv_b_proj.weight"))
+    model, cfg = build(bad)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.0\.self_attn\.kv_b_proj\.weight' "
+                                              r"\(expected shape \[256, 64\]\)"):
+        load_weights(model, cfg, bad, progress=False)
+
+
+def test_misshaped_tensor_is_named(checkpoints, tmp_path):
+    def edit(t):
+        t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:, :100].contiguous()
+    bad = corrupt(checkpoints("v2-lite"), tmp_path / "bad", edit)
+    model, cfg = build(bad)
+    with pytest.raises(CheckpointError, match=r"model\.embed_tokens\.weight: shape \[4096, 100\], expected \[4096, 256\]"):
+        load_weights(model, cfg, bad, progress=False)
+
+
+def test_unexpected_tensor_is_named(checkpoints, tmp_path):
+    def edit(t):
+        t["model.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(4, 4)
+    bad = corrupt(checkpoints("v2-lite"), tmp_path / "bad", edit)
+    model, cfg = build(bad)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.0\.gate_proj"):
+        load_weights(model, cfg, bad, progress=False)
+
+
+def test_dummy_weights_equal_make_checkpoint_with_same_seed(checkpoints):
+    path = checkpoints("v3")
+    a, cfg = build(path, load_mtp=True)
+    b, _ = build(path, load_mtp=True)
+    load_weights(a, cfg, path, progress=False)
+    load_weights(b, cfg, None, load_format="dummy", seed=0, progress=False)
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+
+
+def test_fp8_weights_kept_or_dequantised(checkpoints):
+    path = checkpoints("v3-fp8")
+    fp8, cfg = build(path)
+    load_weights(fp8, cfg, path, progress=False)
+    deq, _ = build(path, dequant_fp8=True)
+    load_weights(deq, cfg, path, dequant_fp8=True, progress=False)
+    attn8, attn = fp8.model.layers[1].self_attn, deq.model.layers[1].self_attn
+    assert attn8.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.q_a_proj.weight.dtype == torch.float32
+    want = block_dequant_ref(attn8.q_a_proj.weight, attn8.q_a_proj.weight_scale_inv, (128, 128), torch.float32)
+    assert torch.equal(attn.q_a_proj.weight, want)
+    e8, e = fp8.model.layers[1].mlp.experts, deq.model.layers[1].mlp.experts
+    assert torch.equal(e.w2[3], block_dequant_ref(e8.w2[3], e8.w2_scale[3], (128, 128), torch.float32))
+    # absorbed weights come from the dequantised kv_b_proj in both models
+    assert torch.equal(attn8.w_kc, attn.w_kc) and torch.equal(attn8.w_vc, attn.w_vc)
+
+
+def test_absorbed_weights_are_kv_b_proj_slices(checkpoints):
+    path = checkpoints("v2")
+    model, cfg = build(path)
+    load_weights(model, cfg, path, progress=False)
+    attn = model.model.layers[2].self_attn
+    w = attn.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+    assert torch.equal(attn.w_kc, w[:, : cfg.qk_nope_head_dim]) and torch.equal(attn.w_vc, w[:, cfg.qk_nope_head_dim:])
