@@ -50,3 +50,50 @@ class ForwardContext:
     @property
     def prefix_lens_cpu(self) -> list[int]:
         return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range (the message names the parameter)."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding controls, with SGLang / OpenAI names and defaults."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                  # -1: whole vocabulary
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output (CTRL-style)
+    frequency_penalty: float = 0.0   # OpenAI: logit -= f * count(token in output)
+    presence_penalty: float = 0.0    # OpenAI: logit -= p * (count > 0)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k == -1 or self.top_k >= 1, "-1 or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "in (0, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("min_new_tokens", 0 <= self.min_new_tokens, ">= 0"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise SamplingError(f"{name}={getattr(self, name)!r} must be {rule}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
