@@ -234,3 +234,103 @@ def _quant(qc: dict | None) -> QuantConfig | None:
     if scheme != "dynamic":
         _bad("quantization_config.activation_scheme", scheme, "only dynamic")
     return QuantConfig(method=method, fmt=fmt, block=(128, 128), activation_scheme=scheme)
+
+
+# --- runtime configuration (the CLI is generated from these fields) ------------------------------
+
+def opt(default: Any = None, help: str = "", **extra: Any) -> Any:
+    """A config field with its --help text (and optional `choices`, `nargs`)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model_path: str | None = opt(None, "checkpoint directory (HF format); default: the built-in demo model")
+    tokenizer_path: str | None = opt(None, "tokenizer directory (default: --model-path)")
+    load_format: str = opt("auto", "how to load weights", choices=("auto", "safetensors", "dummy"))
+    dtype: str = opt("auto", "activation / weight dtype", choices=("auto", "bfloat16", "float16", "float32"))
+    device: str = opt("auto", "cuda, cpu, or auto (cuda when available)")
+    context_length: int | None = opt(None, "max tokens per request (default: the model's max_position_embeddings)")
+    attention_backend: str = opt("auto", "MLA kernels: triton (GPU default) or torch (reference, CPU default)",
+                                 choices=("auto", "triton", "torch"))
+    disable_mla: bool = opt(False, "run decode in the non-absorbed MLA form too (ablation)")
+    dequant_fp8: bool = opt(False, "dequantise block-FP8 checkpoints to --dtype at load time")
+    seed: int = opt(0, "random seed (dummy weights, default sampling seeds)")
+    served_model_name: str | None = opt(None, "model name reported by the API (default: the path)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = opt(1, "tensor-parallel ranks")
+    dp_size: int = opt(1, "data-parallel ranks")
+    enable_dp_attention: bool = opt(False, "data-parallel attention (one latent KV cache per DP rank)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    mem_fraction_static: float = opt(0.85, "fraction of GPU memory for weights + KV pool")
+    max_total_tokens: int | None = opt(None, "KV-pool size in tokens (overrides --mem-fraction-static)")
+    kv_cache_dtype: str = opt("auto", "latent KV-cache dtype", choices=("auto", "bf16", "fp8_e4m3", "fp8_e5m2"))
+    disable_radix_cache: bool = opt(False, "turn off prefix caching")
+
+
+@dataclass(frozen=True)
+class SchedConfig:
+    max_running_requests: int | None = opt(None, "max requests decoding at once")
+    max_prefill_tokens: int = opt(16384, "max new tokens in one prefill batch")
+    chunked_prefill_size: int = opt(8192, "split prompts longer than this across steps (-1: off)")
+    schedule_policy: str = opt("fcfs", "waiting-queue order", choices=("fcfs", "lpm"))
+    init_new_token_ratio: float = opt(0.7, "share of max_new_tokens reserved for running requests at first")
+    min_new_token_ratio: float = opt(0.1, "floor of that share as it decays")
+    disable_overlap_schedule: bool = opt(False, "do CPU scheduling after, not during, the GPU step")
+    disable_cuda_graph: bool = opt(False, "run decode eagerly (no CUDA graphs)")
+    cuda_graph_max_bs: int = opt(160, "largest decode batch captured in a CUDA graph")
+    cuda_graph_bs: list[int] | None = opt(None, "decode batch sizes to capture (default: a ladder)", nargs="+")
+    enable_torch_compile: bool = opt(False, "torch.compile the decode step")
+    torch_compile_max_bs: int = opt(32, "largest decode batch run through torch.compile")
+    watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    load: LoadConfig = field(default_factory=LoadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    host: str = opt("127.0.0.1", "HTTP host")
+    port: int = opt(30000, "HTTP port")
+    api_key: str | None = opt(None, "require this bearer token")
+    chat_template: str | None = opt(None, "jinja chat template file (default: the tokenizer's)")
+    tool_call_parser: str | None = opt(None, "tool-call format", choices=("deepseekv3", "deepseekv31"))
+    reasoning_parser: str | None = opt(None, "split reasoning from content", choices=("deepseek-r1", "deepseek-v3"))
+    enable_metrics: bool = opt(False, "expose Prometheus metrics at /metrics")
+    log_level: str = opt("info", "logging level", choices=("debug", "info", "warning", "error"))
+    log_requests: bool = opt(False, "log every request")
+
+    SECTIONS = ("load", "parallel", "cache", "sched")
+
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> "ServerConfig":
+        """Build from flat keyword arguments (`model_path=..., tp_size=..., port=...`) as the Engine API takes."""
+        parts: dict[str, dict] = {s: {} for s in cls.SECTIONS}
+        top: dict[str, Any] = {}
+        owners = {f.name: s for s in cls.SECTIONS for f in fields(_SECTION_TYPES[s])}
+        own = {f.name for f in fields(cls)} - set(cls.SECTIONS)
+        for k, v in kwargs.items():
+            if k in owners:
+                parts[owners[k]][k] = v
+            elif k in own:
+                top[k] = v
+            else:
+                raise TypeError(f"unknown server argument {k!r}")
+        return cls(**{s: _SECTION_TYPES[s](**parts[s]) for s in cls.SECTIONS}, **top)
+
+    def flat(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.SECTIONS}
+        for s in self.SECTIONS:
+            sec = getattr(self, s)
+            out |= {f.name: getattr(sec, f.name) for f in fields(sec)}
+        return out
+
+
+_SECTION_TYPES = {"load": LoadConfig, "parallel": ParallelConfig, "cache": CacheConfig, "sched": SchedConfig}

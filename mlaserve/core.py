@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,3 +97,77 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Req:
+    """A request as the scheduler tracks it (token ids only; text lives in the tokenizer manager).
+
+    KV bookkeeping: req_to_token[req_pool_idx, 0 : kv_len] holds the slots of the first kv_len tokens of
+    `fill_ids` (prompt + output so far); the first `prefix_len` of them are owned by the radix cache
+    (locked at `last_node`), the rest by the request.
+    """
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    prefix_len: int = 0
+    last_node: object | None = None
+    extend_len: int = 0                    # new tokens in the batch being run
+    cached_tokens: int = 0                 # prompt tokens served from the prefix cache (first admission)
+    finished: dict | None = None           # {"type": "stop"|"length"|"abort", ...}
+    admitted_once: bool = False
+    # log-probs gathered so far: (logprob | None, token_id); top: list of (logprob, token_id) per position
+    input_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    sent_len: int = 0                      # output tokens already sent to the manager
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def prompt_done(self) -> bool:
+        """True once every prompt token has KV (then each step produces a sampled token)."""
+        return self.kv_len >= len(self.input_ids)
+
+    @property
+    def logprob_start(self) -> int:
+        return len(self.input_ids) if self.logprob_start_len < 0 else min(self.logprob_start_len, len(self.input_ids))
+
+
+@dataclass
+class Batch:
+    """One forward step as planned by the scheduler. Legend: `T` new tokens, `B` requests.
+
+    Request b contributes extend_lens[b] new tokens (fill_ids[prefix_lens[b] : prefix_lens[b] + extend_lens[b]]),
+    laid out back to back in `input_ids`, with KV slots `out_slots`. `sampling[b]`: its last new token
+    yields a sampled token (False for a prompt chunk that is not the last).
+    """
+
+    mode: ForwardMode
+    reqs: list[Req]
+    input_ids: list[int]
+    out_slots: torch.Tensor
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sampling: list[bool]
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)

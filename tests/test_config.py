@@ -7,9 +7,10 @@ import pytest
 
 from mlaserve.config import ConfigError, ModelConfig
 
-CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "model-configs"
-if not CONFIGS.exists():   # a clean clone outside the workplace: the copies in tests/data
-    CONFIGS = Path(__file__).parent / "data"
+import mlaserve
+
+# the real config.json files of DeepSeek-V2-Lite and V3, shipped with the package
+CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 
 
 def load(name: str) -> dict:

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
+import mlaserve
+
 from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(mlaserve.__file__).parent / "tools" / "configs"
 
 # name -> (source config, overrides, num_layers, fp8)
 VARIANTS = {

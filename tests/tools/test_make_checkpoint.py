@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+import mlaserve
 import torch
 from safetensors import safe_open
 
@@ -14,7 +16,7 @@ from mlaserve.config import ModelConfig
 from mlaserve.models.weights import checkpoint_specs, load_weights, spec_dtype
 from mlaserve.models.deepseek import DeepseekForCausalLM
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(mlaserve.__file__).parent / "tools" / "configs"
 
 
 def read_all(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

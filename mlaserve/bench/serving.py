@@ -1,0 +1,386 @@
+"""`mlaserve bench serving`: a load generator for any OpenAI-compatible server (flags as SGLang's bench_serving).
+
+Sends random prompts at a Poisson rate, streams every answer and reports TTFT, TPOT, ITL, E2E latency and throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+ENDPOINTS = {"openai-chat": "/v1/chat/completions", "openai": "/v1/completions", "mlaserve": "/generate"}
+REQUEST_TIMEOUT_S = 6 * 3600.0
+MAX_PRINTED_ERRORS = 5
+# Common English words: with DeepSeek's tokenizer each " word" is one token, so n words ~ n prompt tokens.
+WORDS = (
+    "the of and to in is for that on with as it was by at from be this are have or not an which but all "
+    "one can will more about time there their when would what up out people year new some could them into "
+    "other than only its also over after first two work way well even because any these most day state data "
+    "model river light city water music paper garden window market story number system problem question"
+).split()
+
+
+class BenchRequest(NamedTuple):
+    prompt: str
+    prompt_len: int  # tokens we believe we send (exact with --tokenizer, else word count)
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds from send to the first non-empty content chunk
+    latency: float = 0.0  # end-to-end seconds
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive content chunks
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+def sample_lengths(rng: np.random.Generator, n: int, length: int, ratio: float) -> np.ndarray:
+    """n integer lengths uniform in [ratio * length, length], never below 1."""
+    low = max(1, int(ratio * length))
+    return rng.integers(low, max(low, length) + 1, size=n)
+
+
+def word_prompt(rng: np.random.Generator, n: int) -> str:
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=n))
+
+
+def token_prompt(tok: Any, rng: np.random.Generator, n: int, allowed: np.ndarray) -> tuple[str, int]:
+    """Text that re-encodes to exactly n tokens (up to a few fix-up rounds); returns (text, its token count)."""
+    ids = rng.choice(allowed, size=n).tolist()
+    for _ in range(10):
+        text = tok.decode(ids)
+        got = tok.encode(text, add_bos=False)
+        if len(got) == n:
+            return text, n
+        # NOTE: decode -> encode may merge or split tokens; trim or top up and try again
+        ids = got[:n] if len(got) > n else got + rng.choice(allowed, size=n - len(got)).tolist()
+    text = tok.decode(ids)
+    return text, len(tok.encode(text, add_bos=False))
+
+
+def plain_token_ids(tok: Any) -> np.ndarray:
+    """Ids safe to put in a random prompt: not added/special, and decoding alone to valid, non-empty text."""
+    # NOTE: byte-level pieces of a multi-byte character decode to U+FFFD and make decode -> encode drift
+    added = set(getattr(getattr(tok, "backend", None), "get_added_tokens_decoder", dict)())
+    texts = (tok.decode([i]) for i in range(tok.vocab_size))
+    return np.array([i for i, t in enumerate(texts) if t and "\ufffd" not in t and i not in added], dtype=np.int64)
+
+
+def random_requests(args: argparse.Namespace, tok: Any | None) -> list[BenchRequest]:
+    rng = np.random.default_rng(args.seed)
+    in_lens = sample_lengths(rng, args.num_prompts, args.random_input_len, args.random_range_ratio)
+    out_lens = sample_lengths(rng, args.num_prompts, args.random_output_len, args.random_range_ratio)
+    allowed = plain_token_ids(tok) if tok is not None else None
+    reqs = []
+    for n_in, n_out in zip(in_lens.tolist(), out_lens.tolist()):
+        prompt, n = token_prompt(tok, rng, n_in, allowed) if tok is not None else (word_prompt(rng, n_in), n_in)
+        reqs.append(BenchRequest(prompt, n, n_out))
+    return reqs
+
+
+# ----------------------------------------------------------------------------- one streamed request
+
+
+def build_payload(backend: str, model: str | None, req: BenchRequest) -> dict[str, Any]:
+    if backend == "mlaserve":
+        params = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True}
+        return {"text": req.prompt, "sampling_params": params, "stream": True}
+    body: dict[str, Any] = {
+        "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }
+    if model is not None:
+        body["model"] = model
+    if backend == "openai-chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+class StreamState:
+    """What one SSE stream has said so far: text (for the cumulative native format) and token counts."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+
+    def feed(self, backend: str, obj: dict[str, Any]) -> bool:
+        """Read one parsed chunk; True when it carries new output (a content chunk)."""
+        if backend == "mlaserve":
+            return self._feed_native(obj)
+        usage = obj.get("usage") or {}
+        self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+        self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+        choice = (obj.get("choices") or [{}])[0]
+        if backend == "openai-chat":
+            delta = choice.get("delta") or {}
+            return bool(delta.get("content") or delta.get("reasoning_content"))
+        return bool(choice.get("text"))
+
+    def _feed_native(self, obj: dict[str, Any]) -> bool:
+        # native stream (SGLang /generate format): "text" is cumulative, counts are in "meta_info"
+        meta = obj.get("meta_info") or {}
+        before = self.completion_tokens
+        self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
+        self.completion_tokens = meta.get("completion_tokens", self.completion_tokens)
+        text = obj.get("text") or ""
+        new = text[len(self.text):] if text.startswith(self.text) else text
+        self.text = text if text.startswith(self.text) else self.text + text
+        return bool(new) or (self.completion_tokens or 0) > (before or 0)
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | None:
+    """One SSE line -> its JSON object; None for blanks, comments, non-data fields and `[DONE]`."""
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:"):].strip()
+    if data == "[DONE]":
+        return None
+    try:
+        obj = json.loads(data)
+    except json.JSONDecodeError:
+        raise ValueError(f"malformed SSE data: {data[:120]!r}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"malformed SSE data: {data[:120]!r}")
+    if obj.get("error"):
+        raise ValueError(f"error in stream: {json.dumps(obj['error'])[:300]}")
+    return obj
+
+
+async def send_request(
+    client: httpx.AsyncClient, url: str, backend: str, model: str | None, req: BenchRequest, headers: dict[str, str]
+) -> RequestResult:
+    """Stream one request and time it; every failure is caught and returned as `success=False`."""
+    res, state = RequestResult(prompt_len=req.prompt_len), StreamState()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=build_payload(backend, model, req), headers=headers) as resp:
+            if resp.status_code >= 400:
+                body = (await resp.aread()).decode(errors="replace").strip()
+                raise ValueError(f"HTTP {resp.status_code}: {body[:300]}")
+            async for line in resp.aiter_lines():
+                obj = parse_sse_line(line)
+                if obj is None or not state.feed(backend, obj):
+                    continue
+                now = time.perf_counter()
+                if res.output_tokens == 0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last, res.output_tokens = now, res.output_tokens + 1
+        res.latency = time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 - a benchmark reports failures, it never crashes on them
+        res.error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        return res
+    if res.output_tokens == 0:
+        res.error = "stream ended without any content"
+        return res
+    res.output_tokens = state.completion_tokens or res.output_tokens
+    res.prompt_len = state.prompt_tokens or req.prompt_len
+    res.success = True
+    return res
+
+
+async def fetch_model(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> str | None:
+    """First model id served at `GET /v1/models`, or None (with a warning) when that fails."""
+    try:
+        resp = await client.get(base_url + "/v1/models", headers=headers, timeout=30.0)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: could not read the model from {base_url}/v1/models ({type(e).__name__}: {e}); "
+              "sending requests without a model", file=sys.stderr)
+        return None
+
+
+# ----------------------------------------------------------------------------- load
+
+
+async def run_load(args: argparse.Namespace, reqs: list[BenchRequest]) -> tuple[list[RequestResult], float, str | None]:
+    """Warm up, then launch every request at Poisson arrival times; returns (results, duration s, model)."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=60.0)
+    # NOTE: trust_env=False so a proxy in the environment never sits between the benchmark and the server
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        model = args.model or await fetch_model(client, args.base_url, headers)
+        url = args.base_url + ENDPOINTS[args.backend]
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def one(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                return await send_request(client, url, args.backend, model, req, headers)
+            async with sem:
+                return await send_request(client, url, args.backend, model, req, headers)
+
+        if args.warmup_requests > 0 and reqs:
+            warm = await asyncio.gather(*(one(reqs[0]) for _ in range(args.warmup_requests)))
+            failed = [r.error for r in warm if not r.success]
+            note = f" (first error: {failed[0]})" if failed else ""
+            print(f"warm-up: {len(warm) - len(failed)}/{len(warm)} requests succeeded{note}", file=sys.stderr)
+        rng = np.random.default_rng(args.seed + 1)
+        bar = tqdm(total=len(reqs), disable=args.disable_tqdm, desc="requests")
+        start, tasks = time.perf_counter(), []
+        for i, req in enumerate(reqs):
+            if i > 0 and math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))  # Poisson arrivals
+            tasks.append(asyncio.create_task(one(req)))
+            tasks[-1].add_done_callback(lambda _: bar.update(1))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+        bar.close()
+    return results, duration, model
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def stats(name: str, values_s: list[float]) -> dict[str, float | None]:
+    """mean / median / std / p99 of `values_s` in milliseconds, keyed like `mean_ttft_ms`; None when empty."""
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+    fns = {"mean": np.mean, "median": np.median, "std": np.std, "p99": lambda x: np.percentile(x, 99)}
+    return {f"{k}_{name}_ms": (float(f(ms)) if ms.size else None) for k, f in fns.items()}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    dur = max(duration, 1e-9)
+    n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
+    out: dict[str, Any] = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "request_throughput": len(ok) / dur, "input_throughput": n_in / dur,
+        "output_throughput": n_out / dur, "total_throughput": (n_in + n_out) / dur,
+        "concurrency": sum(r.latency for r in ok) / dur,
+    }
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out |= stats("ttft", [r.ttft for r in ok]) | stats("tpot", tpots)
+    out |= stats("itl", [x for r in ok for x in r.itl]) | stats("e2e_latency", [r.latency for r in ok])
+    errors = Counter(r.error for r in results if not r.success)
+    out["errors"] = [f"{n} x {msg}" for msg, n in errors.most_common(MAX_PRINTED_ERRORS)]
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def print_report(m: dict[str, Any], args: argparse.Namespace) -> None:
+    rows = [
+        ("Backend", args.backend), ("Request rate (req/s)", args.request_rate),
+        ("Max concurrency", args.max_concurrency or "unlimited"),
+        ("Successful requests", m["completed"]), ("Failed requests", m["failed"]),
+        ("Duration (s)", m["duration"]), ("Total input tokens", m["total_input_tokens"]),
+        ("Total output tokens", m["total_output_tokens"]), ("Request throughput (req/s)", m["request_throughput"]),
+        ("Input throughput (tok/s)", m["input_throughput"]), ("Output throughput (tok/s)", m["output_throughput"]),
+        ("Total throughput (tok/s)", m["total_throughput"]), ("Concurrency", m["concurrency"]),
+    ]
+    print(f"{' serving benchmark ':=^56}")
+    print("\n".join(f"{label:<40}{_fmt(v):>16}" for label, v in rows))
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E latency")):
+        print(f"{' ' + title + ' (ms) ':-^56}")
+        print("\n".join(f"{k:<40}{_fmt(m[f'{k}_{name}_ms']):>16}" for k in ("mean", "median", "std", "p99")))
+    print("=" * 56)
+    if m["errors"]:
+        print("errors (most frequent first):\n" + "\n".join(f"  {e}" for e in m["errors"]))
+
+
+def record(m: dict[str, Any], args: argparse.Namespace, model: str | None) -> dict[str, Any]:
+    """The JSON line for --output-file: metrics plus the arguments (infinite rate written as "inf")."""
+    keys = ("backend", "base_url", "dataset_name", "random_input_len", "random_output_len", "random_range_ratio",
+            "num_prompts", "max_concurrency", "seed", "tokenizer", "warmup_requests")
+    rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": model, "request_rate": rate,
+            **{k: getattr(args, k) for k in keys}, **m}
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mlaserve bench serving", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--backend", choices=list(ENDPOINTS), default="openai",
+                   help="openai-chat: /v1/chat/completions, openai: /v1/completions, mlaserve: native /generate")
+    p.add_argument("--model", default=None, help="model name (default: the first id of GET /v1/models)")
+    p.add_argument("--dataset-name", choices=["random"], default="random")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=1024)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths are uniform in [ratio * len, len]")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals; inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory: prompts of exact token lengths")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--output-file", default=None, help="append one JSON line per run")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    args = p.parse_args(argv)
+    args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if args.request_rate <= 0 or args.num_prompts < 1 or (args.max_concurrency or 1) < 1:
+        p.error("--request-rate, --num-prompts and --max-concurrency must be positive")
+    return args
+
+
+def raise_fd_limit() -> None:
+    """Every in-flight request holds a socket: lift the soft open-file limit to the hard one."""
+    try:
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark; exit code 0 when at least one request succeeded, else 1."""
+    args = parse_args(argv)
+    tok = None
+    if args.tokenizer:
+        from mlaserve.tokenizer import load_tokenizer
+
+        try:
+            tok = load_tokenizer(args.tokenizer)
+        except (OSError, ValueError) as e:
+            print(f"error: cannot load tokenizer from {args.tokenizer}: {e}", file=sys.stderr)
+            return 1
+    raise_fd_limit()
+    reqs = random_requests(args, tok)
+    results, duration, model = asyncio.run(run_load(args, reqs))
+    metrics = summarize(results, duration)
+    print_report(metrics, args)
+    if args.output_file:
+        with open(args.output_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record(metrics, args, model)) + "\n")
+    return 0 if metrics["completed"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

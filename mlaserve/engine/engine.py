@@ -1,0 +1,172 @@
+"""One rank's model runner: build and load the model, size the latent KV pool, forward a batch, sample.
+
+Legend: `T` new tokens in the batch, `B` requests, `V` vocab.
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+from mlaserve.attention import create_attn_backend
+from mlaserve.config import ModelConfig, ServerConfig
+from mlaserve.core import Batch, ForwardMode
+from mlaserve.engine.forward_batch import build_context
+from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool
+from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
+from mlaserve.models.deepseek import DeepseekForCausalLM
+from mlaserve.models.weights import load_weights
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_TOKENS = 32768
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class StepOutput(NamedTuple):
+    """Per request of the batch: the sampled token (None for a non-final prompt chunk) and log-probs."""
+
+    next_ids: list[int | None]
+    next_logprobs: list[float | None]
+    next_top: list[list[tuple[float, int]] | None]
+    input_logprobs: list[list[tuple[float, int]]]          # prompt positions covered by this step
+    input_top: list[list[list[tuple[float, int]]]]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, server: ServerConfig, model_path: str | None):
+        load = server.load
+        self.server = server
+        self.device = resolve_device(load.device)
+        self.dtype = resolve_dtype(load.dtype, self.device)
+        self.cfg = ModelConfig.from_hf(model_path) if model_path else None
+        if self.cfg is None:
+            raise ValueError("no model path")
+        self.context_len = load.context_length or self.cfg.max_position_embeddings
+        self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device,
+                                         absorb=not load.disable_mla, dequant_fp8=load.dequant_fp8,
+                                         max_pos=self.context_len)
+        load_weights(self.model, self.cfg, model_path, load_format=load.load_format,
+                     dequant_fp8=load.dequant_fp8, seed=load.seed)
+        self.num_slots = self._pool_size()
+        kv_dtype = KV_CACHE_DTYPES[server.cache.kv_cache_dtype] or self.dtype
+        self.pool = MLAKVPool(self.num_slots, self.model.num_kv_layers, self.cfg.kv_lora_rank,
+                              self.cfg.qk_rope_head_dim, kv_dtype, self.device)
+        backend = load.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.attn_backend = create_attn_backend(backend, self.cfg.softmax_scale, self.cfg.kv_lora_rank,
+                                                self.cfg.qk_rope_head_dim)
+        self.sampler = Sampler()
+        self.req_to_token: torch.Tensor | None = None      # set by the scheduler's KVCacheManager
+        logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,
+                    self.pool.bytes_per_token() * self.num_slots / 2**20, kv_dtype)
+
+    def _pool_size(self) -> int:
+        cache = self.server.cache
+        if cache.max_total_tokens:
+            return cache.max_total_tokens
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        budget = total * cache.mem_fraction_static - torch.cuda.memory_allocated(self.device) - used_by_others
+        per_token = self.model.num_kv_layers * self.cfg.kv_cache_dim * torch.empty((), dtype=self.dtype).element_size()
+        if budget < per_token * 256:
+            raise RuntimeError(f"not enough GPU memory for the KV pool ({budget / 2**30:.2f} GiB left after weights); "
+                               "raise --mem-fraction-static or use a smaller model")
+        return int(budget // per_token)
+
+    # --- one step ----------------------------------------------------------------------------
+    def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:
+        """Rows of T whose logits are needed: prompt log-prob positions per request, and the sampling row."""
+        rows, prompt_rows, sample_row = [], [], []
+        start = 0
+        for req, p, n, s in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampling):
+            mine = []
+            if req.return_logprob and batch.mode is ForwardMode.EXTEND:
+                # logits at position q predict token q + 1; wanted for q + 1 in [logprob_start, len(prompt))
+                lo, hi = max(p, req.logprob_start - 1), min(p + n, len(req.input_ids) - 1)
+                mine = [start + q - p for q in range(lo, hi)]
+            prompt_rows.append(list(range(len(rows), len(rows) + len(mine))))
+            rows.extend(mine)
+            if s:
+                sample_row.append(len(rows))
+                rows.append(start + n - 1)
+            else:
+                sample_row.append(None)
+            start += n
+        return rows, prompt_rows, sample_row
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> StepOutput:
+        rows, prompt_rows, sample_row = self._logit_rows(batch)
+        ctx = build_context(batch.mode, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
+                            prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, out_slots=batch.out_slots,
+                            req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
+                            device=self.device, last_token_logits=False)
+        ctx.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+        logits = self.model(ids, ctx.positions, ctx).logits                       # [len(rows), V] fp32
+        return self._sample(batch, logits, prompt_rows, sample_row)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, prompt_rows: list[list[int]],
+                sample_row: list[int | None]) -> StepOutput:
+        b = batch.size
+        samplers = [i for i in range(b) if sample_row[i] is not None]
+        next_ids: list[int | None] = [None] * b
+        next_lp: list[float | None] = [None] * b
+        next_top: list = [None] * b
+        if samplers:
+            reqs = [batch.reqs[i] for i in samplers]
+            sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+                                     [r.input_ids for r in reqs], [r.output_ids for r in reqs], self.cfg.vocab_size,
+                                     self._eos_ids(), self.device)
+            want_lp = any(r.return_logprob for r in reqs)
+            k = max(r.top_logprobs_num for r in reqs)
+            out = self.sampler(logits[[sample_row[i] for i in samplers]], sb, return_logprob=want_lp,
+                               top_logprobs_num=k if want_lp else 0)
+            ids = out.next_ids.tolist()
+            lps = out.logprobs.tolist() if out.logprobs is not None else None
+            tops = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
+            for j, i in enumerate(samplers):
+                next_ids[i] = ids[j]
+                req = batch.reqs[i]
+                if req.return_logprob and lps is not None:
+                    next_lp[i] = lps[j]
+                    if tops is not None and req.top_logprobs_num:
+                        next_top[i] = list(zip(tops[0][j][: req.top_logprobs_num], tops[1][j][: req.top_logprobs_num]))
+        in_lp, in_top = self._prompt_logprobs(batch, logits, prompt_rows)
+        return StepOutput(next_ids, next_lp, next_top, in_lp, in_top)
+
+    def _prompt_logprobs(self, batch: Batch, logits: torch.Tensor, prompt_rows: list[list[int]]):
+        in_lp: list[list[tuple[float, int]]] = [[] for _ in batch.reqs]
+        in_top: list[list[list[tuple[float, int]]]] = [[] for _ in batch.reqs]
+        for i, (req, rows) in enumerate(zip(batch.reqs, prompt_rows)):
+            if not rows:
+                continue
+            first_q = max(batch.prefix_lens[i], req.logprob_start - 1)
+            targets = req.input_ids[first_q + 1: first_q + 1 + len(rows)]
+            sel = logits[rows]
+            lp = logprobs_of(sel, torch.tensor(targets, device=sel.device)).tolist()
+            in_lp[i] = list(zip(lp, targets))
+            if req.top_logprobs_num:
+                v, ids = top_logprobs(sel, req.top_logprobs_num)
+                in_top[i] = [list(zip(a, b)) for a, b in zip(v.tolist(), ids.tolist())]
+        return in_lp, in_top
+
+    def _eos_ids(self) -> list[int]:
+        return [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]

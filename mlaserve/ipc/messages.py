@@ -1,0 +1,73 @@
+"""Messages between the tokenizer manager (main process) and the schedulers, and their codec (pickle over ZMQ)."""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlaserve.core import SamplingParams
+
+
+@dataclass
+class GenerateReqMsg:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReqMsg:
+    rid: str
+
+
+@dataclass
+class FlushCacheReqMsg:
+    pass
+
+
+@dataclass
+class GetStatsReqMsg:
+    pass
+
+
+@dataclass
+class ReqOutput:
+    """What one step produced for one request (deltas since the last message)."""
+
+    rid: str
+    new_ids: list[int]
+    finished: dict | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    new_logprobs: list = field(default_factory=list)        # [(logprob, id)] for new_ids
+    new_top_logprobs: list = field(default_factory=list)    # [[(logprob, id), ...]] for new_ids
+    input_logprobs: list | None = None                      # once, when the prompt is done
+    input_top_logprobs: list | None = None
+
+
+@dataclass
+class BatchOutMsg:
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class FlushCacheRespMsg:
+    ok: bool
+
+
+@dataclass
+class StatsMsg:
+    stats: dict[str, Any]
+
+
+def encode(msg: object) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> object:
+    return pickle.loads(data)

@@ -1,0 +1,365 @@
+"""Fused routed-expert MLP (DeepSeek MoE): token/expert sort, grouped GEMMs with SwiGLU, bf16 or block-FP8 w8a8.
+
+Shapes: `T` tokens, `K` hidden, `I` moe intermediate, `E` experts, `k` top-k, `S = T * k` (token, k) slots,
+`P` padded slots (each expert's slots padded to BLOCK_SIZE_M). w13 [E, 2I, K] = [gate_proj | up_proj], w2 [E, K, I].
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mlaserve.kernels import quant
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------------------------- align
+@triton.jit
+def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+                      num_slots, num_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # One program. Phase 1 counts slots per expert, phase 2 writes each block's expert and fills the
+    # padding with the sentinel, phase 3 scatters slot indices (stable); phases 2 and 3 write disjoint slots.
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s0 in range(0, num_slots, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1)
+        counts += tl.sum((experts[:, None] == ids[None, :]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_pad_ptr, total)
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)                                           # [C]
+        first = blocks * BLOCK_M
+        e = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)         # [C] expert of the block
+        onehot = e[:, None] == experts[None, :]                                     # [C, BE]
+        filled = tl.sum(tl.where(onehot, counts[None, :] + starts[None, :], 0), axis=1) - first
+        tl.store(expert_ids_ptr + blocks, tl.where(first < total, e, -1), mask=blocks < num_blocks)
+        pos = first[:, None] + tl.arange(0, BLOCK_M)[None, :]                         # [C, BM]
+        pad = (tl.arange(0, BLOCK_M)[None, :] >= filled[:, None]) & (blocks < num_blocks)[:, None]
+        tl.store(sorted_ids_ptr + pos, tl.zeros([CHUNK, BLOCK_M], tl.int32) + num_slots, mask=pad)
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s0 in range(0, num_slots, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1)
+        onehot = (experts[:, None] == ids[None, :]).to(tl.int32)                     # [BE, C]
+        rank = tl.cumsum(onehot, axis=1) - 1 + (seen + starts)[:, None]
+        tl.store(sorted_ids_ptr + tl.sum(onehot * rank, axis=0), offs, mask=offs < num_slots)
+        seen += tl.sum(onehot, axis=1)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
+                         num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the flattened (token, k) slots by expert, padding each expert to a multiple of `block_m`.
+
+    Args:
+        topk_ids: [T, k] int, every id in [0, num_experts).
+    Returns:
+        sorted_token_ids [P] int32: slot indices t * k + j grouped by expert (ascending within an expert),
+            padding = the sentinel T * k. P is a static bound, a multiple of block_m >= S + min(E, S) * (block_m - 1).
+        expert_ids [P / block_m] int32: the expert of each block, -1 past the used blocks.
+        num_tokens_post_pad [1] int32: used length of sorted_token_ids (stays on device, no host sync).
+    """
+    assert topk_ids.dim() == 2 and not topk_ids.is_floating_point(), \
+        f"topk_ids must be [T, k] int, got {tuple(topk_ids.shape)} {topk_ids.dtype}"
+    assert block_m > 0 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}"
+    assert num_experts > 0, f"num_experts must be positive, got {num_experts}"
+    s = topk_ids.numel()
+    num_blocks = triton.cdiv(s + min(num_experts, s) * (block_m - 1), block_m)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, expert_ids, num_post_pad,
+                            s, num_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+                            CHUNK=max(16, min(128, 8192 // block_e)), num_warps=8)
+    return sorted_ids, expert_ids, num_post_pad
+
+
+# ------------------------------------------------------------------------------------------ grouped GEMM
+@triton.jit
+def _e4m3_rne(v):
+    # Round fp32 (|v| <= 448) to the e4m3 grid, ties to even, so the following cast is exact. Used under the
+    # interpreter only, whose own fp32 -> fp8 cast mis-rounds values that round up into the next binade.
+    mag = tl.abs(v)
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    sub = ((mag * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000).to(tl.float32) * 0.001953125
+    return tl.where(mag < 0.015625, tl.where(v < 0, -sub, sub), normal)       # subnormals: steps of 2^-9
+
+
+@triton.jit
+def _bf16_rne(v):
+    # Round fp32 to bf16 precision, ties to even (interpreter only: its own fp32 -> bf16 cast truncates).
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_rows(a, INTERPRET: tl.constexpr):
+    # a: [BM, GROUP] fp32, one quantisation group per row -> (a_q e4m3, scale [BM]) with scale = amax / 448.
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)
+    scale = tl.math.div_rn(scale, tl.full(scale.shape, 448.0, tl.float32))
+    q = tl.minimum(tl.maximum(tl.math.div_rn(a, scale[:, None]), -448.0), 448.0)
+    if INTERPRET:
+        q = _e4m3_rne(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    # acc [BM, TN] += a [BM, BK] @ b [BK, TN] (times a_s [BM] * b_s [TN] in fp8 mode)
+    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if FP8:
+        b_s = tl.load(bs_ptrs, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    elif INTERPRET:
+        # NOTE: the interpreter multiplies bf16 dot operands as raw bits; fp32 is exact there.
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
+                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, N, K, num_slots, num_padded,
+                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+                      A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
+                      QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
+                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
+                      BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
+    # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_padded, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, TILE_N)
+    per_group = GROUP_SIZE_M * num_pid_n                 # tile swizzle: GROUP_SIZE_M row blocks share B tiles
+    first_m = (pid // per_group) * GROUP_SIZE_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_SIZE_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_pad_ptr):
+        return
+    slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)  # [BM]
+    valid = slots < num_slots
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * TILE_N + tl.arange(0, TILE_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
+    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+    up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
+    acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_SIZE_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
+        if QUANT_A:
+            a, a_s = _quant_rows(a.to(tl.float32), INTERPRET)
+        elif FP8:
+            a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
+        k_blk = k0 // GROUP_K
+        acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET)
+        if GATED:
+            acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8, INTERPRET)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up                                  # silu(gate) * up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
+    if ROUND_BF16:
+        acc = _bf16_rne(acc)
+    c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.is_cuda and hasattr(quant, "per_token_group_quant_fp8"):
+        return quant.per_token_group_quant_fp8(a, group)
+    return quant.per_token_group_quant_fp8_ref(a, group)
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, c: torch.Tensor,
+                  routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weights: torch.Tensor | None,
+                  cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int, gated: bool) -> None:
+    # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]
+    sorted_ids, expert_ids, num_post_pad = routing
+    fp8 = w_scale is not None
+    a_scale = a
+    if fp8 and not fuse_quant:
+        a, a_scale = _quant_act(a, block_shape[1])                           # [rows, K] e4m3, [rows, G]
+        assert a_scale.stride(1) == 1, "activation scales need a contiguous last dim"
+    n_out, k = c.shape[1], a.shape[1]
+    tile_n = cfg["BLOCK_SIZE_N"] // 2 if gated else cfg["BLOCK_SIZE_N"]
+    grid = (triton.cdiv(sorted_ids.numel(), cfg["BLOCK_SIZE_M"]) * triton.cdiv(n_out, tile_n),)
+    bs = w_scale if fp8 else w
+    _fused_moe_kernel[grid](
+        a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad,
+        n_out, k, c.shape[0], sorted_ids.numel(), a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        a_scale.stride(0), bs.stride(0), bs.stride(1),
+        A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
+        INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
+        GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
+        BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                  block_shape: tuple[int, int]) -> bool:
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, K] with contiguous rows, got {tuple(x.shape)}"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x must be bf16/fp16/fp32, got {x.dtype}"
+    e, two_i, k = w13.shape
+    assert k == x.shape[1] and two_i % 2 == 0, f"w13 must be [E, 2I, {x.shape[1]}], got {tuple(w13.shape)}"
+    assert w2.shape == (e, k, two_i // 2), f"w2 must be {(e, k, two_i // 2)}, got {tuple(w2.shape)}"
+    assert w13.is_contiguous() and w2.is_contiguous(), "w13 and w2 must be contiguous"
+    assert topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0], \
+        f"topk_ids must be [{x.shape[0]}, k], got {tuple(topk_ids.shape)}"
+    assert topk_weights.shape == topk_ids.shape, f"topk_weights {tuple(topk_weights.shape)} != topk_ids shape"
+    fp8 = w13.dtype == FP8_DTYPE
+    if not fp8:
+        assert w13.dtype == w2.dtype == x.dtype, f"weights {w13.dtype}/{w2.dtype} must match x {x.dtype} (or be fp8)"
+        assert w13_scale is None and w2_scale is None, "scales given for non-fp8 weights"
+        return False
+    bn, bk = block_shape
+    i = two_i // 2
+    assert w2.dtype == FP8_DTYPE, f"w2 must be float8_e4m3fn like w13, got {w2.dtype}"
+    assert w13_scale is not None and w2_scale is not None, "fp8 weights need w13_scale and w2_scale"
+    assert w13_scale.shape == (e, triton.cdiv(two_i, bn), triton.cdiv(k, bk)) and w13_scale.dtype == torch.float32, \
+        f"w13_scale must be float32 {(e, triton.cdiv(two_i, bn), triton.cdiv(k, bk))}, got {tuple(w13_scale.shape)}"
+    assert w2_scale.shape == (e, triton.cdiv(k, bn), triton.cdiv(i, bk)) and w2_scale.dtype == torch.float32, \
+        f"w2_scale must be float32 {(e, triton.cdiv(k, bn), triton.cdiv(i, bk))}, got {tuple(w2_scale.shape)}"
+    assert w13_scale.stride(2) == 1 and w2_scale.stride(2) == 1, "scale tensors need a contiguous last dim"
+    return True
+
+
+def _check_config(cfg: dict, fp8: bool, fuse_quant: bool, block_k: int) -> None:
+    bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    assert bm >= 16 and bn >= 32 and bk >= 16, f"tiles must be BM>=16, BN>=32, BK>=16, got {cfg}"
+    if fp8:
+        assert block_k % bk == 0, f"fp8 needs BLOCK_SIZE_K dividing the scale block {block_k}, got {bk}"
+        assert not fuse_quant or bk == block_k, f"fused activation quant needs BLOCK_SIZE_K == {block_k}, got {bk}"
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block_shape: tuple[int, int] = (128, 128), config: dict | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+
+    Args:
+        x: [T, K] bf16/fp16/fp32. w13: [E, 2I, K], w2: [E, K, I], both x.dtype or both float8_e4m3fn with
+            w13_scale [E, ceil(2I/bn), ceil(K/bk)] and w2_scale [E, ceil(K/bn), ceil(I/bk)] (`weight_scale_inv`).
+        topk_weights / topk_ids: [T, k] from `moe_topk`; ids in [0, E).
+        config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM).
+    Returns:
+        out [T, K] in x.dtype. No host sync: capturable in a CUDA graph for a fixed T.
+    """
+    fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
+    t, k = x.shape
+    e, i, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
+    out = torch.empty_like(x) if out is None else out
+    assert out.shape == x.shape and out.dtype == x.dtype, f"out must be {tuple(x.shape)} {x.dtype}"
+    if t == 0:
+        return out
+    cfg = dict(config if config is not None else get_moe_config(e, i, "fp8_w8a8" if fp8 else None, t))
+    # quantising activations inside the GEMM pays while few rows share each weight tile (decode)
+    fuse_quant = bool(cfg.pop("FUSE_QUANT", t <= 128 and cfg["BLOCK_SIZE_K"] == block_shape[1]))
+    _check_config(cfg, fp8, fuse_quant, block_shape[1])
+    routing = moe_align_block_size(topk_ids, cfg["BLOCK_SIZE_M"], e)
+    h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
+    _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
+    y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
+    _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg, fuse_quant,
+                  block_shape, 1, False)
+    return torch.sum(y.view(t, top_k, k), dim=1, out=out)
+
+
+# ------------------------------------------------------------------------------------------- reference
+def _expert_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                   block_shape: tuple[int, int]) -> torch.Tensor:
+    # a: [n, K_in] @ w: [N, K_in]^T -> [n, N] fp32; fp8: quantise a per token-group, dequantise w per block
+    if scale is None:
+        return a.float() @ w.float().t()
+    a_q, a_s = quant.per_token_group_quant_fp8_ref(a, block_shape[1])
+    a_deq = a_q.float() * a_s.repeat_interleave(block_shape[1], dim=1)[:, :a.shape[1]]
+    return a_deq @ quant.block_dequant_ref(w, scale, block_shape, torch.float32).t()
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """The spec of `fused_moe`: per expert in fp32, with the kernel's roundings (fp8 activation quantisation,
+    h = silu(gate) * up stored in x.dtype). Returns [T, K] in x.dtype."""
+    i = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        tok, j = (topk_ids == e).nonzero(as_tuple=True)
+        gate_up = _expert_linear(x[tok], w13[e], None if w13_scale is None else w13_scale[e], block_shape)
+        h = (F.silu(gate_up[:, :i]) * gate_up[:, i:]).to(x.dtype)              # h: [n, I]
+        y = _expert_linear(h, w2[e], None if w2_scale is None else w2_scale[e], block_shape)
+        out.index_add_(0, tok, y * topk_weights[tok, j, None].float())
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------- configs
+def _device_name() -> str:
+    return torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+
+
+def config_file_name(E: int, N: int, dtype: str | None, device_name: str | None = None) -> str:
+    dtype = dtype or "bf16"
+    name = device_name or _device_name()
+    return f"E={E},N={N},device_name={name},dtype={dtype},block_shape=[128, 128].json"
+
+
+@functools.lru_cache(maxsize=64)
+def _load_configs(path: Path) -> dict[int, dict] | None:
+    if not path.is_file():
+        return None
+    return {int(m): cfg for m, cfg in json.loads(path.read_text()).items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _log_default(name: str) -> None:
+    logger.info("no tuned fused_moe config %s in %s; using defaults", name, CONFIG_DIR)
+
+
+def default_moe_config(M: int, dtype: str | None) -> dict:
+    """Untuned tiles by token count: small M is weight-bandwidth bound (thin rows), large M compute bound."""
+    bk = 128 if dtype == "fp8_w8a8" else 64
+    if M <= 64:       # narrow N tiles: enough programs to keep every SM streaming weights
+        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
+    if M <= 512:
+        return dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=128, BLOCK_SIZE_K=bk, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, num_warps=4, num_stages=3)
+
+
+def get_moe_config(E: int, N: int, dtype: str | None, M: int, device_name: str | None = None) -> dict:
+    """Tile config for `fused_moe` with T = M tokens, E experts and intermediate size N (per TP partition).
+
+    Read from CONFIG_DIR/`config_file_name(...)` (JSON {"M": config}, nearest M key wins), else
+    `default_moe_config` and one log line. Keys: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages;
+    BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns).
+    """
+    name = config_file_name(E, N, dtype, device_name)
+    table = _load_configs(CONFIG_DIR / name)
+    if not table:
+        _log_default(name)
+        return default_moe_config(M, dtype)
+    return dict(table[min(table, key=lambda m: (abs(m - M), m))])

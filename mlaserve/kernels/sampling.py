@@ -1,0 +1,141 @@
+"""Seeded Gumbel-max sampling: next[b] = argmax_v(logits[b, v] + gumbel(seed[b], step[b], v)), one pass over V.
+
+The noise comes from a counter-based hash of (seed, step, token id), so a request's draw depends only on its
+own seed and step: not on the batch it shares, its row, the device, or any generator state.
+Shapes: `B` rows (requests), `V` vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The hash: 32-bit murmur3 finalizers over the words of (seed, step) then the token id. All values are held
+# in int64 and stay below 2^32, so every product stays below 2^48: no overflow, no signed-shift surprises,
+# and the same integers come out of torch (CPU or CUDA), the Triton interpreter and compiled Triton.
+#
+#   k0 = fmix(fmix(fmix(seed_lo ^ SALT0) ^ seed_hi) ^ step_lo)      row keys: once per row
+#   k1 = fmix(k0 ^ step_hi ^ SALT1)
+#   h  = fmix(fmix(k0 ^ (v * GOLDEN mod 2^32)) ^ k1)                 one per (row, token)
+#   u  = (2 * (h >> 9) + 1) / 2^24        in (0, 1), exact in fp32;   gumbel = -log(-log(u))
+#
+# NOTE: the torch helpers below and the `_tl` helpers must stay the same formula; tests compare them exactly.
+_M32 = 0xFFFFFFFF
+_SALT0, _SALT1 = 0x243F6A88, 0x13198A2E   # digits of pi: any constants work, they only separate the words
+_GOLDEN_LO, _GOLDEN_HI = 0x79B9, 0x9E37   # 0x9E3779B9 split in 16-bit halves (products stay < 2^48)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3 fmix32 on int64 tensors holding values in [0, 2^32); multiplications done mod 2^32 in halves."""
+    h = h ^ (h >> 16)
+    h = (h * 0xCA6B + (((h * 0x85EB) & 0xFFFF) << 16)) & _M32           # h * 0x85EBCA6B mod 2^32
+    h = h ^ (h >> 13)
+    h = (h * 0xAE35 + (((h * 0xC2B2) & 0xFFFF) << 16)) & _M32           # h * 0xC2B2AE35 mod 2^32
+    return h ^ (h >> 16)
+
+
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # seeds, steps: [B] int64 -> (k0, k1): [B] int64 in [0, 2^32)
+    k0 = _fmix32((seeds & _M32) ^ _SALT0)
+    k0 = _fmix32(k0 ^ ((seeds >> 32) & _M32))
+    k0 = _fmix32(k0 ^ (steps & _M32))
+    k1 = _fmix32(k0 ^ ((steps >> 32) & _M32) ^ _SALT1)
+    return k0, k1
+
+
+def gumbel_noise_ref(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise [B, V] float32, a pure function of (seeds[b], steps[b], v)."""
+    k0, k1 = _row_keys(seeds.long(), steps.long())                         # [B]
+    v = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)   # [V]
+    v_mix = (v * _GOLDEN_LO + (((v * _GOLDEN_HI) & 0xFFFF) << 16)) & _M32
+    h = _fmix32(_fmix32(k0[:, None] ^ v_mix[None, :]) ^ k1[:, None])      # [B, V]
+    u = ((h >> 9) * 2 + 1).float() * (1.0 / 16777216.0)                   # (0, 1), 2^-24 steps
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_argmax_ref(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row by Gumbel-max (the spec of `gumbel_argmax`, and the CPU path).
+
+    Args:
+        logits: [B, V] float32, already penalised, temperature-scaled and filtered (removed tokens = -inf).
+        seeds: [B] int64 per-request seeds; steps: [B] int64 per-request counters (tokens generated so far).
+    Returns:
+        [B] int64 ids. argmax(logits + G) with G ~ Gumbel(0, 1) i.i.d. is a draw from softmax(logits);
+        ties (and all -inf rows) go to the lowest id.
+    """
+    noise = gumbel_noise_ref(seeds, steps, logits.shape[1])               # [B, V]
+    return torch.argmax(logits.float() + noise, dim=-1)
+
+
+@triton.jit
+def _fmix32_tl(h):
+    h = h ^ (h >> 16)
+    h = (h * 0xCA6B + (((h * 0x85EB) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xAE35 + (((h * 0xC2B2) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _sampling_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, V, stride_b,
+                     SALT0: tl.constexpr, SALT1: tl.constexpr, GOLDEN_LO: tl.constexpr,
+                     GOLDEN_HI: tl.constexpr, BLOCK_V: tl.constexpr):
+    # One program per row: stream V in BLOCK_V chunks, keep a per-lane running (best score, its id).
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row).to(tl.int64)
+    step = tl.load(steps_ptr + row).to(tl.int64)
+    k0 = _fmix32_tl((seed & 0xFFFFFFFF) ^ SALT0)
+    k0 = _fmix32_tl(k0 ^ ((seed >> 32) & 0xFFFFFFFF))
+    k0 = _fmix32_tl(k0 ^ (step & 0xFFFFFFFF))
+    k1 = _fmix32_tl(k0 ^ ((step >> 32) & 0xFFFFFFFF) ^ SALT1)
+    cols = tl.arange(0, BLOCK_V)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_id = cols                                                       # lane's first id: all -inf row -> 0
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_b
+    for start in range(0, V, BLOCK_V):
+        v = start + cols                                                 # [BLOCK_V] int32
+        ok = v < V
+        x = tl.load(row_ptr + v, mask=ok, other=float("-inf")).to(tl.float32)
+        v64 = v.to(tl.int64)
+        v_mix = (v64 * GOLDEN_LO + (((v64 * GOLDEN_HI) & 0xFFFF) << 16)) & 0xFFFFFFFF
+        h = _fmix32_tl(_fmix32_tl(k0 ^ v_mix) ^ k1)
+        u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+        score = tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
+        take = score > best                                              # strict: earlier id wins a tie
+        best = tl.where(take, score, best)
+        best_id = tl.where(take, v, best_id)
+    top = tl.max(best, axis=0)
+    winner = tl.min(tl.where(best == top, best_id, 2147483647), axis=0)  # lowest id among the maxima
+    tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                  block_v: int | None = None) -> torch.Tensor:
+    """Triton version of `gumbel_argmax_ref`: noise + argmax fused, one read of the logits.
+
+    Args:
+        logits: [B, V] float32, unit stride along V (the row stride may be anything).
+        seeds, steps: [B] int64.
+        block_v: V chunk per loop iteration (power of two); default min(4096, next_pow2(V)).
+    Returns:
+        [B] int64 ids, equal to `gumbel_argmax_ref` (up to float rounding of log() on near-exact ties).
+    """
+    assert logits.dim() == 2, f"logits must be [B, V], got shape {tuple(logits.shape)}"
+    assert logits.dtype == torch.float32, f"logits must be float32, got {logits.dtype}"
+    assert logits.stride(1) == 1, f"logits must have unit stride along V, got strides {logits.stride()}"
+    b, v = logits.shape
+    for name, t in (("seeds", seeds), ("steps", steps)):
+        assert t.shape == (b,) and t.dtype == torch.int64, f"{name} must be [{b}] int64, got {tuple(t.shape)} {t.dtype}"
+        assert t.device == logits.device, f"{name} is on {t.device}, logits on {logits.device}"
+    assert 0 < v < 2**31, f"vocab size must be in [1, 2^31), got {v}"
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    block_v = block_v or min(4096, triton.next_power_of_2(v))
+    assert block_v & (block_v - 1) == 0, f"block_v must be a power of two, got {block_v}"
+    _sampling_kernel[(b,)](
+        logits, seeds.contiguous(), steps.contiguous(), out, v, logits.stride(0),
+        SALT0=_SALT0, SALT1=_SALT1, GOLDEN_LO=_GOLDEN_LO, GOLDEN_HI=_GOLDEN_HI, BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )
+    return out

@@ -1,0 +1,88 @@
+"""KV ownership for the scheduler: token slots, request rows and the radix prefix cache, in one place.
+
+A request's slots (req_to_token row) are: the matched prefix, owned by the tree and locked while the
+request runs, then its own slots. Finishing or retracting a request hands its computed KV to the tree.
+"""
+from __future__ import annotations
+
+import torch
+
+from mlaserve.core import Req
+from mlaserve.kvcache.allocator import ReqToTokenPool, TokenSlotAllocator
+from mlaserve.kvcache.radix import RadixCache
+
+
+class KVCacheManager:
+    def __init__(self, num_slots: int, max_reqs: int, max_context: int, *, disable_radix: bool,
+                 device: torch.device | str = "cpu"):
+        self.allocator = TokenSlotAllocator(num_slots, device)
+        self.req_pool = ReqToTokenPool(max_reqs, max_context, device)
+        self.tree = RadixCache(self.allocator, disable=disable_radix)
+        self.num_slots = num_slots
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_pool.table
+
+    def available(self) -> int:
+        """Slots that can be had now: free plus evictable from the tree."""
+        return self.allocator.available + self.tree.evictable_size
+
+    def used(self) -> int:
+        """Slots held by running requests or the tree (the pool usage users see)."""
+        return self.num_slots - self.allocator.available
+
+    def match(self, req: Req) -> tuple[torch.Tensor, object]:
+        """Longest cached prefix usable for `req`: at most all but one token of fill_ids (the last token's
+        logits are needed), and not past the first position whose prompt log-prob is wanted."""
+        ids = req.fill_ids
+        limit = len(ids) - 1
+        if req.return_logprob:
+            limit = min(limit, max(req.logprob_start - 1, 0))
+        slots, node = self.tree.match_prefix(ids[:limit])
+        return slots, node
+
+    def admit(self, req: Req, prefix_slots: torch.Tensor, node: object) -> bool:
+        """Give `req` a row holding its cached prefix; lock the prefix. False if no row is free."""
+        idx = self.req_pool.alloc()
+        if idx is None:
+            return False
+        req.req_pool_idx = idx
+        req.prefix_len = req.kv_len = len(prefix_slots)
+        if len(prefix_slots):
+            self.req_pool.write(idx, 0, prefix_slots)
+        req.last_node = node
+        self.tree.inc_lock_ref(node)
+        return True
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n fresh slots, evicting unlocked cache leaves if needed; None if even that is not enough."""
+        if self.allocator.available < n:
+            self.tree.evict(n - self.allocator.available)
+        return self.allocator.alloc(n)
+
+    def extend(self, req: Req, slots: torch.Tensor) -> None:
+        """Record `slots` as the KV of fill_ids[kv_len : kv_len + len(slots)] of `req`."""
+        self.req_pool.write(req.req_pool_idx, req.kv_len, slots)
+        req.kv_len += len(slots)
+
+    def release(self, req: Req) -> None:
+        """Hand the request's computed KV to the tree (or free it), unlock, and free its row."""
+        if req.req_pool_idx is None:
+            return
+        row = self.req_to_token[req.req_pool_idx, : req.kv_len].long()
+        own = row[req.prefix_len:]
+        if self.tree.disable:
+            if len(own):
+                self.allocator.free(own)
+        else:
+            present = self.tree.insert(req.fill_ids[: req.kv_len], row.clone())
+            # NOTE: the tree kept its own slots for fill_ids[:present]; ours for that range are duplicates
+            if present > req.prefix_len:
+                self.allocator.free(row[req.prefix_len:present])
+        self.tree.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
+
+    def flush(self) -> bool:
+        return self.tree.flush()

@@ -1,0 +1,39 @@
+"""Decode planning: one new token for every running request, retracting the newest when the pool is short."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mlaserve.core import Batch, ForwardMode, Req
+
+if TYPE_CHECKING:
+    from mlaserve.scheduler.scheduler import Scheduler
+
+
+def retract(sched: "Scheduler", req: Req) -> None:
+    """Preempt `req`: its computed KV goes to the prefix tree, it waits at the head of the queue and later
+    resumes from prompt + outputs so far (with the same sampling seed and step, so identical results)."""
+    sched.kv.release(req)
+    sched.running.remove(req)
+    sched.waiting.insert(0, req)
+    sched.num_retracted += 1
+
+
+def plan_decode(sched: "Scheduler") -> Batch | None:
+    while sched.running and sched.kv.available() < len(sched.running):
+        newest = max(sched.running, key=lambda r: r.arrival)
+        retract(sched, newest)
+        sched.new_token_ratio = min(1.0, sched.new_token_ratio + 0.1)
+    if not sched.running:
+        return None
+    reqs = list(sched.running)
+    slots = sched.kv.alloc(len(reqs))
+    assert slots is not None, "decode slots must be available after retraction"
+    prefix = []
+    for req, s in zip(reqs, slots):
+        prefix.append(req.kv_len)
+        sched.kv.extend(req, s.view(1))
+    sched.new_token_ratio = max(sched.cfg.min_new_token_ratio, sched.new_token_ratio - 0.001)
+    return Batch(ForwardMode.DECODE, reqs, [r.fill_ids[-1] for r in reqs], slots, prefix, [1] * len(reqs),
+                 [True] * len(reqs))

@@ -1,0 +1,263 @@
+"""The scheduler: a loop over a waiting queue and a running batch (continuous batching, chunked prefill,
+retraction), split into plan (CPU) -> run (model) -> process (CPU) so the two CPU parts can later overlap
+the GPU step. `run_scheduler_process` wraps it in a process that talks ZeroMQ to the tokenizer manager.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+import traceback
+
+from mlaserve.config import ServerConfig
+from mlaserve.core import Batch, ForwardMode, Req
+from mlaserve.engine.engine import ModelRunner, StepOutput
+from mlaserve.ipc import messages as m
+from mlaserve.scheduler.cache import KVCacheManager
+from mlaserve.scheduler.decode import plan_decode
+from mlaserve.scheduler.prefill import plan_prefill
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING = {"cuda": 256, "cpu": 64}
+
+
+class Scheduler:
+    def __init__(self, server: ServerConfig, model_path: str, runner: ModelRunner | None = None):
+        self.server, self.cfg = server, server.sched
+        self.runner = runner or ModelRunner(server, model_path)
+        self.context_len = self.runner.context_len
+        self.max_running = self.cfg.max_running_requests or DEFAULT_MAX_RUNNING[self.runner.device.type]
+        self.kv = KVCacheManager(self.runner.num_slots, self.max_running + 8,
+                                 min(self.context_len, self.runner.num_slots) + 1,
+                                 disable_radix=server.cache.disable_radix_cache, device=self.runner.device)
+        self.runner.req_to_token = self.kv.req_to_token
+        self.eos_ids = set(self.runner._eos_ids())
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+        self.num_retracted = 0
+        self.outbox: list[m.ReqOutput] = []
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0}
+
+    # --- requests in ----------------------------------------------------------------------------
+    def add_request(self, msg: m.GenerateReqMsg) -> None:
+        req = Req(msg.rid, list(msg.input_ids), msg.params, msg.seed, msg.return_logprob,
+                  msg.logprob_start_len, msg.top_logprobs_num, msg.stream, arrival=time.monotonic())
+        error = self._validate(req)
+        if error:
+            self._finish(req, {"type": "abort", "message": error, "status_code": 400})
+            return
+        room = self.context_len - len(req.input_ids)
+        if req.params.max_new_tokens > room:
+            req.params.max_new_tokens = room
+        self.waiting.append(req)
+
+    def _validate(self, req: Req) -> str | None:
+        n = len(req.input_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.context_len:
+            return (f"the prompt has {n} tokens, this model's maximum context length is {self.context_len} "
+                    "tokens (prompt + at least one generated token)")
+        if n + 1 > self.kv.num_slots:
+            return f"the prompt has {n} tokens, more than the KV cache holds ({self.kv.num_slots} tokens)"
+        if max(req.input_ids) >= self.runner.cfg.vocab_size or min(req.input_ids) < 0:
+            return f"input_ids must be in [0, {self.runner.cfg.vocab_size})"
+        return None
+
+    def abort(self, rid: str) -> None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.kv.release(req)
+                self._finish(req, {"type": "abort"})
+                return
+        for req in list(self.running) + ([self.chunked] if self.chunked else []):
+            if req.rid == rid:
+                self._drop(req)
+                self._finish(req, {"type": "abort"})
+                return
+
+    def flush_cache(self) -> bool:
+        if self.running or self.waiting or self.chunked:
+            return False
+        return self.kv.flush()
+
+    # --- one iteration: plan -> run -> process ----------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def plan(self) -> Batch | None:
+        return plan_prefill(self) or plan_decode(self)
+
+    def run(self, batch: Batch) -> StepOutput:
+        return self.runner.forward(batch)
+
+    def process(self, batch: Batch, out: StepOutput) -> None:
+        self.stats["steps"] += 1
+        for i, req in enumerate(batch.reqs):
+            if req.finished is not None:      # aborted while its step ran
+                continue
+            if batch.mode is ForwardMode.EXTEND:
+                self.stats["prompt_tokens"] += batch.extend_lens[i]
+                req.input_logprobs += out.input_logprobs[i]
+                req.input_top_logprobs += out.input_top[i]
+            tok = out.next_ids[i]
+            if tok is None:
+                continue
+            self._append(req, tok, out.next_logprobs[i], out.next_top[i])
+            if req.finished is None and batch.mode is ForwardMode.EXTEND:
+                self.running.append(req)
+
+    def step(self) -> list[m.ReqOutput]:
+        """One scheduling iteration; returns what it produced for the tokenizer manager."""
+        batch = self.plan()
+        if batch is not None:
+            self.process(batch, self.run(batch))
+        return self.step_outbox()
+
+    def step_outbox(self) -> list[m.ReqOutput]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # --- results ----------------------------------------------------------------------------------
+    def _append(self, req: Req, tok: int, logprob: float | None, top: list | None) -> None:
+        first = not req.output_ids
+        req.output_ids.append(tok)
+        self.stats["generation_tokens"] += 1
+        if req.return_logprob:
+            req.output_logprobs.append((logprob, tok))
+            req.output_top_logprobs.append(top or [])
+        finished = None
+        p = req.params
+        n = len(req.output_ids)
+        if n >= p.min_new_tokens and ((tok in self.eos_ids and not p.ignore_eos)
+                                      or (p.stop_token_ids and tok in p.stop_token_ids)):
+            finished = {"type": "stop", "matched": tok}
+        elif n >= p.max_new_tokens:
+            finished = {"type": "length", "length": p.max_new_tokens}
+        if first:
+            self.stats["cached_tokens"] += req.cached_tokens
+        if finished is not None:
+            self._drop(req)
+            self._finish(req, finished)
+        else:
+            self._emit(req)
+
+    def _drop(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.kv.release(req)
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.finished = reason
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        new = req.output_ids[req.sent_len:]
+        k = req.sent_len
+        prompt_done = k == 0 and (new or req.finished)
+        self.outbox.append(m.ReqOutput(
+            rid=req.rid, new_ids=new, finished=req.finished, prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens,
+            new_logprobs=req.output_logprobs[k:] if req.return_logprob else [],
+            new_top_logprobs=req.output_top_logprobs[k:] if req.return_logprob else [],
+            input_logprobs=self._input_logprobs(req) if prompt_done and req.return_logprob else None,
+            input_top_logprobs=req.input_top_logprobs if prompt_done and req.return_logprob else None))
+        req.sent_len = len(req.output_ids)
+
+    @staticmethod
+    def _input_logprobs(req: Req) -> list:
+        start = req.logprob_start
+        head = [(None, req.input_ids[0])] if start == 0 else []
+        return head + req.input_logprobs
+
+    def get_stats(self) -> dict:
+        return {"num_running_reqs": len(self.running) + (1 if self.chunked else 0),
+                "num_waiting_reqs": len(self.waiting), "token_usage": self.kv.used() / self.kv.num_slots,
+                "used_tokens": self.kv.used(), "max_total_tokens": self.kv.num_slots,
+                "free_tokens": self.kv.allocator.available, "cached_tokens_in_tree": self.kv.tree.total_size(),
+                "num_retracted": self.num_retracted, **self.stats}
+
+
+# --- the scheduler process ----------------------------------------------------------------------
+
+def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, out_addr: str, ready) -> None:
+    """Entry point of a scheduler process: build, report readiness through `ready` (a Pipe end), then loop."""
+    import zmq
+
+    logging.basicConfig(level=server.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
+    try:
+        sched = Scheduler(server, model_path)
+    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
+        logger.error("scheduler failed to start: %s", e)
+        ready.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        return
+    ctx = zmq.Context()
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    recv.connect(in_addr)
+    send.connect(out_addr)
+    cfg = sched.runner.cfg
+    ready.send({"ok": True, "max_total_tokens": sched.kv.num_slots, "context_length": sched.context_len,
+                "max_running_requests": sched.max_running, "vocab_size": cfg.vocab_size,
+                "architecture": cfg.architecture, "device": str(sched.runner.device),
+                "dtype": str(sched.runner.dtype).removeprefix("torch.")})
+    watchdog = Watchdog(server.sched.watchdog_timeout)
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    while True:
+        busy = sched.has_work
+        if busy or poller.poll(timeout=50):
+            while recv.poll(timeout=0):
+                reply = _handle(sched, m.decode(recv.recv()))
+                if reply is not None:
+                    send.send(m.encode(reply))
+        watchdog.beat()
+        outputs = sched.step() if sched.has_work else sched.step_outbox()
+        watchdog.idle()
+        if outputs:
+            send.send(m.encode(m.BatchOutMsg(outputs)))
+
+
+def _handle(sched: Scheduler, msg: object) -> object | None:
+    if isinstance(msg, m.GenerateReqMsg):
+        sched.add_request(msg)
+    elif isinstance(msg, m.AbortReqMsg):
+        sched.abort(msg.rid)
+    elif isinstance(msg, m.FlushCacheReqMsg):
+        return m.FlushCacheRespMsg(sched.flush_cache())
+    elif isinstance(msg, m.GetStatsReqMsg):
+        return m.StatsMsg(sched.get_stats())
+    return None
+
+
+class Watchdog:
+    """Exits the process (non-zero) when one step runs longer than `timeout` seconds."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self.started = timeout, None
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def beat(self) -> None:
+        self.started = time.monotonic()
+
+    def idle(self) -> None:
+        self.started = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            if self.started is not None and time.monotonic() - self.started > self.timeout:
+                logger.error("watchdog: a scheduler step has run for over %.0f s; exiting", self.timeout)
+                os._exit(3)
+
+
+def new_seed() -> int:
+    return random.getrandbits(63)

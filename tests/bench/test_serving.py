@@ -1,0 +1,235 @@
+"""`mlaserve bench serving` against a mock OpenAI-compatible server that streams one token every TOKEN_DELAY."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from mlaserve.bench import serving
+
+FIRST_DELAY = 0.06  # s from request to the first token
+TOKEN_DELAY = 0.02  # s between tokens
+CHAT_OVERHEAD = 3  # prompt tokens the mock's "chat template" adds: usage must override what the client sent
+STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2e_latency") for s in ("mean", "median", "std", "p99")]
+METRIC_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+               "input_throughput", "output_throughput", "total_throughput", "concurrency", *STAT_KEYS]
+
+
+class Mock:
+    """Records every request body and arrival time; `fail(i)` picks the i-th request's failure (None, 500, sse)."""
+
+    def __init__(self, usage: bool = True, fail: Any = lambda i: None) -> None:
+        self.usage, self.fail = usage, fail
+        self.bodies: list[dict[str, Any]] = []
+        self.arrivals: list[float] = []
+
+    async def handle(self, request: Request, kind: str) -> Any:
+        body = await request.json()
+        self.bodies.append(body)
+        self.arrivals.append(time.perf_counter())
+        failure = self.fail(len(self.bodies) - 1)
+        if failure == 500:
+            return JSONResponse({"error": {"message": "mock overload"}}, status_code=500)
+        gen = self.broken() if failure == "sse" else self.stream(body, kind)
+        return StreamingResponse(gen, media_type="text/event-stream")
+
+    async def broken(self) -> Iterator[str]:
+        yield "data: {this is not json\n\n"
+
+    async def stream(self, body: dict[str, Any], kind: str) -> Iterator[str]:
+        n_out = body["sampling_params"]["max_new_tokens"] if kind == "native" else body["max_tokens"]
+        prompt = body.get("prompt") or body.get("text") or body["messages"][0]["content"]
+        n_in = len(prompt.split()) + (CHAT_OVERHEAD if kind == "chat" else 0)
+        yield sse(chunk(kind, "", 0, n_in, role=True))  # an empty first chunk must not count as the first token
+        await asyncio.sleep(FIRST_DELAY)
+        for i in range(n_out):
+            if i:
+                await asyncio.sleep(TOKEN_DELAY)
+            yield sse(chunk(kind, f" t{i}", i + 1, n_in))
+        if kind != "native" and self.usage:
+            yield sse({"choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out}})
+        yield "data: [DONE]\n\n"
+
+
+def chunk(kind: str, text: str, i: int, n_in: int, role: bool = False) -> dict[str, Any]:
+    if kind == "native":  # cumulative text, counts in meta_info
+        return {"text": "".join(f" t{j}" for j in range(i)), "meta_info": {"prompt_tokens": n_in, "completion_tokens": i}}
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        return {"choices": [{"index": 0, "delta": delta}], "usage": None}
+    return {"choices": [{"index": 0, "text": text}], "usage": None}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def make_app(mock: Mock) -> FastAPI:
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "mock-model", "object": "model"}]})
+    for path, kind in (("/v1/completions", "text"), ("/v1/chat/completions", "chat"), ("/generate", "native")):
+        app.post(path)(endpoint(mock, kind))
+    return app
+
+
+def endpoint(mock: Mock, kind: str) -> Any:
+    async def handle(request: Request) -> Any:
+        return await mock.handle(request, kind)
+
+    return handle
+
+
+@contextlib.contextmanager
+def serve(mock: Mock) -> Iterator[int]:
+    """Run the mock on a free loopback port in a thread; yields the port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(make_app(mock), log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+        sock.close()
+
+
+def run_main(port: int, out: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    argv = ["--port", str(port), "--num-prompts", "8", "--random-input-len", "16", "--random-output-len", "6",
+            "--random-range-ratio", "0.5", "--seed", str(random.randrange(1 << 30)), "--disable-tqdm",
+            "--output-file", str(out), *extra]
+    rc = serving.main(argv)
+    return rc, json.loads(out.read_text().splitlines()[-1])
+
+
+def check_timing(rec: dict[str, Any]) -> None:
+    assert all(rec[k] is not None for k in METRIC_KEYS), [k for k in METRIC_KEYS if rec[k] is None]
+    assert rec["median_ttft_ms"] >= FIRST_DELAY * 1000  # every request waits for the mock's first token
+    assert 0.5 * TOKEN_DELAY * 1000 <= rec["mean_tpot_ms"] <= 2.5 * TOKEN_DELAY * 1000
+    assert 0.5 * TOKEN_DELAY * 1000 <= rec["median_itl_ms"] <= 2.5 * TOKEN_DELAY * 1000
+    assert rec["mean_e2e_latency_ms"] >= FIRST_DELAY * 1000 + 2 * TOKEN_DELAY * 1000  # >= 3 tokens each
+    assert rec["total_throughput"] >= rec["output_throughput"] > 0
+
+
+def test_chat_all_at_once_respects_max_concurrency(tmp_path: Path) -> None:
+    mock = Mock()
+    with serve(mock) as port:
+        rc, rec = run_main(port, tmp_path / "out.jsonl", "--backend", "openai-chat", "--max-concurrency", "2",
+                           "--warmup-requests", "1")
+    assert rc == 0 and rec["completed"] == 8 and rec["failed"] == 0 and rec["errors"] == []
+    check_timing(rec)
+    assert rec["concurrency"] <= 2.01  # sum of e2e / duration can not exceed the semaphore
+    sent = mock.bodies[1:]  # the first body is the warm-up request
+    assert len(sent) == 8 and rec["model"] == "mock-model" and rec["request_rate"] == "inf"
+    for body in sent:
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+        assert body["ignore_eos"] is True and body["temperature"] == 0 and body["model"] == "mock-model"
+        assert 3 <= body["max_tokens"] <= 6 and 8 <= len(body["messages"][0]["content"].split()) <= 16
+    assert rec["total_output_tokens"] == sum(b["max_tokens"] for b in sent)
+    words = sum(len(b["messages"][0]["content"].split()) for b in sent)
+    assert rec["total_input_tokens"] == words + 8 * CHAT_OVERHEAD  # usage.prompt_tokens wins over the estimate
+
+
+def test_completions_poisson_rate_counts_chunks_without_usage(tmp_path: Path) -> None:
+    mock = Mock(usage=False)
+    with serve(mock) as port:
+        rc, rec = run_main(port, tmp_path / "out.jsonl", "--backend", "openai", "--request-rate", "16",
+                           "--warmup-requests", "0")
+    assert rc == 0 and rec["completed"] == 8 and rec["request_rate"] == 16
+    check_timing(rec)
+    # output tokens come from counting content chunks here; input tokens from the words we sent
+    assert rec["total_output_tokens"] == sum(b["max_tokens"] for b in mock.bodies)
+    assert rec["total_input_tokens"] == sum(len(b["prompt"].split()) for b in mock.bodies)
+    # 7 exponential gaps of mean 1/16 s: a spread under 50 ms has probability ~2e-6
+    assert mock.arrivals[-1] - mock.arrivals[0] > 0.05
+
+
+def test_native_generate_per_request(tmp_path: Path) -> None:
+    mock = Mock()
+    args = serving.parse_args(["--backend", "mlaserve", "--num-prompts", "8", "--random-input-len", "12",
+                               "--random-output-len", "5", "--warmup-requests", "0", "--disable-tqdm"])
+    reqs = serving.random_requests(args, None)
+    with serve(mock) as port:
+        args.base_url = f"http://127.0.0.1:{port}"
+        results, duration, _ = asyncio.run(serving.run_load(args, reqs))
+    for req, res in zip(reqs, results):
+        assert res.success, res.error
+        assert res.output_tokens == req.output_len and len(res.itl) == req.output_len - 1
+        assert res.ttft >= FIRST_DELAY and res.latency >= res.ttft + (req.output_len - 1) * TOKEN_DELAY * 0.9
+        assert res.prompt_len == len(req.prompt.split()) == req.prompt_len
+    m = serving.summarize(results, duration)
+    assert m["concurrency"] > 3  # rate inf, no limit: the 8 requests overlap
+
+
+def test_http_errors_and_malformed_sse_count_as_failed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    mock = Mock(fail=lambda i: {1: 500, 3: "sse"}.get(i % 4))
+    with serve(mock) as port:
+        rc, rec = run_main(port, tmp_path / "out.jsonl", "--warmup-requests", "0", "--model", "m")
+    assert rc == 0 and rec["completed"] == 4 and rec["failed"] == 4
+    assert rec["total_output_tokens"] == sum(b["max_tokens"] for i, b in enumerate(mock.bodies) if i % 2 == 0)
+    errors = " ".join(rec["errors"])
+    assert "HTTP 500" in errors and "mock overload" in errors and "malformed SSE" in errors
+    assert "HTTP 500" in capsys.readouterr().out
+
+
+def test_closed_port_fails_every_request(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once closed
+    rc, rec = run_main(port, tmp_path / "out.jsonl")
+    assert rc == 1 and rec["completed"] == 0 and rec["failed"] == 8 and rec["model"] is None
+    assert rec["mean_ttft_ms"] is None and "ConnectError" in rec["errors"][0]
+    rc, _ = run_main(port, tmp_path / "out.jsonl")
+    assert rc == 1 and len((tmp_path / "out.jsonl").read_text().splitlines()) == 2  # appended, one line per run
+
+
+def tiny_tokenizer(path: Path) -> None:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(serving.WORDS)] * 20 + ["Serving the models, fast! 42 + 7 = 49."], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+
+
+def test_tokenizer_prompts_have_exact_lengths(tmp_path: Path) -> None:
+    from mlaserve.tokenizer import load_tokenizer
+
+    tiny_tokenizer(tmp_path)
+    # SGLang-style abbreviated flags (--random-input) must parse; ratio 1 makes every length exact
+    args = serving.parse_args(["--tokenizer", str(tmp_path), "--num-prompts", "16", "--random-input", "40",
+                               "--random-output", "9", "--random-range-ratio", "1",
+                               "--seed", str(random.randrange(1 << 30))])
+    tok = load_tokenizer(tmp_path)
+    reqs = serving.random_requests(args, tok)
+    assert len({r.prompt for r in reqs}) == 16
+    for req in reqs:
+        ids = tok.encode(req.prompt, add_bos=False)
+        assert len(ids) == req.prompt_len == 40 and req.output_len == 9
+        assert tok.bos_token_id not in ids and tok.eos_token_id not in ids
+
+
+def test_url_flags() -> None:
+    assert serving.parse_args(["--host", "10.0.0.2", "--port", "8000"]).base_url == "http://10.0.0.2:8000"
+    assert serving.parse_args(["--base-url", "http://h:1/", "--port", "2"]).base_url == "http://h:1"
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--request-rate", "0"])

@@ -1,0 +1,189 @@
+"""fused_moe (Triton, bf16 and block-FP8) vs fused_moe_ref on scaled-down DeepSeek-V2-Lite / V3 expert shapes,
+the ref vs a per-token loop, the sort/align invariants, config lookup, tuner and bench-case arithmetic."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlaserve.bench.kernel_cases import fused_moe as bench_case
+from mlaserve.kernels import fused_moe as fm
+from mlaserve.kernels.fused_moe import fused_moe, fused_moe_ref, get_moe_config, moe_align_block_size
+from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref
+from mlaserve.tools import tune_fused_moe as tuner
+
+# max |out - ref| / max |ref|: fp32 = accumulation order only; fp16 / bf16 = rounding of h, of each weighted
+# slot and of out (2^-11 / 2^-8 relative). fp8: the ref quantises exactly like the kernel, so only those
+# roundings remain, plus rare one-step fp8 flips of h where fp32 sum order moved h across a rounding boundary.
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+FP8_TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
+FP8_CFG = dict(CFG, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128)
+
+
+class Shape(NamedTuple):
+    num_experts: int
+    top_k: int
+    hidden: int   # K
+    inter: int    # I
+
+
+V2_LITE = Shape(16, 6, 160, 72)   # E=64, top-6, K=2048, I=1408 scaled down; K, I not multiples of the tiles
+V3 = Shape(16, 8, 256, 96)        # E=256, top-8, K=7168, I=2048 scaled down; I is not a multiple of 128
+
+
+def routing(tokens: int, s: Shape, device: str, active: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k of random logits; only the first `active` experts can be chosen (the rest stay idle)."""
+    logits = torch.randn(tokens, s.num_experts, device=device)
+    if active is not None:
+        logits[:, active:] = float("-inf")
+    weights, ids = logits.softmax(-1).topk(s.top_k, dim=-1)
+    return weights, ids.to(torch.int32)
+
+
+def dense_weights(s: Shape, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    w13 = torch.randn(s.num_experts, 2 * s.inter, s.hidden, device=device) * s.hidden ** -0.5
+    w2 = torch.randn(s.num_experts, s.hidden, s.inter, device=device) * s.inter ** -0.5
+    return dict(w13=w13.to(dtype), w2=w2.to(dtype))
+
+
+def fp8_weights(s: Shape, device: str) -> dict[str, torch.Tensor]:
+    dense = dense_weights(s, torch.float32, device)
+    out = {}
+    for name in ("w13", "w2"):
+        q, scale = zip(*(block_quant_fp8_ref(w) for w in dense[name]))
+        out[name], out[f"{name}_scale"] = torch.stack(q), torch.stack(scale)
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("tokens", [1, 41])
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_moe_align_block_size_invariants(tokens: int, block_m: int, device: str) -> None:
+    _, ids = routing(tokens, V2_LITE, device, active=11)          # experts 11..15 get no tokens
+    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids, block_m, V2_LITE.num_experts)
+    sorted_ids, expert_ids, used = sorted_ids.cpu(), expert_ids.cpu(), int(num_post_pad.item())
+    flat, sentinel = ids.flatten().cpu(), ids.numel()
+    counts = torch.bincount(flat.long(), minlength=V2_LITE.num_experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert sorted_ids.numel() % block_m == 0 and expert_ids.numel() == sorted_ids.numel() // block_m
+    # every (token, k) slot exactly once, the rest is the sentinel
+    real = sorted_ids[sorted_ids != sentinel]
+    assert torch.equal(real.sort().values, torch.arange(sentinel, dtype=torch.int32))
+    assert (sorted_ids[used:] == sentinel).all() and (expert_ids[used // block_m:] == -1).all()
+    # each block holds one expert's slots, ascending; experts appear in order, idle experts get no block
+    blocks = sorted_ids[:used].view(-1, block_m)
+    for b, e in enumerate(expert_ids[:used // block_m].tolist()):
+        slots = blocks[b][blocks[b] != sentinel]
+        assert (flat[slots.long()] == e).all() and (slots.diff() > 0).all()
+    assert (expert_ids[:used // block_m].diff() >= 0).all() and (expert_ids < 11).all()
+
+
+@pytest.mark.parametrize("dtype,tokens,config", [(torch.float32, 41, CFG), (torch.float16, 1, None),
+                                                 (torch.bfloat16, 41, dict(CFG, BLOCK_SIZE_N=64, GROUP_SIZE_M=1))])
+def test_fused_moe_matches_ref(dtype: torch.dtype, tokens: int, config: dict | None, device: str) -> None:
+    w = dense_weights(V2_LITE, dtype, device)
+    topk_weights, topk_ids = routing(tokens, V2_LITE, device, active=12)
+    x = torch.randn(tokens, V2_LITE.hidden, device=device, dtype=dtype)
+    out = torch.empty_like(x)
+    got = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
+    assert rel_err(got, fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,tokens,fuse_quant", [(torch.bfloat16, 1, None), (torch.float16, 41, True),
+                                                     (torch.float16, 41, False)])
+def test_fused_moe_fp8_matches_ref(dtype: torch.dtype, tokens: int, fuse_quant: bool | None, device: str) -> None:
+    w = fp8_weights(V3, device)
+    topk_weights, topk_ids = routing(tokens, V3, device, active=13)
+    x = torch.randn(tokens, V3.hidden, device=device, dtype=dtype)
+    config = FP8_CFG if fuse_quant is None else dict(FP8_CFG, FUSE_QUANT=fuse_quant)
+    got = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config)
+    ref = fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
+    assert rel_err(got, ref) < FP8_TOL[dtype]
+    # and close to the unquantised math on the dequantised weights (activation fp8 rounding: ~2^-5 per element)
+    dense = {n: torch.stack([block_dequant_ref(q, sc, dtype=torch.float32) for q, sc in zip(w[n], w[f"{n}_scale"])])
+             for n in ("w13", "w2")}
+    assert rel_err(got, fused_moe_ref(x.float(), **dense, topk_weights=topk_weights, topk_ids=topk_ids)) < 0.1
+
+
+def test_fused_moe_ref_matches_per_token_loop() -> None:
+    s = Shape(8, 3, 48, 40)
+    w = dense_weights(s, torch.float32, "cpu")
+    topk_weights, topk_ids = routing(5, s, "cpu")
+    x = torch.randn(5, s.hidden)
+    want = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(s.top_k):
+            e = int(topk_ids[t, j])
+            gate, up = (w["w13"][e] @ x[t]).split(s.inter)
+            want[t] += topk_weights[t, j] * (w["w2"][e] @ (F.silu(gate) * up))
+    # fp32 throughout: only summation order differs
+    assert rel_err(fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids), want) < 1e-5
+
+
+def test_get_moe_config_default_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(fm, "CONFIG_DIR", tmp_path)
+    with caplog.at_level(logging.INFO, logger=fm.__name__):
+        small = get_moe_config(64, 1408, None, 1, device_name="Test_GPU")
+        get_moe_config(64, 1408, None, 4096, device_name="Test_GPU")
+    assert small == fm.default_moe_config(1, None)
+    assert len([r for r in caplog.records if "no tuned fused_moe config" in r.getMessage()]) == 1
+    table = {str(m): dict(CFG, BLOCK_SIZE_M=bm) for m, bm in ((1, 16), (64, 32), (1024, 128))}
+    name = "E=256,N=256,device_name=Test_GPU,dtype=fp8_w8a8,block_shape=[128, 128].json"
+    (tmp_path / name).write_text(json.dumps(table))
+    for m, bm in ((1, 16), (40, 32), (700, 128), (100_000, 128)):       # nearest M key
+        assert get_moe_config(256, 256, "fp8_w8a8", m, device_name="Test_GPU")["BLOCK_SIZE_M"] == bm
+
+
+def test_tuner_shape_space_and_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg_json = tmp_path / "config.json"
+    cfg_json.write_text(json.dumps(dict(n_routed_experts=256, num_experts_per_tok=8, hidden_size=7168,
+                                        moe_intermediate_size=2048, n_group=8, topk_group=4)))
+    s = tuner.shape_from_hf_config(cfg_json, tp_size=8, dtype="fp8_w8a8")
+    assert (s.num_experts, s.top_k, s.hidden_size, s.moe_intermediate_size, s.fp8) == (256, 8, 7168, 256, True)
+    space = list(tuner.search_space(4096, s))
+    assert space and all(c["BLOCK_SIZE_K"] == 128 for c in space)
+    assert {c["BLOCK_SIZE_M"] for c in tuner.search_space(1, s)} == {16}
+    # fake timer: prefers the widest N tile; the tuner must pick it and write a file get_moe_config reads
+    best = tuner.tune(s, [1, 4096], lambda tokens: lambda c: 1.0 / c["BLOCK_SIZE_N"] + c["num_stages"] * 1e-3)
+    path = tuner.write_configs(best, s, "fp8_w8a8", tmp_path, device_name="Test_GPU")
+    monkeypatch.setattr(fm, "CONFIG_DIR", tmp_path)
+    got = get_moe_config(256, 256, "fp8_w8a8", 3000, device_name="Test_GPU")
+    assert path.is_file() and got == best["4096"] and got["BLOCK_SIZE_N"] == 256
+
+
+def test_bench_case_arithmetic() -> None:
+    v2, v3 = bench_case.MODELS
+    assert bench_case.expert_bytes(v2) == 3 * 2048 * 1408 * 2
+    assert bench_case.expert_bytes(v3) == 3 * 7168 * 2048 + 4 * (32 * 56 + 56 * 16)
+    assert bench_case.moe_flops(v3, 4096) == 2 * 4096 * 8 * 3 * 7168 * 2048
+    assert bench_case.moe_bytes(v2, 1, 6) == 6 * 3 * 2048 * 1408 * 2 + 2 * 2048 * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_gpu_bf16_and_cuda_graph(fp8: bool) -> None:
+    s = Shape(64, 8 if fp8 else 6, 1024, 384)
+    w = fp8_weights(s, "cuda") if fp8 else dense_weights(s, torch.bfloat16, "cuda")
+    topk_weights, topk_ids = routing(24, s, "cuda", active=50)
+    x = torch.randn(24, s.hidden, device="cuda", dtype=torch.bfloat16)
+    ref = fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
+    out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)           # warm-up / compile
+    assert rel_err(out, ref) < (FP8_TOL if fp8 else TOL)[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):                                                 # no host sync inside
+        out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)) < 3e-2

@@ -1,0 +1,167 @@
+"""mla_prefill kernels (varlen flash attention, LSE merge, chunked-prefix MLA extend) vs their PyTorch specs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mlaserve.bench.kernel_cases import mla_prefill as bench_case
+from mlaserve.kernels.mla_prefill import (flash_attn_varlen, flash_attn_varlen_ref, merge_attn_states,
+                                          merge_attn_states_ref, mla_prefill, mla_prefill_ref)
+
+# Tolerances (abs and rel) vs fp32 references: fp32 1e-4 (summation order only);
+# fp16 3e-3 (P is rounded to fp16 before the PV product, outputs stored as fp16).
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
+# Scaled-down MLA dims for speed under the interpreter: Dn 32 + R 16 (split 32 + 16 like 128 + 64), Dv 32, L 32.
+SMALL = dict(heads=2, d_nope=32, d_rope=16, d_v=32, kv_lora_rank=32)
+DEEPSEEK = dict(heads=2, d_nope=128, d_rope=64, d_v=128, kv_lora_rank=512)
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), "NaN in output"
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# lens_k < lens_q in the last request: with causal (bottom-right) its first queries see no key at all.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d_qk,d_v", [(48, 32), (64, 64), (40, 24)])   # 40 = 32 + 8: padded tiles
+def test_flash_attn_varlen_matches_ref(dtype: torch.dtype, causal: bool, d_qk: int, d_v: int) -> None:
+    lens_q, lens_k = [5, 40, 1, 0, 33], [5, 70, 1, 3, 10]
+    q = torch.randn(sum(lens_q), 2, d_qk, dtype=dtype)
+    k, v = torch.randn(sum(lens_k), 2, d_qk, dtype=dtype), torch.randn(sum(lens_k), 2, d_v, dtype=dtype)
+    args = (q, k, v, _cu(lens_q), _cu(lens_k), d_qk**-0.5, causal)
+    out, lse = flash_attn_varlen(*args)
+    ref, ref_lse = flash_attn_varlen_ref(*args)
+    _close(out, ref, dtype)
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    torch.testing.assert_close(lse.nan_to_num(neginf=0.0), ref_lse.nan_to_num(neginf=0.0), atol=1e-4, rtol=1e-4)
+    if causal:                                      # request 4: queries 0..22 see no key -> out 0, lse -inf
+        rows = slice(sum(lens_q[:4]), sum(lens_q[:4]) + 23)
+        assert (out[rows] == 0).all() and (lse[rows] == float("-inf")).all()
+
+
+def test_flash_attn_varlen_deepseek_dims() -> None:
+    lens = [33, 17]
+    q, k = torch.randn(50, 2, 192, dtype=torch.float16), torch.randn(50, 2, 192, dtype=torch.float16)
+    v = torch.randn(50, 2, 128, dtype=torch.float16)
+    args = (q, k, v, _cu(lens), _cu(lens), 192**-0.5, True)
+    _close(flash_attn_varlen(*args)[0], flash_attn_varlen_ref(*args)[0], torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_matches_ref(dtype: torch.dtype) -> None:
+    t, h, d = 9, 5, 24
+    o_a, o_b = torch.randn(t, h, d, dtype=dtype), torch.randn(t, h, d, dtype=dtype)
+    lse_a, lse_b = torch.randn(t, h) * 3, torch.randn(t, h) * 3
+    lse_a[0], lse_b[1], lse_a[2], lse_b[2] = float("-inf"), float("-inf"), float("-inf"), float("-inf")
+    o_a[2], o_b[2] = 0, 0                            # token 2: both sides empty
+    out, lse = merge_attn_states(o_a, lse_a, o_b, lse_b)
+    ref, ref_lse = merge_attn_states_ref(o_a, lse_a, o_b, lse_b)
+    _close(out, ref, dtype)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0].float(), o_b[0].float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
+
+
+def test_merge_equals_attention_over_union() -> None:
+    # attention over keys [0, 30) == merge(attention over [0, 12), attention over [12, 30))
+    q, k, v = torch.randn(7, 3, 48), torch.randn(30, 3, 48), torch.randn(30, 3, 32)
+    cq = _cu([7])
+    full, full_lse = flash_attn_varlen(q, k, v, cq, _cu([30]), 0.2, False)
+    o_a, lse_a = flash_attn_varlen(q, k[:12], v[:12], cq, _cu([12]), 0.2, False)
+    o_b, lse_b = flash_attn_varlen(q, k[12:], v[12:], cq, _cu([18]), 0.2, False)
+    out, lse = merge_attn_states(o_a, lse_a, o_b, lse_b)
+    _close(out, full, torch.float32)
+    torch.testing.assert_close(lse, full_lse, atol=1e-4, rtol=1e-4)
+
+
+def _mla_inputs(ext: list[int], pre: list[int], dtype: torch.dtype, heads: int, d_nope: int, d_rope: int,
+                d_v: int, kv_lora_rank: int, cache_dtype: torch.dtype | None = None) -> dict:
+    # scattered slots (a random permutation) and shuffled req_to_token rows, as after cache churn
+    b, ctx = len(ext), [p + e for p, e in zip(pre, ext)]
+    num_slots = sum(ctx) + 7
+    slots = torch.randperm(num_slots)
+    pool_idx = torch.randperm(b + 2)[:b]
+    req_to_token = torch.full((b + 2, max(ctx) + 3), -1, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(ctx):
+        req_to_token[pool_idx[i], :n] = slots[start:start + n].to(torch.int32)
+        start += n
+    kv_cache = torch.randn(num_slots, kv_lora_rank + d_rope).to(cache_dtype or dtype)
+    w = torch.randn(heads * (d_nope + d_v), kv_lora_rank) / math.sqrt(kv_lora_rank)     # kv_b_proj
+
+    def expand_kv(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = (latent.float() @ w.t()).to(latent.dtype).view(latent.shape[0], heads, d_nope + d_v)
+        return kv[..., :d_nope], kv[..., d_nope:]
+
+    t = sum(ext)
+    return dict(q=torch.randn(t, heads, d_nope + d_rope, dtype=dtype),
+                k_new=torch.randn(t, heads, d_nope + d_rope, dtype=dtype),
+                v_new=torch.randn(t, heads, d_v, dtype=dtype), extend_lens=torch.tensor(ext),
+                prefix_lens=torch.tensor(pre), kv_cache=kv_cache, req_to_token=req_to_token,
+                req_pool_idx=pool_idx, expand_kv=expand_kv, sm_scale=(d_nope + d_rope) ** -0.5,
+                kv_lora_rank=kv_lora_rank)
+
+
+# prefix_chunk 16 over prefixes 37 + 0 + 5 + 20: chunks straddle requests and 16 divides nothing.
+@pytest.mark.parametrize("ext,pre,chunk", [
+    ([7, 20, 1, 13], [0, 0, 0, 0], 16),              # plain prefill
+    ([7, 20, 1, 13], [9, 0, 3, 12], 4096),           # prefix in one chunk
+    ([7, 20, 0, 13], [37, 0, 5, 20], 16),            # several chunks, one request with no new tokens
+    ([0, 9], [40, 3], 16),                           # chunks whose requests have no queries are skipped
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mla_prefill_matches_ref(ext: list[int], pre: list[int], chunk: int, dtype: torch.dtype) -> None:
+    x = _mla_inputs(ext, pre, dtype, **SMALL)
+    _close(mla_prefill(**x, prefix_chunk=chunk), mla_prefill_ref(**x), dtype)
+
+
+def test_mla_prefill_deepseek_dims() -> None:
+    x = _mla_inputs([9, 24], [20, 7], torch.float16, **DEEPSEEK)
+    _close(mla_prefill(**x, prefix_chunk=16), mla_prefill_ref(**x), torch.float16)
+
+
+def test_mla_prefill_fp8_cache() -> None:
+    # stored e4m3 rows * kv_scale must equal running on the explicitly dequantised cache
+    x = _mla_inputs([6, 11], [21, 9], torch.float32, **SMALL, cache_dtype=torch.float8_e4m3fn)
+    kv_scale = 0.37
+    out = mla_prefill(**x, kv_scale=kv_scale, prefix_chunk=8)
+    _close(out, mla_prefill_ref(**x, kv_scale=kv_scale), torch.float32)
+    x["kv_cache"] = x["kv_cache"].float() * kv_scale
+    _close(out, mla_prefill_ref(**x), torch.float32)
+
+
+def test_mla_prefill_ref_matches_naive_full_attention() -> None:
+    # independent spec: expand every cache slot, one softmax over [all slots ++ all new tokens] with a mask
+    ext, pre = [5, 12, 3], [8, 0, 14]
+    x = _mla_inputs(ext, pre, torch.float32, **SMALL)
+    cache, r2t, heads, lr = x["kv_cache"], x["req_to_token"], x["q"].shape[1], x["kv_lora_rank"]
+    k_nope, v_cache = x["expand_kv"](cache[:, :lr])                                       # [S, H, Dn], [S, H, Dv]
+    k_all = torch.cat([torch.cat([k_nope, cache[:, None, lr:].expand(-1, heads, -1)], -1), x["k_new"]])
+    v_all = torch.cat([v_cache, x["v_new"]])
+    req = torch.repeat_interleave(torch.arange(len(ext)), torch.tensor(ext))             # [T]
+    idx = torch.cat([torch.arange(e) for e in ext])                                       # [T] index among new
+    allowed = torch.zeros(len(req), cache.shape[0] + len(req), dtype=torch.bool)
+    for t in range(len(req)):
+        b = int(req[t])
+        allowed[t, r2t[x["req_pool_idx"][b], :pre[b]].long()] = True                       # the whole prefix
+        allowed[t, cache.shape[0]:][(req == b) & (idx <= idx[t])] = True                   # causal new tokens
+    s = torch.einsum("thd,jhd->htj", x["q"], k_all) * x["sm_scale"]
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    naive = torch.einsum("htj,jhd->thd", p, v_all)
+    _close(mla_prefill_ref(**x), naive, torch.float32)
+
+
+def test_bench_case_arithmetic() -> None:
+    # V2-Lite 1x4096, H16: causal attention FLOPs = 2 * 4096^2 / 2 * 16 * (192 + 128)
+    assert bench_case.attn_flops([4096], [0], 16) == 2 * 4096 * 4096 / 2 * 16 * 320
+    assert bench_case.attn_flops([2, 3], [10, 0], 1, d_qk=1, d_v=1) == 2 * 2 * (2 + 20 + 4.5)
+    assert bench_case.expand_flops([100, 28], 16) == 2 * 128 * 512 * 16 * 256
+    assert bench_case.min_bytes([1], [1], 1) == 2 * ((2 * 192 + 2 * 128) + 576 + 256 * 512)
+    assert [s[0] for s in bench_case.SHAPES] and all(s[1] in (16, 128) for s in bench_case.SHAPES)

@@ -1,0 +1,95 @@
+"""moe_topk (Triton) vs moe_topk_ref vs Hugging Face's DeepseekV2/V3 TopkRouter on small configs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV3Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+from mlaserve.kernels.moe_topk import moe_topk, moe_topk_ref
+
+# weights: fp32 scores; exp / sigmoid / normalisation may differ by a few ulps between Triton and torch
+TOL = 1e-6
+
+V2_GREEDY = dict(top_k=6, topk_method="greedy", scoring_func="softmax")
+V2_GROUPED = dict(top_k=6, topk_method="group_limited_greedy", scoring_func="softmax", n_group=4, topk_group=2,
+                  routed_scaling_factor=16.0)
+V3_NOAUX = dict(top_k=8, topk_method="noaux_tc", scoring_func="sigmoid", n_group=8, topk_group=4,
+                norm_topk_prob=True, routed_scaling_factor=2.5)
+
+
+def by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row by expert id so selections compare regardless of order."""
+    ids, order = ids.long().sort(dim=-1)
+    return weights.gather(1, order), ids
+
+
+def assert_same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    gw, gi = by_id(*got)
+    ww, wi = by_id(*want)
+    assert torch.equal(gi, wi), f"different experts chosen:\n{gi}\n{wi}"
+    torch.testing.assert_close(gw.float(), ww.float(), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("kw,num_experts", [(V2_GREEDY, 24), (V2_GROUPED, 64), (V3_NOAUX, 64),
+                                            (dict(V2_GROUPED, n_group=8, topk_group=3), 160),
+                                            (dict(V3_NOAUX, n_group=8, topk_group=4), 24)])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_moe_topk_matches_ref(kw: dict, num_experts: int, tokens: int, device: str) -> None:
+    logits = torch.randn(tokens, num_experts, device=device)
+    bias = torch.randn(num_experts, device=device) * 0.1 if kw["topk_method"] == "noaux_tc" else None
+    got = moe_topk(logits, e_score_correction_bias=bias, **kw)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.int32
+    assert got[0].shape == got[1].shape == (tokens, kw["top_k"])
+    assert_same_routing(got, moe_topk_ref(logits, e_score_correction_bias=bias, **kw))
+    if kw.get("norm_topk_prob"):
+        # normalised weights sum to routed_scaling_factor
+        torch.testing.assert_close(got[0].sum(-1), torch.full((tokens,), kw["routed_scaling_factor"], device=device))
+
+
+def _hf_router(kw: dict, num_experts: int, hidden: int) -> torch.nn.Module:
+    common = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=num_experts,
+                  num_experts_per_tok=kw["top_k"], n_group=kw.get("n_group", 1), topk_group=kw.get("topk_group", 1),
+                  routed_scaling_factor=kw.get("routed_scaling_factor", 1.0))
+    if kw["topk_method"] == "noaux_tc":
+        router = DeepseekV3TopkRouter(DeepseekV3Config(norm_topk_prob=kw["norm_topk_prob"], **common))
+        router.e_score_correction_bias.copy_(torch.randn(num_experts) * 0.1)
+    else:
+        router = DeepseekV2TopkRouter(DeepseekV2Config(topk_method=kw["topk_method"], **common))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(num_experts, hidden))
+    return router
+
+
+@pytest.mark.parametrize("kw", [V2_GREEDY, V2_GROUPED, V3_NOAUX], ids=["greedy", "group_limited", "noaux_tc"])
+def test_moe_topk_ref_matches_hf_router(kw: dict) -> None:
+    num_experts, hidden, tokens = 32, 16, 40
+    router = _hf_router(kw, num_experts, hidden)
+    x = torch.randn(tokens, hidden)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = router(x)
+    bias = getattr(router, "e_score_correction_bias", None)
+    ref = moe_topk_ref(logits, e_score_correction_bias=bias, **kw)
+    assert_same_routing(ref, (hf_weights, hf_ids))
+    assert_same_routing(moe_topk(logits, e_score_correction_bias=bias, **kw), (hf_weights, hf_ids))
+
+
+def test_group_limited_greedy_stays_in_kept_groups() -> None:
+    # One group holds the 6 largest logits but only topk_group=1 group is kept: the best group's experts win.
+    logits = torch.randn(3, 32)
+    logits[:, 8:16] += 10.0
+    w, ids = moe_topk(logits, **dict(V2_GROUPED, topk_group=1))
+    assert ((ids >= 8) & (ids < 16)).all(), ids
+
+
+def test_noaux_tc_bias_chooses_but_does_not_weigh() -> None:
+    # A large bias on expert 5 forces its choice; its weight is still its unbiased sigmoid score.
+    logits = torch.randn(4, 64)
+    bias = torch.zeros(64)
+    bias[5] = 100.0
+    kw = dict(V3_NOAUX, norm_topk_prob=False, routed_scaling_factor=1.0)
+    w, ids = moe_topk(logits, e_score_correction_bias=bias, **kw)
+    pos = (ids == 5).long().argmax(dim=-1)
+    assert (ids == 5).any(dim=-1).all()
+    torch.testing.assert_close(w.gather(1, pos[:, None])[:, 0], logits[:, 5].sigmoid(), rtol=TOL, atol=TOL)
