@@ -136,6 +136,15 @@ def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET:
 
 
 @triton.jit
+def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
+    # Swizzle: GROUP_SIZE_M consecutive row blocks walk the N tiles together, so B tiles are reused from L2.
+    per_group = GROUP_SIZE_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_SIZE_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_SIZE_M)
+    return first_m + (pid % per_group) % rows_in_group, (pid % per_group) // rows_in_group
+
+
+@triton.jit
 def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
                       sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, N, K, num_slots, num_padded,
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
@@ -144,14 +153,8 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
                       BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(num_padded, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(N, TILE_N)
-    per_group = GROUP_SIZE_M * num_pid_n                 # tile swizzle: GROUP_SIZE_M row blocks share B tiles
-    first_m = (pid // per_group) * GROUP_SIZE_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_SIZE_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(num_padded, BLOCK_SIZE_M), tl.cdiv(N, TILE_N),
+                                GROUP_SIZE_M)
     if pid_m * BLOCK_SIZE_M >= tl.load(num_post_pad_ptr):
         return
     slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)  # [BM]

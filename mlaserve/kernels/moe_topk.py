@@ -22,47 +22,57 @@ def _first_max(s, idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _moe_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, per_group, n_group, stride_l,
+def _scores(logits_ptr, idx, ok, SIGMOID: tl.constexpr):
+    # [BG, BPG] fp32 scores (softmax over all experts, or sigmoid); -inf outside the E experts
+    logits = tl.load(logits_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.sigmoid(logits)
+    else:
+        p = tl.exp(logits - tl.max(tl.max(logits, axis=1), axis=0))            # masked: exp(-inf) = 0
+        scores = p / tl.sum(tl.sum(p, axis=1), axis=0)
+    return tl.where(ok, scores, float("-inf"))
+
+
+@triton.jit
+def _kept_groups(choice, g, j, n_group, METHOD: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_PG: tl.constexpr):
+    # [BG] mask of the TOPK_GROUP best groups; group score = max (group-limited) or sum of the top-2 (noaux_tc)
+    top1 = tl.max(choice, axis=1)
+    gscore = top1
+    if METHOD == 2:
+        first = tl.min(tl.where(choice == top1[:, None], j[None, :], BLOCK_PG), axis=1)
+        gscore = top1 + tl.max(tl.where(j[None, :] == first[:, None], float("-inf"), choice), axis=1)
+    gscore = tl.where(g < n_group, gscore, float("-inf"))
+    keep = g < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        pick = tl.min(tl.where(gscore == tl.max(gscore, axis=0), g, g.shape[0]), axis=0)
+        keep = keep | (g == pick)
+        gscore = tl.where(g == pick, float("-inf"), gscore)
+    return keep
+
+
+@triton.jit
+def _moe_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, per_group, n_group, stride_l,
                      routed_scaling_factor, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
                      METHOD: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One program per token; experts laid out [group, expert in group]. METHOD: 0 greedy, 1 group-limited, 2 noaux_tc.
+    # One program per token, experts laid out [group, expert in group]; METHOD indexes METHODS.
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_PG)
     ok = (g < n_group)[:, None] & (j < per_group)[None, :]
     big = BLOCK_G * BLOCK_PG
     idx = tl.where(ok, g[:, None] * per_group + j[None, :], big)               # [BG, BPG] expert ids
-    logits = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32)
-    if SIGMOID:
-        scores = tl.where(ok, tl.sigmoid(logits), float("-inf"))
-    else:
-        p = tl.exp(logits - tl.max(tl.max(logits, axis=1), axis=0))
-        scores = p / tl.sum(tl.sum(p, axis=1), axis=0)                          # masked entries: exp(-inf) = 0
-        scores = tl.where(ok, scores, float("-inf"))
+    scores = _scores(logits_ptr + row * stride_l, idx, ok, SIGMOID)
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + idx, mask=ok, other=0.0).to(tl.float32)
     if METHOD != 0:
+        keep = _kept_groups(choice, g, j, n_group, METHOD, TOPK_GROUP, BLOCK_PG)[:, None]
+        # NOTE: as HF, dropped groups read 0.0 for softmax scores (group-limited), -inf for noaux_tc choices.
         if METHOD == 1:
-            gscore = tl.max(choice, axis=1)
+            choice = tl.where(keep | ~ok, choice, 0.0)
         else:
-            top1 = tl.max(choice, axis=1)
-            first = tl.min(tl.where(choice == top1[:, None], j[None, :], BLOCK_PG), axis=1)
-            gscore = top1 + tl.max(tl.where(j[None, :] == first[:, None], float("-inf"), choice), axis=1)
-        gscore = tl.where(g < n_group, gscore, float("-inf"))
-        keep = g < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            best = tl.max(gscore, axis=0)
-            pick = tl.min(tl.where(gscore == best, g, BLOCK_G), axis=0)
-            keep = keep | (g == pick)
-            gscore = tl.where(g == pick, float("-inf"), gscore)
-        # NOTE: HF fills dropped groups with 0.0 for softmax scores, -inf for noaux_tc choices.
-        if METHOD == 1:
-            choice = tl.where(keep[:, None], choice, 0.0)
-        else:
-            choice = tl.where(keep[:, None], choice, float("-inf"))
-        choice = tl.where(ok, choice, float("-inf"))
+            choice = tl.where(keep, choice, float("-inf"))
     slot = tl.arange(0, BLOCK_K)
     w_out = tl.zeros([BLOCK_K], dtype=tl.float32)
     id_out = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -70,14 +80,13 @@ def _moe_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, per_group, n
         best, pick = _first_max(choice, idx, big)
         w = tl.sum(tl.sum(tl.where(idx == pick, scores, 0.0), axis=1), axis=0)
         if METHOD == 1:
-            w = best                                                           # masked 0.0 is the weight
+            w = best                                                           # a dropped expert weighs 0.0
         w_out = tl.where(slot == i, w, w_out)
         id_out = tl.where(slot == i, pick, id_out)
         choice = tl.where(idx == pick, float("-inf"), choice)
     if NORM:
         w_out = w_out / (tl.sum(w_out, axis=0) + 1e-20)
-    w_out = w_out * routed_scaling_factor
-    tl.store(weights_ptr + row * TOP_K + slot, w_out, mask=slot < TOP_K)
+    tl.store(weights_ptr + row * TOP_K + slot, w_out * routed_scaling_factor, mask=slot < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slot, id_out, mask=slot < TOP_K)
 
 
@@ -118,7 +127,7 @@ def moe_topk(router_logits: torch.Tensor, top_k: int, *, topk_method: str, scori
     bias = e_score_correction_bias if method == 2 else None
     block_pg = triton.next_power_of_2(e // groups)
     _moe_topk_kernel[(t,)](
-        logits, bias.contiguous() if bias is not None else logits, weights, ids, e, e // groups, groups,
+        logits, bias.contiguous() if bias is not None else logits, weights, ids, e // groups, groups,
         logits.stride(0), float(routed_scaling_factor), TOP_K=top_k, TOPK_GROUP=topk_group if method else 1,
         METHOD=method, SIGMOID=scoring_func == "sigmoid", NORM=bool(norm_topk_prob), HAS_BIAS=bias is not None,
         BLOCK_G=triton.next_power_of_2(groups), BLOCK_PG=block_pg, BLOCK_K=triton.next_power_of_2(top_k),

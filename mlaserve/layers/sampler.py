@@ -29,6 +29,22 @@ def _index_rows(id_lists: list[list[int]], vocab_size: int, device: torch.device
     return rows.to(device), torch.tensor(flat, dtype=torch.int64, device=device)
 
 
+def _token_mask(id_lists: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[B, V] bool: True at the ids of each row's list."""
+    rows, ids = _index_rows(id_lists, vocab_size, device)
+    mask = torch.zeros(len(id_lists), vocab_size, dtype=torch.bool, device=device)
+    mask[rows, ids] = True
+    return mask
+
+
+def _stop_ids(p: SamplingParams, eos_token_ids: list[int], vocab_size: int) -> list[int]:
+    """Ids masked while a request is below min_new_tokens: its stop_token_ids, and eos unless ignore_eos."""
+    if p.min_new_tokens == 0:
+        return []
+    ids = (p.stop_token_ids or []) + ([] if p.ignore_eos else eos_token_ids)
+    return [t for t in ids if 0 <= t < vocab_size]
+
+
 @dataclass
 class SamplingBatch:
     """Per-batch sampling tensors, built once per batch composition on the scheduler side (`build`).
@@ -115,16 +131,10 @@ class SamplingBatch:
             batch.token_counts = torch.zeros(b, vocab_size, dtype=torch.int32, device=device)
             batch.token_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         if need_rep:
-            rows, ids = _index_rows([p + o for p, o in zip(prompt_ids, output_ids)], vocab_size, device)
-            batch.seen_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
-            batch.seen_mask[rows, ids] = True
+            batch.seen_mask = _token_mask([p + o for p, o in zip(prompt_ids, output_ids)], vocab_size, device)
         if any(p.min_new_tokens > s for p, s in zip(params, steps)):
-            stops = [[] if p.min_new_tokens == 0 else
-                     [t for t in (p.stop_token_ids or []) + ([] if p.ignore_eos else eos_token_ids) if t < vocab_size]
-                     for p in params]
-            rows, ids = _index_rows(stops, vocab_size, device)
-            batch.stop_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
-            batch.stop_mask[rows, ids] = True
+            batch.stop_mask = _token_mask([_stop_ids(p, eos_token_ids, vocab_size) for p in params],
+                                          vocab_size, device)
         return batch
 
     def advance(self, next_ids: torch.Tensor) -> None:

@@ -149,8 +149,9 @@ class Engine:
         if getattr(self, "handle", None) is not None:
             self.handle.stop()
             self.handle = None
-        if getattr(self, "manager", None) is not None:
-            self.loop.call_soon_threadsafe(self.manager.close)
+        if getattr(self, "manager", None) is not None and self.loop.is_running():
+            self._call(self.manager.aclose())
+            self.manager = None
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
 

@@ -128,9 +128,10 @@ class TokenizerManager:
                 await state.queue.get()
                 while not state.queue.empty():
                     state.queue.get_nowait()
-                if obj.stream or state.finished is not None:
+                done = state.finished is not None   # NOTE: read before yielding; it may change meanwhile
+                if obj.stream or done:
                     yield self._snapshot(state, obj)
-                if state.finished is not None:
+                if done:
                     return
         finally:
             if state.finished is None:          # the caller went away: abort and free its KV
@@ -234,7 +235,11 @@ class TokenizerManager:
         if self.metrics is not None:
             self.metrics.observe(name, value)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
         self.ctx.destroy(linger=0)

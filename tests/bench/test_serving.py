@@ -8,7 +8,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ METRIC_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_o
 class Mock:
     """Records every request body and arrival time; `fail(i)` picks the i-th request's failure (None, 500, sse)."""
 
-    def __init__(self, usage: bool = True, fail: Any = lambda i: None) -> None:
+    def __init__(self, usage: bool = True, fail: Callable[[int], Any] = lambda i: None) -> None:
         self.usage, self.fail = usage, fail
         self.bodies: list[dict[str, Any]] = []
         self.arrivals: list[float] = []
@@ -46,10 +46,10 @@ class Mock:
         gen = self.broken() if failure == "sse" else self.stream(body, kind)
         return StreamingResponse(gen, media_type="text/event-stream")
 
-    async def broken(self) -> Iterator[str]:
+    async def broken(self) -> AsyncIterator[str]:
         yield "data: {this is not json\n\n"
 
-    async def stream(self, body: dict[str, Any], kind: str) -> Iterator[str]:
+    async def stream(self, body: dict[str, Any], kind: str) -> AsyncIterator[str]:
         n_out = body["sampling_params"]["max_new_tokens"] if kind == "native" else body["max_tokens"]
         prompt = body.get("prompt") or body.get("text") or body["messages"][0]["content"]
         n_in = len(prompt.split()) + (CHAT_OVERHEAD if kind == "chat" else 0)
@@ -66,7 +66,8 @@ class Mock:
 
 def chunk(kind: str, text: str, i: int, n_in: int, role: bool = False) -> dict[str, Any]:
     if kind == "native":  # cumulative text, counts in meta_info
-        return {"text": "".join(f" t{j}" for j in range(i)), "meta_info": {"prompt_tokens": n_in, "completion_tokens": i}}
+        meta = {"prompt_tokens": n_in, "completion_tokens": i}
+        return {"text": "".join(f" t{j}" for j in range(i)), "meta_info": meta}
     if kind == "chat":
         delta = {"role": "assistant", "content": text} if role else {"content": text}
         return {"choices": [{"index": 0, "delta": delta}], "usage": None}

@@ -136,7 +136,7 @@ def test_penalties_match_naive_loop(device: str) -> None:
     params = [SamplingParams(repetition_penalty=1.3), SamplingParams(repetition_penalty=0.8, frequency_penalty=0.7),
               SamplingParams(presence_penalty=-1.5, frequency_penalty=-0.4), SamplingParams()]
     prompt = [torch.randint(0, v, (6,)).tolist() for _ in params]
-    output = [torch.randint(0, v, (5,)).tolist() for _ in params]       # repeats likely: counts > 1
+    output = [torch.randint(0, v, (5,)).tolist() * 2 for _ in params]   # every output token twice: counts > 1
     logits = torch.randn(4, v, device=device) * 3
     got = apply_penalties(logits, _batch(params, v, prompt=prompt, output=output, device=device))
     want = logits.clone()
@@ -169,10 +169,11 @@ def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
     sampler = Sampler()
     batch.advance(sampler(logits, batch).next_ids)
     assert sampler(logits, batch).next_ids.item() not in (eos, stop)    # step 1 < 2: still masked
-    batch.advance(torch.tensor([0]))
-    assert sampler(logits, _batch([SamplingParams(min_new_tokens=2, temperature=0.0)], v, steps=[2],
-                                  eos=[eos])).next_ids.item() == eos
+    batch.advance(torch.tensor([0]))                                    # step 2: eos / stop allowed again
     assert batch.min_tokens_mask is not None and not batch.min_tokens_mask.any()
+    assert sampler(logits, batch).next_ids.item() in (eos, stop)
+    done = SamplingParams(min_new_tokens=2, temperature=0.0)
+    assert sampler(logits, _batch([done], v, steps=[2], eos=[eos])).next_ids.item() == eos
     ignore = SamplingParams(min_new_tokens=5, stop_token_ids=[stop], ignore_eos=True, temperature=0.0)
     assert Sampler()(logits, _batch([ignore], v, steps=[0], eos=[eos])).next_ids.item() == eos
 

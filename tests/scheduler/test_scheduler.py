@@ -1,0 +1,151 @@
+"""The scheduler in-process on the CPU: continuous batching, prefix cache, chunked prefill, retraction, aborts."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+import mlaserve
+from mlaserve.config import ServerConfig
+from mlaserve.core import SamplingParams
+from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.scheduler.scheduler import Scheduler
+from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+
+CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    d = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"first_k_dense_replace": 1}
+    cfg = make_config(d, num_layers=2, shrink=True, fp8=False)
+    return str(write_checkpoint(cfg, tmp_path_factory.mktemp("sched") / "m", progress=False, tokenizer=False))
+
+
+def make(ckpt: str, **kw) -> Scheduler:
+    args = dict(model_path=ckpt, device="cpu", dtype="float32", max_total_tokens=4096, log_level="warning")
+    return Scheduler(ServerConfig.from_flat(**(args | kw)), ckpt)
+
+
+def msg(rid: str, ids: list[int], max_new: int = 12, **params) -> GenerateReqMsg:
+    p = SamplingParams(max_new_tokens=max_new, temperature=params.pop("temperature", 0.0), **params)
+    return GenerateReqMsg(rid, ids, p, seed=params.get("seed") or 1234)
+
+
+def run(sched: Scheduler, msgs: list[GenerateReqMsg], arrivals: dict[str, int] | None = None,
+        aborts: dict[str, int] | None = None, max_steps: int = 5000) -> dict[str, dict]:
+    """Drive the loop; a message joins at step arrivals[rid] (default 0); returns rid -> {ids, finished, ...}."""
+    arrivals, aborts = arrivals or {}, aborts or {}
+    results = {x.rid: {"ids": [], "finished": None, "cached": 0} for x in msgs}
+    pending = sorted(msgs, key=lambda x: arrivals.get(x.rid, 0))
+    for step in range(max_steps):
+        while pending and arrivals.get(pending[0].rid, 0) <= step:
+            sched.add_request(pending.pop(0))
+        for rid, at in aborts.items():
+            if at == step:
+                sched.abort(rid)
+        for out in sched.step():
+            r = results[out.rid]
+            r["ids"] += out.new_ids
+            r["cached"] = out.cached_tokens
+            if out.finished:
+                r["finished"] = out.finished
+        if not pending and not sched.has_work:
+            return results
+    raise AssertionError("scheduler did not finish")
+
+
+def prompts(n: int, lo: int = 5, hi: int = 60, seed: int | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 4000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    kv = sched.kv
+    assert kv.tree.protected_size == 0 and kv.req_pool.available == sched.max_running + 8
+    assert kv.allocator.available + kv.tree.total_size() == kv.num_slots
+    assert kv.flush() and kv.allocator.available == kv.num_slots
+
+
+@pytest.mark.parametrize("radix,chunk", [(True, -1), (False, -1), (True, 16), (False, 16)])
+def test_batched_greedy_equals_one_at_a_time(ckpt, radix, chunk):
+    ps = prompts(6)
+    ps.append(ps[0][:20] + ps[1][:30])             # shares a prefix with request 0
+    ps.append(ps[0] + [7, 8, 9])                  # extends request 0's prompt
+    msgs = [msg(f"r{i}", p) for i, p in enumerate(ps)]
+    alone = {}
+    for x in msgs:
+        alone |= run(make(ckpt), [x])
+    sched = make(ckpt, disable_radix_cache=not radix, chunked_prefill_size=chunk)
+    together = run(sched, msgs, arrivals={f"r{i}": i % 3 for i in range(len(msgs))})
+    for rid in alone:
+        assert together[rid]["ids"] == alone[rid]["ids"], rid
+        assert together[rid]["finished"]["type"] == "length"
+    assert_no_leak(sched)
+
+
+def test_prefix_cache_hit_is_reported(ckpt):
+    sched = make(ckpt)
+    shared = prompts(1, 40, 40, seed=1)[0]
+    first = run(sched, [msg("a", shared + [11, 12])])
+    second = run(sched, [msg("b", shared + [13, 14, 15])])
+    assert first["a"]["cached"] == 0 and second["b"]["cached"] >= 40
+    nocache = make(ckpt, disable_radix_cache=True)
+    run(nocache, [msg("a", shared + [11, 12])])
+    assert run(nocache, [msg("b", shared + [13, 14, 15])])["b"]["cached"] == 0
+
+
+def test_stress_random_arrivals_aborts_and_retraction(ckpt):
+    rng = random.Random()
+    n = 24
+    ps = prompts(n, 4, 90)
+    msgs = [msg(f"s{i}", p, max_new=rng.randint(1, 40)) for i, p in enumerate(ps)]
+    arrivals = {x.rid: rng.randint(0, 30) for x in msgs}
+    aborted = {x.rid: arrivals[x.rid] + rng.randint(0, 20) for x in rng.sample(msgs, 4)}
+    big = run(make(ckpt, max_total_tokens=8192), msgs, arrivals)
+    small = make(ckpt, max_total_tokens=300, max_running_requests=16, chunked_prefill_size=64)
+    got = run(small, msgs, arrivals, aborted)
+    assert small.num_retracted > 0, "the pool was meant to be small enough to force retraction"
+    for x in msgs:
+        r = got[x.rid]
+        assert r["finished"] is not None
+        if x.rid in aborted and r["finished"]["type"] == "abort":
+            assert big[x.rid]["ids"][: len(r["ids"])] == r["ids"]
+        else:
+            assert r["ids"] == big[x.rid]["ids"], x.rid
+    assert_no_leak(small)
+
+
+def test_too_long_prompt_rejected_not_left_waiting(ckpt):
+    sched = make(ckpt, max_total_tokens=64, context_length=128)
+    res = run(sched, [msg("long", list(range(2, 100))), msg("ctx", list(range(2, 200))), msg("ok", [5, 6, 7])])
+    assert res["long"]["finished"]["type"] == "abort" and "KV cache" in res["long"]["finished"]["message"]
+    assert res["ctx"]["finished"]["type"] == "abort" and "context length" in res["ctx"]["finished"]["message"]
+    assert res["ok"]["finished"]["type"] == "length"
+
+
+def test_abort_frees_everything(ckpt):
+    sched = make(ckpt)
+    res = run(sched, [msg("x", prompts(1, 50, 50)[0], max_new=100), msg("y", [3, 4, 5], max_new=3)],
+              aborts={"x": 4})
+    assert res["x"]["finished"] == {"type": "abort"} and res["y"]["finished"]["type"] == "length"
+    assert_no_leak(sched)
+
+
+def test_stop_token_ids_min_new_tokens_and_seeded_sampling(ckpt):
+    sched = make(ckpt)
+    base = run(sched, [msg("g", [9, 10, 11], max_new=10)])["g"]["ids"]
+    stop_at = base[4]
+    res = run(sched, [msg("s", [9, 10, 11], max_new=10, stop_token_ids=[stop_at])])["s"]
+    assert res["ids"] == base[: base.index(stop_at) + 1] and res["finished"]["matched"] == stop_at
+    res = run(sched, [msg("m", [9, 10, 11], max_new=10, stop_token_ids=[stop_at], min_new_tokens=8)])["m"]
+    assert len(res["ids"]) >= 8
+    # a seeded sampled request gives the same tokens alone and inside a busy batch
+    seeded = msg("t", [1, 2, 3], max_new=16, temperature=1.0, seed=77)
+    alone = run(make(ckpt), [seeded])["t"]["ids"]
+    others = [msg(f"o{i}", p, max_new=8, temperature=0.7, seed=i + 1) for i, p in enumerate(prompts(5))]
+    seeded2 = msg("t", [1, 2, 3], max_new=16, temperature=1.0, seed=77)
+    busy = run(make(ckpt), others + [seeded2], arrivals={"t": 2})["t"]["ids"]
+    assert alone == busy

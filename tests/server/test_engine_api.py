@@ -1,0 +1,107 @@
+"""The offline Engine API over the real scheduler process (ZeroMQ), on the CPU."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mlaserve
+from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+
+CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    d = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"first_k_dense_replace": 1}
+    cfg = make_config(d, num_layers=2, shrink=True, fp8=False)
+    return str(write_checkpoint(cfg, tmp_path_factory.mktemp("eng") / "m", progress=False))
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    with mlaserve.Engine(model_path=ckpt, device="cpu", dtype="float32", max_total_tokens=2048,
+                         log_level="warning") as e:
+        yield e
+
+
+def test_generate_single_and_batch_shapes(engine):
+    one = engine.generate(prompt="Hello world", sampling_params={"max_new_tokens": 5, "temperature": 0})
+    assert set(one) == {"text", "output_ids", "meta_info"} and len(one["output_ids"]) == 5
+    meta = one["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 5} and meta["completion_tokens"] == 5
+    batch = engine.generate(prompt=["Hello world", "A second prompt"], sampling_params={"max_new_tokens": 4,
+                                                                                        "temperature": 0})
+    assert isinstance(batch, list) and batch[0]["output_ids"][:4] == one["output_ids"][:4]
+    ids = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=[{"max_new_tokens": 2}, {"max_new_tokens": 3}])
+    assert [len(o["output_ids"]) for o in ids] == [2, 3]
+
+
+def test_prompt_logprobs_equal_hf(engine, ckpt):
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(20, 4000, (30,)).tolist()
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                          logprob_start_len=0, top_logprobs_num=3)
+    got = out["meta_info"]["input_token_logprobs"]
+    assert got[0] == (None, ids[0]) and [t for _, t in got] == ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].log_softmax(-1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert max(abs(a - b) for (a, _), b in zip(got[1:], want.tolist())) <= 1e-4
+    tops = out["meta_info"]["input_top_logprobs"]
+    assert len(tops) == len(ids) - 1 and all(len(t) == 3 and t[0][0] >= t[1][0] >= t[2][0] for t in tops)
+    # from a later position, with the prefix cache warm: same values
+    again = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                            logprob_start_len=10)["meta_info"]["input_token_logprobs"]
+    assert [t for _, t in again] == ids[10:]
+    assert max(abs(a - b) for (a, _), (b, _) in zip(again, got[10:])) <= 1e-5
+
+
+def test_streaming_and_async(engine):
+    chunks = list(engine.generate(prompt="stream me", sampling_params={"max_new_tokens": 6, "temperature": 0},
+                                  stream=True))
+    final = engine.generate(prompt="stream me", sampling_params={"max_new_tokens": 6, "temperature": 0})
+    assert chunks[-1]["text"] == final["text"] and chunks[-1]["output_ids"] == final["output_ids"]
+    assert len(chunks) >= 2 and all(a["text"] == b["text"][: len(a["text"])] for a, b in zip(chunks, chunks[1:]))
+
+    async def go():
+        res = await engine.async_generate(prompt=["x y", "z"], sampling_params={"max_new_tokens": 3})
+        parts = [c async for c in await engine.async_generate(prompt="x y", sampling_params={"max_new_tokens": 3},
+                                                             stream=True)]
+        return res, parts
+    res, parts = asyncio.run(go())
+    assert len(res) == 2 and parts[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_stop_strings_trim_and_report(engine):
+    base = engine.generate(prompt="stop test", sampling_params={"max_new_tokens": 12, "temperature": 0})
+    text = base["text"]
+    assert len(text) > 6
+    stop = text[3:6]
+    out = engine.generate(prompt="stop test", sampling_params={"max_new_tokens": 12, "temperature": 0, "stop": stop})
+    assert out["text"] == text[: text.index(stop)]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_bad_request_raises_clear_error(engine):
+    from mlaserve.server.manager import RequestError
+    with pytest.raises(RequestError, match="temperature"):
+        engine.generate(prompt="x", sampling_params={"temperature": -1})
+    with pytest.raises(RequestError, match="more than the KV cache holds"):
+        engine.generate(input_ids=[5] * 3000)
+    with pytest.raises(RequestError, match="input_ids must be in"):
+        engine.generate(input_ids=[5, 99999])
+    assert engine.generate(prompt="still serving", sampling_params={"max_new_tokens": 1})["output_ids"]
+
+
+def test_issue_one_liner(ckpt):
+    code = ("import mlaserve; e = mlaserve.Engine(model_path=%r, device='cpu'); "
+            "print(e.generate(prompt='Hi', sampling_params={'max_new_tokens': 8})); e.shutdown()" % ckpt)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "'completion_tokens': 8" in out.stdout
