@@ -5,8 +5,10 @@ import importlib
 import sys
 
 COMMANDS = {
+    "serve": ("mlaserve.server.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "make-checkpoint": ("mlaserve.tools.make_checkpoint", "create a synthetic DeepSeek checkpoint"),
     "bench serving": ("mlaserve.bench.serving", "load-test an OpenAI-compatible server (ours or another)"),
+    "bench one-batch": ("mlaserve.bench.one_batch", "prefill + decode one batch, beside the floor (and HF)"),
     "bench kernels": ("mlaserve.bench.kernels", "time every Triton kernel at DeepSeek shapes (GPU)"),
     "tune fused-moe": ("mlaserve.tools.tune_fused_moe", "search fused-MoE kernel configs (GPU)"),
     "tune fp8-gemm": ("mlaserve.tools.tune_fp8_gemm", "search block-FP8 GEMM kernel configs (GPU)"),

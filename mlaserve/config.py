@@ -334,3 +334,51 @@ class ServerConfig:
 
 
 _SECTION_TYPES = {"load": LoadConfig, "parallel": ParallelConfig, "cache": CacheConfig, "sched": SchedConfig}
+
+
+# --- the command line, generated from the fields above --------------------------------------------
+
+_SECTION_TITLES = {"load": "model loading", "parallel": "parallelism", "cache": "KV cache", "sched": "scheduling"}
+
+
+def add_config_args(parser: Any, cls: type = ServerConfig) -> None:
+    """Add one `--kebab-case` flag per field of `cls`, its sections flattened (`--model-path`, `--tp-size`),
+    grouped in `--help` by section; help, `choices` and `nargs` come from the field's metadata."""
+    for section in cls.SECTIONS:
+        group = parser.add_argument_group(_SECTION_TITLES.get(section, section))
+        for f in fields(_SECTION_TYPES[section]):
+            _add_flag(group, f, _SECTION_TYPES[section])
+    group = parser.add_argument_group("server")
+    for f in fields(cls):
+        if f.name not in cls.SECTIONS:
+            _add_flag(group, f, cls)
+
+
+def config_from_args(ns: Any, cls: type = ServerConfig) -> ServerConfig:
+    """The config from a namespace parsed with `add_config_args`."""
+    names = [f.name for s in cls.SECTIONS for f in fields(_SECTION_TYPES[s])]
+    names += [f.name for f in fields(cls) if f.name not in cls.SECTIONS]
+    return cls.from_flat(**{n: getattr(ns, n) for n in names})
+
+
+def _add_flag(group: Any, f: Any, owner: type) -> None:
+    import argparse
+    import typing
+
+    flag = "--" + f.name.replace("_", "-")
+    kind = typing.get_type_hints(owner)[f.name]
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    base = args[0] if args else kind
+    help_ = f.metadata.get("help", "")
+    if base is bool:
+        action = argparse.BooleanOptionalAction if f.default else "store_true"
+        group.add_argument(flag, action=action, default=f.default, help=help_)
+        return
+    nargs = f.metadata.get("nargs")
+    if typing.get_origin(base) is list:
+        base = typing.get_args(base)[0]
+    if f.default is not None and "default" not in help_:
+        help_ += " (default: %(default)s)"
+    metavar = {int: "N", float: "X"}.get(base, f.name.split("_")[-1].upper())
+    group.add_argument(flag, type=base, default=f.default, choices=f.metadata.get("choices"), nargs=nargs,
+                       metavar=None if f.metadata.get("choices") else metavar, help=help_)

@@ -42,6 +42,7 @@ class ForwardContext:
     attn_backend: "BaseAttnBackend"
     num_q: int = 1                   # query tokens per request in DECODE mode
     logits_indices: torch.Tensor | None = None   # rows of T whose logits are wanted (None: all)
+    num_kv_splits: int | None = None     # split-KV count of the decode kernel (fixed under CUDA graphs)
 
     @property
     def batch_size(self) -> int:

@@ -72,6 +72,7 @@ class ModelRunner:
                                                 self.cfg.qk_rope_head_dim)
         self.sampler = Sampler()
         self.req_to_token: torch.Tensor | None = None      # set by the scheduler's KVCacheManager
+        self.graphs = None
         logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,
                     self.pool.bytes_per_token() * self.num_slots / 2**20, kv_dtype)
 
@@ -83,12 +84,32 @@ class ModelRunner:
             return CPU_DEFAULT_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        budget = total * cache.mem_fraction_static - torch.cuda.memory_allocated(self.device) - used_by_others
+        budget = (total * cache.mem_fraction_static - torch.cuda.memory_allocated(self.device) - used_by_others
+                  - self._graph_reserve())
         per_token = self.model.num_kv_layers * self.cfg.kv_cache_dim * torch.empty((), dtype=self.dtype).element_size()
         if budget < per_token * 256:
             raise RuntimeError(f"not enough GPU memory for the KV pool ({budget / 2**30:.2f} GiB left after weights); "
                                "raise --mem-fraction-static or use a smaller model")
         return int(budget // per_token)
+
+    def _graph_reserve(self) -> int:
+        """Memory kept out of the KV pool for decode activations and CUDA-graph buffers (logits dominate)."""
+        sched = self.server.sched
+        if sched.disable_cuda_graph:
+            return 512 * 2**20
+        return 512 * 2**20 + 3 * sched.cuda_graph_max_bs * self.cfg.vocab_size * 4
+
+    def init_cuda_graphs(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
+        """Capture decode graphs (GPU, Triton backend, unless --disable-cuda-graph)."""
+        from mlaserve.attention.triton import TritonMLABackend
+        from mlaserve.engine.graph import DecodeGraphRunner, default_batch_sizes
+
+        sched = self.server.sched
+        if self.device.type != "cuda" or sched.disable_cuda_graph or not isinstance(self.attn_backend, TritonMLABackend):
+            return
+        sizes = sched.cuda_graph_bs or default_batch_sizes(sched.cuda_graph_max_bs)
+        self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req, sizes,
+                                        min(self.context_len, self.num_slots), self.device)
 
     # --- one step ----------------------------------------------------------------------------
     def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:
@@ -114,6 +135,14 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, batch: Batch) -> StepOutput:
         rows, prompt_rows, sample_row = self._logit_rows(batch)
+        if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run(batch.size):
+            dev = self.device
+            prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+            logits = self.graphs.replay(
+                torch.tensor(batch.input_ids, dtype=torch.int64).to(dev, non_blocking=True), prefix.to(dev),
+                batch.out_slots.to(dev), torch.tensor([r.req_pool_idx for r in batch.reqs]).to(dev),
+                (prefix + 1).to(dev, torch.int32))
+            return self._sample(batch, logits, prompt_rows, sample_row)
         ctx = build_context(batch.mode, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
                             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, out_slots=batch.out_slots,
                             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,

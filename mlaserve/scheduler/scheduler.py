@@ -34,6 +34,7 @@ class Scheduler:
                                  min(self.context_len, self.runner.num_slots) + 1,
                                  disable_radix=server.cache.disable_radix_cache, device=self.runner.device)
         self.runner.req_to_token = self.kv.req_to_token
+        self.runner.init_cuda_graphs(self.kv.req_to_token, self.kv.req_pool.alloc())   # a row for padding
         self.eos_ids = set(self.runner._eos_ids())
         self.waiting: list[Req] = []
         self.running: list[Req] = []

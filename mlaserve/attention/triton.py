@@ -1,0 +1,24 @@
+"""MLA attention through the Triton kernels (`--attention-backend triton`, the GPU default)."""
+from __future__ import annotations
+
+import torch
+
+from mlaserve.attention.base import BaseAttnBackend, ExpandKV
+from mlaserve.core import ForwardContext
+from mlaserve.kernels.mla_decode import mla_decode
+from mlaserve.kernels.mla_prefill import mla_prefill
+
+
+class TritonMLABackend(BaseAttnBackend):
+    def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+               ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
+        k_nope, v = expand_kv(kv_c)                                           # [T, H, Dn], [T, H, Dv]
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)   # [T, H, Dn + R]
+        return mla_prefill(q, k, v, torch.tensor(ctx.extend_lens_cpu), torch.tensor(ctx.prefix_lens_cpu),
+                           ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, expand_kv,
+                           self.sm_scale, kv_lora_rank=self.kv_lora_rank, kv_scale=ctx.kv_pool.kv_scale)
+
+    def decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return mla_decode(q, ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,
+                          self.sm_scale, kv_lora_rank=self.kv_lora_rank, num_q=ctx.num_q,
+                          kv_scale=ctx.kv_pool.kv_scale, num_kv_splits=ctx.num_kv_splits)

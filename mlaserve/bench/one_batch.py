@@ -1,0 +1,183 @@
+"""`mlaserve bench one-batch`: prefill one batch, then decode it step by step; latency and throughput beside
+the floor of DESIGN.md sec. 5 (bytes / measured copy bandwidth; FLOPs / measured matmul rate), and with
+`--hf-peer` Hugging Face transformers on the same config in the same run.
+
+    mlaserve bench one-batch --model-path DIR --batch-size 1 16 64 --input-len 256 --output-len 32
+    mlaserve bench one-batch --load-format dummy --model-config config.json --batch-size 1 16 64 --hf-peer
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mlaserve.bench.floor import decode_step_bytes, prefill_flops
+from mlaserve.config import ServerConfig
+from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
+from mlaserve.engine.engine import ModelRunner
+from mlaserve.kvcache.allocator import ReqToTokenPool, TokenSlotAllocator
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def model_dir(args: argparse.Namespace) -> str:
+    if args.model_path:
+        return args.model_path
+    tmp = Path(tempfile.mkdtemp(prefix="mlaserve-dummy-"))
+    (tmp / "config.json").write_text(Path(args.model_config).read_text())
+    return str(tmp)
+
+
+def build_runner(args: argparse.Namespace, path: str) -> tuple[ModelRunner, ReqToTokenPool, TokenSlotAllocator]:
+    max_bs = max(args.batch_size)
+    tokens = max_bs * (args.input_len + args.output_len) + 64
+    server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
+                                    device=args.device, max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
+                                    cuda_graph_max_bs=max_bs, attention_backend=args.attention_backend,
+                                    context_length=args.input_len + args.output_len + 8)
+    runner = ModelRunner(server, path)
+    pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8, runner.device)
+    runner.req_to_token = pool.table
+    runner.init_cuda_graphs(pool.table, pool.alloc())
+    return runner, pool, TokenSlotAllocator(runner.num_slots, runner.device)
+
+
+def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocator, bs: int, input_len: int,
+              output_len: int) -> dict:
+    vocab = runner.cfg.vocab_size
+    reqs = [Req(f"b{i}", torch.randint(2, vocab, (input_len,)).tolist(),
+                SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True), seed=i) for i in range(bs)]
+    slots = alloc.alloc(bs * input_len)
+    for i, r in enumerate(reqs):
+        r.req_pool_idx = pool.alloc()
+        pool.write(r.req_pool_idx, 0, slots[i * input_len:(i + 1) * input_len])
+        r.kv_len = input_len
+    batch = Batch(ForwardMode.EXTEND, reqs, [t for r in reqs for t in r.input_ids], slots, [0] * bs,
+                  [input_len] * bs, [True] * bs)
+    sync()
+    t0 = time.perf_counter()
+    out = runner.forward(batch)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    steps = []
+    for r, tok in zip(reqs, out.next_ids):
+        r.output_ids.append(tok)
+    for _ in range(output_len - 1):
+        s = alloc.alloc(bs)
+        prefix = [r.kv_len for r in reqs]
+        for r, slot in zip(reqs, s):
+            pool.write(r.req_pool_idx, r.kv_len, slot.view(1))
+            r.kv_len += 1
+        batch = Batch(ForwardMode.DECODE, reqs, [r.output_ids[-1] for r in reqs], s, prefix, [1] * bs, [True] * bs)
+        sync()
+        t0 = time.perf_counter()
+        out = runner.forward(batch)
+        sync()
+        steps.append(time.perf_counter() - t0)
+        for r, tok in zip(reqs, out.next_ids):
+            r.output_ids.append(tok)
+    for r in reqs:
+        alloc.free(pool.table[r.req_pool_idx, : r.kv_len].long())
+        pool.free(r.req_pool_idx)
+    step = statistics.median(steps) if steps else float("nan")
+    return {"batch_size": bs, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
+            "prefill_tok_s": bs * input_len / prefill_s, "decode_step_s": step, "decode_tok_s": bs / step}
+
+
+def add_floor(row: dict, runner: ModelRunner, ceil: dict) -> dict:
+    cfg, bs = runner.cfg, row["batch_size"]
+    ctx = row["input_len"] + row["output_len"] // 2
+    kv_bytes = runner.pool.buffers[0].element_size()
+    nbytes = decode_step_bytes(cfg, bs, ctx, fp8=cfg.is_fp8 and not runner.server.load.dequant_fp8,
+                               kv_bytes=kv_bytes)["total"]
+    row["decode_floor_s"] = nbytes / ceil["copy_bps"]
+    row["decode_frac_floor"] = row["decode_floor_s"] / row["decode_step_s"]
+    flops = prefill_flops(cfg, row["input_len"]) * bs
+    rate = ceil["fp8_flops"] if cfg.is_fp8 and not runner.server.load.dequant_fp8 else ceil["bf16_flops"]
+    row["prefill_tflops"] = flops / row["prefill_s"] / 1e12
+    row["prefill_frac_rate"] = flops / row["prefill_s"] / rate
+    return row
+
+
+def table(rows: list[dict], title: str) -> str:
+    lines = [f"### {title}", "", "| engine | bs | in | out | prefill ms | prefill tok/s | prefill TFLOP/s (of rate) | "
+             "decode step ms | decode tok/s | floor ms | of floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pf = f"{r['prefill_tflops']:.0f} ({r['prefill_frac_rate']:.0%})" if "prefill_tflops" in r else "-"
+        fl = f"{r['decode_floor_s'] * 1e3:.2f}" if "decode_floor_s" in r else "-"
+        fr = f"{r['decode_frac_floor']:.0%}" if "decode_frac_floor" in r else "-"
+        lines.append(f"| {r.get('engine', 'mlaserve')} | {r['batch_size']} | {r['input_len']} | {r['output_len']} | "
+                     f"{r['prefill_s'] * 1e3:.1f} | {r['prefill_tok_s']:.0f} | {pf} | {r['decode_step_s'] * 1e3:.2f} | "
+                     f"{r['decode_tok_s']:.0f} | {fl} | {fr} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mlaserve bench one-batch", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path")
+    ap.add_argument("--model-config", help="config.json for --load-format dummy")
+    ap.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
+    ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "torch"))
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="write a torch profiler trace of the last batch size")
+    ap.add_argument("--profile-dir", default="/tmp/mlaserve-profile")
+    ap.add_argument("--hf-peer", action="store_true", help="then run HF transformers on the same config")
+    ap.add_argument("--output-file", help="append the markdown table and JSON rows here")
+    args = ap.parse_args(argv)
+    if not args.model_path and not (args.load_format == "dummy" and args.model_config):
+        ap.error("give --model-path, or --load-format dummy with --model-config")
+    path = model_dir(args)
+    from mlaserve.bench.timing import Ceilings
+
+    ceil = Ceilings.measure() if torch.cuda.is_available() else {"copy_bps": float("nan"), "bf16_flops": float("nan"),
+                                                                  "fp8_flops": float("nan")}
+    t0 = time.perf_counter()
+    runner, pool, alloc = build_runner(args, path)
+    startup = time.perf_counter() - t0
+    one_batch(runner, pool, alloc, min(args.batch_size), min(args.input_len, 32), 3)        # warm-up
+    rows = []
+    for bs in args.batch_size:
+        if args.profile and bs == args.batch_size[-1]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+                row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
+            Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(args.profile_dir) / f"one_batch_bs{bs}.json"))
+        else:
+            row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
+        rows.append(add_floor(row, runner, ceil))
+        print(json.dumps(rows[-1]), flush=True)
+    cfg = runner.cfg
+    del runner, pool, alloc
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.hf_peer:
+        from mlaserve.bench.hf_peer import run_hf
+
+        for bs in args.batch_size:
+            rows.append(run_hf(path, bs, args.input_len, args.output_len, args.dtype))
+            print(json.dumps(rows[-1]), flush=True)
+    title = (f"one-batch, {cfg.architecture} hidden {cfg.hidden_size} x {cfg.num_hidden_layers} layers, "
+             f"{'FP8' if cfg.is_fp8 else args.dtype}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+             f"{datetime.date.today()}; copy {ceil['copy_bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} "
+             f"TFLOP/s, fp8 {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s; model build + load + graph capture {startup:.1f} s")
+    text = table(rows, title)
+    print(text)
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            f.write(text + "\n\n<!-- rows: " + json.dumps(rows) + " -->\n\n")
+    return 0

@@ -1,0 +1,98 @@
+"""CUDA graphs for decode: one graph per captured batch size; a batch is padded to the next captured size.
+
+Padded rows decode a dummy request whose single cache position is the padding slot 0, so they read and
+write nothing real. Sampling runs after the replay, outside the graph.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from mlaserve.core import ForwardContext, ForwardMode
+from mlaserve.kernels.mla_decode import choose_num_kv_splits, pick_config
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_bs (the ladder users know)."""
+    ladder = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
+    return sorted({b for b in ladder if b <= max_bs} | {max_bs})
+
+
+class DecodeGraphRunner:
+    """Captures `model` decode forwards; `replay(...)` returns the logits [bs, V] of a real batch."""
+
+    def __init__(self, model: torch.nn.Module, kv_pool, attn_backend, req_to_token: torch.Tensor,
+                 dummy_req: int, batch_sizes: list[int], max_context: int, device: torch.device):
+        self.model, self.batch_sizes = model, sorted(batch_sizes)
+        self.dummy_req, self.device = dummy_req, device
+        n = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req_pool_idx = torch.full((n,), dummy_req, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.ctxs: dict[int, ForwardContext] = {}
+        req_to_token[dummy_req, 0] = 0
+        self.pool = None
+        self._capture(kv_pool, attn_backend, req_to_token, max_context)
+
+    def _ctx(self, bs: int, kv_pool, attn_backend, req_to_token, max_context: int) -> ForwardContext:
+        heads = self.model.cfg.num_attention_heads
+        block_h = pick_config(heads).block_h
+        splits = choose_num_kv_splits(bs * -(-heads // block_h), max_context)
+        return ForwardContext(
+            mode=ForwardMode.DECODE, positions=self.positions[:bs], out_slots=self.out_slots[:bs],
+            req_pool_idx=self.req_pool_idx[:bs], seq_lens=self.seq_lens[:bs],
+            extend_lens=torch.ones(bs, dtype=torch.int32, device=self.device),
+            prefix_lens=self.seq_lens[:bs] - 1, seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs,
+            req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=1,
+            logits_indices=None, num_kv_splits=splits)
+
+    @torch.no_grad()
+    def _capture(self, kv_pool, attn_backend, req_to_token, max_context: int) -> None:
+        t0 = time.monotonic()
+        stream = torch.cuda.Stream()
+        for bs in reversed(self.batch_sizes):             # largest first: later graphs reuse its memory
+            ctx = self._ctx(bs, kv_pool, attn_backend, req_to_token, max_context)
+            ids, pos = self.input_ids[:bs], self.positions[:bs]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):                        # warm up: Triton compiles, autotune caches
+                    self.model(ids, pos, ctx)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self.model(ids, pos, ctx).logits
+            self.pool = graph.pool()
+            self.graphs[bs], self.outputs[bs], self.ctxs[bs] = graph, out, ctx
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (bs %s) in %.1f s", len(self.graphs),
+                    self.batch_sizes, time.monotonic() - t0)
+
+    def can_run(self, bs: int) -> bool:
+        return bs <= self.batch_sizes[-1]
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
+               req_pool_idx: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        bs = input_ids.shape[0]
+        cbs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        self.input_ids[:bs].copy_(input_ids)
+        self.positions[:bs].copy_(positions)
+        self.out_slots[:bs].copy_(out_slots)
+        self.req_pool_idx[:bs].copy_(req_pool_idx)
+        self.seq_lens[:bs].copy_(seq_lens)
+        if cbs > bs:                                      # padding rows: the dummy request, slot 0
+            self.input_ids[bs:cbs].zero_()
+            self.positions[bs:cbs].zero_()
+            self.out_slots[bs:cbs].zero_()
+            self.req_pool_idx[bs:cbs].fill_(self.dummy_req)
+            self.seq_lens[bs:cbs].fill_(1)
+        self.graphs[cbs].replay()
+        return self.outputs[cbs][:bs]

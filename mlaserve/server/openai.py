@@ -1,0 +1,283 @@
+"""The HTTP server (FastAPI): OpenAI-compatible routes, the native /generate, and health / info / cache / metrics /
+tokenizer routes. Every failure is answered with OpenAI's error body `{"error": {message, type, param, code}}`.
+
+    app = create_app(manager, tokenizer, server_cfg, model_path=path, handle=scheduler_handle)
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from mlaserve.config import ServerConfig
+from mlaserve.server.engine import split_inputs
+from mlaserve.server.manager import GenerateInput, RequestError
+from mlaserve.server.openai_chat import chat_completion, chat_inputs, chat_stream
+from mlaserve.server.openai_common import ServingContext, stream_error
+from mlaserve.server.openai_completions import completion, completion_inputs, completion_stream
+from mlaserve.server.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
+    TokenizeRequest, error_body,
+)
+from mlaserve.server.sse import DONE, ClientGone, SSEResponse, collect, sse, unless_disconnected
+
+logger = logging.getLogger(__name__)
+
+DEMO_NAME = "mlaserve-demo"
+DEMO_OWNER = "mlaserve-demo (random weights)"
+OPEN_PATHS = ("/health", "/metrics")   # reachable without the API key (probes, scrapers)
+HEALTH_TIMEOUT_S = 30.0
+CLIENT_CLOSED = 499                    # nginx's status for "client closed request"
+
+router = APIRouter()
+
+
+def create_app(manager: Any, tokenizer: Any, server: ServerConfig, *, model_path: str | None = None,
+               handle: Any | None = None, metrics: Any | None = None) -> FastAPI:
+    """Build the app around a running TokenizerManager (or a stand-in with the same methods).
+
+    Args:
+        handle: the scheduler process (`alive()`); None when there is none (tests).
+        metrics: a ServerMetrics when --enable-metrics, else None (/metrics answers 404).
+    """
+    demo = server.load.model_path is None
+    name = server.load.served_model_name or (DEMO_NAME if demo else server.load.model_path)
+    ctx = ServingContext(manager, tokenizer, server, name, manager.context_len,
+                         getattr(manager, "max_total_tokens", None))
+    app = FastAPI(title="mlaserve", dependencies=[Depends(_check_request)])
+    app.state.ctx, app.state.handle, app.state.metrics = ctx, handle, metrics
+    app.state.model_path, app.state.demo = model_path, demo
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(router)
+    return app
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.ctx
+
+
+async def _check_request(request: Request) -> None:
+    """The API key (when --api-key) and --log-requests, for every route."""
+    server = _ctx(request).server
+    if server.log_requests:
+        logger.info("%s %s from %s", request.method, request.url.path, request.client.host if request.client else "?")
+    if server.api_key is None or request.url.path in OPEN_PATHS:
+        return
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), server.api_key.encode()):
+        raise APIError("Incorrect API key provided (send it as 'Authorization: Bearer KEY').", None, 401)
+
+
+# --- errors ---------------------------------------------------------------------------------------------------
+
+def _error(message: str, param: str | None, status: int, type_: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, param, status, type_), status_code=status)
+
+
+def _param(loc: tuple) -> str | None:
+    """`("body", "messages", 0, "role")` -> "messages[0].role"; pydantic's union-member tags are dropped."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and not part[0].isupper() and part not in ("str", "int", "float", "bool", "list",
+                                                                              "dict", "none"):
+            out += f".{part}" if out else part
+    return out or None
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return _error(f"The request body is not valid JSON ({detail}).", None, 400)
+    param = _param(tuple(errors[0]["loc"]))
+    msgs = list(dict.fromkeys(e["msg"] for e in errors if _param(tuple(e["loc"])) == param))
+    where = f"'{param}'" if param else "the request body"
+    return _error(f"Invalid value for {where}: {'; or '.join(msgs)}", param, 400)
+
+
+async def _api_error(request: Request, exc: APIError | RequestError) -> JSONResponse:
+    return _error(getattr(exc, "message", str(exc)), exc.param, exc.status_code)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return _error(str(exc.detail), None, exc.status_code)
+
+
+async def _client_gone(request: Request, exc: ClientGone) -> Response:
+    return Response(status_code=CLIENT_CLOSED)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("internal error on %s", request.url.path)
+    return _error(f"internal server error: {type(exc).__name__}: {exc}", None, 500)
+
+
+# --- OpenAI ----------------------------------------------------------------------------------------------------
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    ctx, state = _ctx(request), request.app.state
+    card = ModelCard(id=ctx.model_name, owned_by=DEMO_OWNER if state.demo else "mlaserve",
+                     root=state.model_path, max_model_len=ctx.context_len)
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    if req.stream:
+        inputs, parse_tools = chat_inputs(req, ctx)
+        return SSEResponse(chat_stream(req, ctx, inputs, parse_tools))
+    return JSONResponse(await unless_disconnected(request, chat_completion(req, ctx)))
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    if req.stream:
+        inputs, prompts = completion_inputs(req, ctx)
+        return SSEResponse(completion_stream(req, ctx, inputs, prompts))
+    return JSONResponse(await unless_disconnected(request, completion(req, ctx)))
+
+
+# --- native ----------------------------------------------------------------------------------------------------
+
+@router.post("/generate")
+async def generate(req: GenerateRequest, request: Request) -> Response:
+    """The Engine's request shape; the answer is the manager's snapshot (a list for a batch)."""
+    ctx = _ctx(request)
+    try:
+        items, batch = split_inputs(req.text, req.input_ids, req.sampling_params)
+    except ValueError as e:
+        raise APIError(str(e), "sampling_params") from None
+    objs = [GenerateInput(**it, return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                          top_logprobs_num=req.top_logprobs_num, stream=req.stream,
+                          rid=None if batch else req.rid) for it in items]
+    if req.stream:
+        if batch:
+            raise APIError("stream takes a single prompt", "stream")
+        return SSEResponse(_native_stream(ctx, objs[0]))
+    results = await unless_disconnected(request, collect([ctx.manager.generate(o) for o in objs]))
+    for r in results:
+        fr = r["meta_info"]["finish_reason"] or {}
+        if fr.get("type") == "abort":
+            raise APIError(fr.get("message") or "the request was aborted", None, fr.get("status_code", 503))
+    return JSONResponse(results if batch else results[0])
+
+
+async def _native_stream(ctx: ServingContext, obj: GenerateInput):
+    try:
+        async for snap in ctx.manager.generate(obj):
+            yield sse(snap)
+    except (APIError, RequestError) as e:
+        yield stream_error(e)
+        return
+    yield DONE
+
+
+# --- health, info, control -------------------------------------------------------------------------------------
+
+def _alive(request: Request) -> bool:
+    handle = request.app.state.handle
+    return handle is None or handle.alive()
+
+
+def _require_scheduler(request: Request) -> None:
+    if not _alive(request):
+        raise APIError("the scheduler process is not running", None, 503)
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if not _alive(request):
+        return _error("the scheduler process is not running", None, 503)
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy when a one-token generation completes within HEALTH_TIMEOUT_S."""
+    _require_scheduler(request)
+    ctx = _ctx(request)
+    obj = GenerateInput(input_ids=[ctx.tokenizer.bos_token_id or 0],
+                        sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+    try:
+        await asyncio.wait_for(collect([ctx.manager.generate(obj)]), HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return _error(f"a one-token generation did not finish in {HEALTH_TIMEOUT_S:.0f} s", None, 503)
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> JSONResponse:
+    ctx, state = _ctx(request), request.app.state
+    info = getattr(ctx.manager, "info", {})
+    return JSONResponse({
+        "model_path": state.model_path, "tokenizer_path": ctx.server.load.tokenizer_path or state.model_path,
+        "served_model_name": ctx.model_name, "is_generation": True, "random_weights": state.demo,
+        "architecture": info.get("architecture"), "context_length": ctx.context_len,
+        "max_total_tokens": ctx.max_total_tokens, "vocab_size": ctx.tokenizer.vocab_size,
+    })
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> JSONResponse:
+    """Server arguments, then what the scheduler reported at start and now (actual values win over None)."""
+    _require_scheduler(request)
+    ctx, handle = _ctx(request), request.app.state.handle
+    stats = await ctx.manager.get_stats()
+    info = {**ctx.server.flat(), **getattr(ctx.manager, "info", {}), **stats}
+    info.update(model_path=request.app.state.model_path, served_model_name=ctx.model_name, server_pid=os.getpid(),
+                scheduler_pid=handle.process.pid if handle is not None else None)
+    return JSONResponse(info)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> JSONResponse:
+    _require_scheduler(request)
+    if await _ctx(request).manager.flush_cache():
+        return JSONResponse({"success": True, "message": "Cache flushed."})
+    return _error("Cache not flushed: requests are running; retry when the server is idle.", None, 400)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    m = request.app.state.metrics
+    if m is None:
+        return _error("metrics are off; start the server with --enable-metrics", None, 404)
+    _require_scheduler(request)
+    m.update(await _ctx(request).manager.get_stats())
+    return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:
+    """A text (BOS added when add_special_tokens) or a chat (messages through the chat template) -> ids."""
+    ctx = _ctx(request)
+    if isinstance(req.prompt, str):
+        ids = ctx.tokenizer.encode(req.prompt, add_bos=req.add_special_tokens)
+    else:
+        ids = ctx.tokenizer.encode_chat([m.to_template() for m in req.prompt])
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len})
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request) -> JSONResponse:
+    tok = _ctx(request).tokenizer
+    if any(not 0 <= t < tok.vocab_size for t in req.tokens):
+        raise APIError(f"token ids must be in [0, {tok.vocab_size})", "tokens")
+    return JSONResponse({"text": tok.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)})

@@ -1,0 +1,124 @@
+"""`mlaserve serve`: the scheduler in its own process, the HTTP server (FastAPI + uvicorn) and tokenizer here.
+
+Exits 0 on SIGINT / SIGTERM (scheduler stopped, no process left behind) and non-zero when the scheduler
+process dies or cannot start.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from mlaserve.config import ServerConfig, add_config_args, config_from_args
+
+logger = logging.getLogger("mlaserve.serve")
+
+MONITOR_INTERVAL_S = 0.5
+DEAD_GRACE_S = 1.0            # /health answers 503 this long before the server exits after the scheduler died
+GRACEFUL_SHUTDOWN_S = 5
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, minus re-raising SIGINT / SIGTERM after its graceful shutdown (we stop the scheduler, exit 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+def parse_args(argv: list[str]) -> ServerConfig:
+    parser = argparse.ArgumentParser(
+        prog="mlaserve serve", description="Serve a DeepSeek V2/V3/R1 checkpoint over an OpenAI-compatible HTTP "
+        "API. Without --model-path, serves the built-in demo model (random weights).")
+    add_config_args(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), format="[%(asctime)s %(name)s] %(levelname)s %(message)s")
+    return run(cfg)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run(cfg: ServerConfig) -> int:
+    """Start the backend, serve until a signal (-> 0) or the scheduler's death (-> 1)."""
+    from mlaserve.server.engine import launch_backend
+    from mlaserve.server.launch import LaunchError
+
+    signal.signal(signal.SIGTERM, _interrupt)   # during start-up: unwind, daemon children are reaped at exit
+    try:
+        path, handle, manager = launch_backend(cfg)
+    except LaunchError as e:
+        logger.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    try:
+        return asyncio.run(_serve(cfg, path, handle, manager))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        handle.stop()
+
+
+async def _serve(cfg: ServerConfig, path: str, handle: Any, manager: Any) -> int:
+    from mlaserve.server.openai import create_app
+
+    metrics = None
+    if cfg.enable_metrics:
+        from mlaserve.server.metrics import ServerMetrics
+
+        metrics = manager.metrics = ServerMetrics()
+    if cfg.chat_template:
+        manager.tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+    if cfg.load.model_path is None:
+        logger.warning("serving the built-in demo model from %s: it has RANDOM weights, so its output is "
+                       "gibberish; pass --model-path to serve a real checkpoint", path)
+    manager.start()
+    app = create_app(manager, manager.tokenizer, cfg, model_path=path, handle=handle, metrics=metrics)
+    server = _Uvicorn(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    died: list[bool] = []
+    monitor = asyncio.ensure_future(_monitor(server, handle, died))
+    try:
+        await server.serve()
+    finally:
+        monitor.cancel()
+        await manager.aclose()
+    if died:
+        return 1
+    if not server.started:
+        logger.error("the HTTP server did not start (is port %d in use?)", cfg.port)
+        return 1
+    return 0
+
+
+async def _monitor(server: uvicorn.Server, handle: Any, died: list[bool]) -> None:
+    """Stop the server (exit code 1) when the scheduler process dies."""
+    while handle.alive():
+        await asyncio.sleep(MONITOR_INTERVAL_S)
+    logger.error("the scheduler process died (exit code %s); shutting the server down", handle.process.exitcode)
+    died.append(True)
+    await asyncio.sleep(DEAD_GRACE_S)
+    server.should_exit = True
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
