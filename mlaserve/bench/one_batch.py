@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     runner, pool, alloc = build_runner(args, path)
     startup = time.perf_counter() - t0
-    one_batch(runner, pool, alloc, min(args.batch_size), min(args.input_len, 32), 3)        # warm-up
+    for bs in args.batch_size:                     # warm-up: Triton compiles every shape the runs will use
+        one_batch(runner, pool, alloc, bs, args.input_len, 3)
     rows = []
     for bs in args.batch_size:
         if args.profile and bs == args.batch_size[-1]:
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(args.profile_dir) / f"one_batch_bs{bs}.json"))
+            (Path(args.profile_dir) / f"one_batch_bs{bs}.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
         else:
             row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
         rows.append(add_floor(row, runner, ceil))

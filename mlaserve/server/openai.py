@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import logging
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -104,9 +105,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
         return _error(f"The request body is not valid JSON ({detail}).", None, 400)
     param = _param(tuple(errors[0]["loc"]))
-    msgs = list(dict.fromkeys(e["msg"] for e in errors if _param(tuple(e["loc"])) == param))
-    where = f"'{param}'" if param else "the request body"
-    return _error(f"Invalid value for {where}: {'; or '.join(msgs)}", param, 400)
+    if param is None:
+        return _error("The request body must be a JSON object (content-type: application/json).", None, 400)
+    msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errors
+                              if _param(tuple(e["loc"])) == param))
+    return _error(f"Invalid value for '{param}': {'; or '.join(msgs)}", param, 400)
 
 
 async def _api_error(request: Request, exc: APIError | RequestError) -> JSONResponse:
@@ -179,7 +182,7 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
     return JSONResponse(results if batch else results[0])
 
 
-async def _native_stream(ctx: ServingContext, obj: GenerateInput):
+async def _native_stream(ctx: ServingContext, obj: GenerateInput) -> AsyncIterator[str]:
     try:
         async for snap in ctx.manager.generate(obj):
             yield sse(snap)
@@ -241,7 +244,8 @@ async def get_server_info(request: Request) -> JSONResponse:
     ctx, handle = _ctx(request), request.app.state.handle
     stats = await ctx.manager.get_stats()
     info = {**ctx.server.flat(), **getattr(ctx.manager, "info", {}), **stats}
-    info.update(model_path=request.app.state.model_path, served_model_name=ctx.model_name, server_pid=os.getpid(),
+    info.update(api_key=None if ctx.server.api_key is None else "<set>", model_path=request.app.state.model_path,
+                served_model_name=ctx.model_name, server_pid=os.getpid(),
                 scheduler_pid=handle.process.pid if handle is not None else None)
     return JSONResponse(info)
 
@@ -271,7 +275,12 @@ async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:
     if isinstance(req.prompt, str):
         ids = ctx.tokenizer.encode(req.prompt, add_bos=req.add_special_tokens)
     else:
-        ids = ctx.tokenizer.encode_chat([m.to_template() for m in req.prompt])
+        import jinja2
+
+        try:
+            ids = ctx.tokenizer.encode_chat([m.to_template() for m in req.prompt])
+        except jinja2.TemplateError as e:
+            raise APIError(f"the chat template rejected the messages: {e}", "prompt") from None
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len})
 
 

@@ -23,7 +23,8 @@ Number = Annotated[float, BeforeValidator(_number)]
 Temperature = Annotated[Number, Field(ge=0, le=2)]
 TopP = Annotated[Number, Field(gt=0, le=1)]
 Penalty = Annotated[Number, Field(ge=-2, le=2)]
-MaxTokens = Annotated[StrictInt, Field(ge=0)]
+# NOTE: >= 1: the scheduler samples at least one token (max_tokens=0 with echo for prompt scoring is not served)
+MaxTokens = Annotated[StrictInt, Field(ge=1)]
 
 
 class APIModel(BaseModel):
@@ -188,7 +189,8 @@ class ChatCompletionRequest(SamplingFields):
 
 # --- completions -------------------------------------------------------------------------------------
 
-Prompt = str | Annotated[list[StrictInt], Field(min_length=1)] | list[str] | list[Annotated[list[StrictInt], Field(min_length=1)]]
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+Prompt = str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):

@@ -28,15 +28,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pid_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
-
-
 class ServerProcess:
     """`python -m mlaserve.cli serve --port P ARGS...` with its log in a file."""
 
@@ -44,6 +35,7 @@ class ServerProcess:
         self.port = free_port()
         self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.context_len = int(args[args.index("--context-length") + 1]) if "--context-length" in args else None
+        self.model_path = Path(args[args.index("--model-path") + 1]) if "--model-path" in args else None
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {**os.environ, "MLASERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
@@ -97,11 +89,14 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def start_server(demo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
     """Factory: start a server with extra args (stopped at the end of the session at the latest)."""
+    from mlaserve.server.launch import demo_model_path
+
     started: list[ServerProcess] = []
 
     def start(*args: str, wait: bool = True) -> ServerProcess:
         log = tmp_path_factory.mktemp("server-log") / "server.log"
         server = ServerProcess(list(args), log, demo_cache)
+        server.model_path = server.model_path or demo_model_path()
         started.append(server)
         if wait:
             server.wait_healthy()
