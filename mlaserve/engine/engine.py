@@ -136,12 +136,12 @@ class ModelRunner:
     def forward(self, batch: Batch) -> StepOutput:
         rows, prompt_rows, sample_row = self._logit_rows(batch)
         if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run(batch.size):
-            dev = self.device
-            prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
-            logits = self.graphs.replay(
-                torch.tensor(batch.input_ids, dtype=torch.int64).to(dev, non_blocking=True), prefix.to(dev),
-                batch.out_slots.to(dev), torch.tensor([r.req_pool_idx for r in batch.reqs]).to(dev),
-                (prefix + 1).to(dev, torch.int32))
+            # one host-to-device copy for all graph inputs: [5, B] int64
+            host = torch.tensor([batch.input_ids, batch.prefix_lens, batch.out_slots.tolist(),
+                                 [r.req_pool_idx for r in batch.reqs], [p + 1 for p in batch.prefix_lens]],
+                                dtype=torch.int64).pin_memory()
+            dev = host.to(self.device, non_blocking=True)
+            logits = self.graphs.replay(dev[0], dev[1], dev[2], dev[3], dev[4].to(torch.int32))
             return self._sample(batch, logits, prompt_rows, sample_row)
         ctx = build_context(batch.mode, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
                             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, out_slots=batch.out_slots,
@@ -159,7 +159,11 @@ class ModelRunner:
         next_ids: list[int | None] = [None] * b
         next_lp: list[float | None] = [None] * b
         next_top: list = [None] * b
-        if samplers:
+        if samplers and self._plain_greedy(batch, samplers):
+            ids = logits[[sample_row[i] for i in samplers]].argmax(-1).tolist()
+            for j, i in enumerate(samplers):
+                next_ids[i] = ids[j]
+        elif samplers:
             reqs = [batch.reqs[i] for i in samplers]
             sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
                                      [r.input_ids for r in reqs], [r.output_ids for r in reqs], self.cfg.vocab_size,
@@ -180,6 +184,17 @@ class ModelRunner:
                         next_top[i] = list(zip(tops[0][j][: req.top_logprobs_num], tops[1][j][: req.top_logprobs_num]))
         in_lp, in_top = self._prompt_logprobs(batch, logits, prompt_rows)
         return StepOutput(next_ids, next_lp, next_top, in_lp, in_top)
+
+    @staticmethod
+    def _plain_greedy(batch: Batch, samplers: list[int]) -> bool:
+        """Greedy, no penalties, no min_new_tokens, no log-probs: the argmax alone (skips SamplingBatch)."""
+        for i in samplers:
+            r = batch.reqs[i]
+            p = r.params
+            if (r.return_logprob or not p.is_greedy or p.repetition_penalty != 1 or p.frequency_penalty
+                    or p.presence_penalty or p.min_new_tokens > len(r.output_ids)):
+                return False
+        return True
 
     def _prompt_logprobs(self, batch: Batch, logits: torch.Tensor, prompt_rows: list[list[int]]):
         in_lp: list[list[tuple[float, int]]] = [[] for _ in batch.reqs]
