@@ -88,3 +88,27 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor) ->
     """Block-FP8 linear: the Triton kernels on GPU, the PyTorch references on the CPU."""
     fn = fp8_kernels.fp8_linear if x.is_cuda else fp8_kernels.fp8_linear_ref
     return fn(x, w_q, w_scale_inv)
+
+
+class MergedLinear(Linear):
+    """Linears sharing their input, stacked along the output (gate_proj + up_proj -> gate_up_proj): one GEMM.
+
+    `load_part(name, i, tensor, scale)` copies checkpoint tensor part i (its weight or its FP8 scale_inv) into
+    its rows; with FP8 each part must start on a 128-row block.
+    """
+
+    def __init__(self, in_features: int, out_parts: list[int], **kw):
+        super().__init__(in_features, sum(out_parts), **kw)
+        tp = self.tp_size if self.tp_dim == 0 else 1
+        self.out_parts = [n // tp for n in out_parts]
+        if self.quant is not None and any(n % self.quant.block[0] for n in self.out_parts[:-1]):
+            raise ShapeError(f"block-FP8 parts {self.out_parts} must be multiples of {self.quant.block[0]}")
+
+    def load_part(self, name: str, part: int, loaded: torch.Tensor, scale: bool) -> None:
+        start, n = sum(self.out_parts[:part]), self.out_parts[part]
+        if scale:
+            bn = self.quant.block[0]
+            dst = self.weight_scale_inv.narrow(0, start // bn, cdiv(n, bn))
+        else:
+            dst = self.weight.narrow(0, start, n)
+        copy_checked(name, dst, shard(loaded, self.tp_dim, self.tp_rank, self.tp_size))

@@ -11,6 +11,8 @@ import torch
 
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode
+from mlaserve.kernels.quant import block_dequant_ref
+from mlaserve.kernels.rope import mla_rope_kv_store
 from mlaserve.layers.linear import Linear
 from mlaserve.layers.rmsnorm import RMSNorm
 from mlaserve.layers.rope import RotaryEmbedding
@@ -41,6 +43,13 @@ class MLAAttention(torch.nn.Module):
         self.register_buffer("w_kc", torch.empty(self.h, self.dn, self.l, dtype=dtype, device=device), persistent=False)
         self.register_buffer("w_vc", torch.empty(self.h, self.dv, self.l, dtype=dtype, device=device), persistent=False)
 
+    def post_load(self) -> None:
+        """Derive w_kc / w_vc from kv_b_proj (dequantised first when FP8)."""
+        lin = self.kv_b_proj
+        w = lin.weight.float() if lin.quant is None else \
+            block_dequant_ref(lin.weight, lin.weight_scale_inv, lin.quant.block, torch.float32)
+        self.set_absorbed(w.to(self.w_kc.dtype))
+
     def set_absorbed(self, kv_b: torch.Tensor) -> None:
         """kv_b: dequantised kv_b_proj weight [H * (Dn + Dv), L] -> w_kc [H, Dn, L], w_vc [H, Dv, L]."""
         w = kv_b.view(self.h, self.dn + self.dv, self.l)
@@ -58,14 +67,20 @@ class MLAAttention(torch.nn.Module):
         q = q.view(t, self.h, self.dn + self.r)                               # [T, H, Dn + R]
         latent = self.kv_a_proj_with_mqa(x)                                   # [T, L + R]
         kv_c = self.kv_a_layernorm(latent[:, : self.l])                       # [T, L]
-        q_pe, k_pe = self.rotary(q[..., self.dn:], latent[:, self.l:], positions)
-        ctx.kv_pool.store(self.layer_id, ctx.out_slots, kv_c, k_pe)
+        if x.is_cuda:   # one kernel: rotate q_pe and k_pe in place, write [kv_c, k_pe] rows to the cache
+            pool = ctx.kv_pool
+            mla_rope_kv_store(q[..., self.dn:], latent[:, self.l:], kv_c, positions, self.rotary.cos_sin_cache,
+                              pool.kv_buffer(self.layer_id), ctx.out_slots, kv_scale=pool.kv_scale)
+            q_pe, k_pe = q[..., self.dn:], latent[:, self.l:]
+        else:
+            q_pe, k_pe = self.rotary(q[..., self.dn:], latent[:, self.l:], positions)
+            ctx.kv_pool.store(self.layer_id, ctx.out_slots, kv_c, k_pe)
         backend = ctx.attn_backend
         if ctx.mode is ForwardMode.DECODE and self.absorb:
             q_lat = torch.einsum("thd,hdl->thl", q[..., : self.dn], self.w_kc)   # absorb W_UK: [T, H, L]
             o_lat = backend.decode(self.layer_id, torch.cat([q_lat, q_pe], dim=-1), ctx)   # [T, H, L]
             o = torch.einsum("thl,hvl->thv", o_lat, self.w_vc)                 # apply W_UV: [T, H, Dv]
         else:
-            q = torch.cat([q[..., : self.dn], q_pe], dim=-1)
+            q = q if x.is_cuda else torch.cat([q[..., : self.dn], q_pe], dim=-1)
             o = backend.extend(self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
         return self.o_proj(o.reshape(t, self.h * self.dv))

@@ -11,20 +11,25 @@ import torch.nn.functional as F
 from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.kernels import fused_moe as moe_kernels
 from mlaserve.kernels import moe_topk as topk_kernels
-from mlaserve.layers.linear import Linear, ShapeError, cdiv, copy_checked
+from mlaserve.kernels.activation import silu_and_mul
+from mlaserve.layers.linear import Linear, MergedLinear, ShapeError, cdiv, copy_checked
 
 
 class DenseMLP(torch.nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one stacked GEMM (checkpoint gate_proj / up_proj)."""
+
     def __init__(self, hidden: int, intermediate: int, *, quant: QuantConfig | None,
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         kw = dict(quant=quant, dtype=dtype, device=device)
-        self.gate_proj = Linear(hidden, intermediate, **kw)
-        self.up_proj = Linear(hidden, intermediate, **kw)
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], **kw)
         self.down_proj = Linear(intermediate, hidden, **kw)
+        self.i = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up_proj(x)                                                 # [T, 2I]
+        h = silu_and_mul(gu) if x.is_cuda else F.silu(gu[:, : self.i]) * gu[:, self.i:]
+        return self.down_proj(h)
 
 
 class Router(torch.nn.Module):
@@ -42,8 +47,12 @@ class Router(torch.nn.Module):
                 torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False)
             self.e_score_correction_bias.weight_loader = lambda name, p, t: copy_checked(name, p, t)
 
+    def post_load(self) -> None:
+        self.weight_f32 = self.weight.float()        # routing runs in fp32; convert once, not every step
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())                     # [T, E]
+        w = getattr(self, "weight_f32", None)
+        logits = F.linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
         c = self.cfg
         topk = topk_kernels.moe_topk if x.is_cuda else topk_kernels.moe_topk_ref
         return topk(logits, c.num_experts_per_tok, topk_method=c.topk_method, scoring_func=c.scoring_func,

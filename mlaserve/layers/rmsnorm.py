@@ -1,7 +1,10 @@
-"""RMSNorm as DeepSeek defines it: normalise in fp32, cast back, then scale by the weight."""
+"""RMSNorm as DeepSeek defines it (normalise in fp32, cast back, scale by the weight), optionally fused with
+the residual add that precedes it: one Triton kernel on the GPU, the PyTorch reference on the CPU."""
 from __future__ import annotations
 
 import torch
+
+from mlaserve.kernels import norm as norm_kernels
 
 
 class RMSNorm(torch.nn.Module):
@@ -11,7 +14,11 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: (norm(x + residual), x + residual) (on the GPU `residual` is updated in place)."""
+        if residual is None:
+            fn = norm_kernels.rmsnorm if x.is_cuda else norm_kernels.rmsnorm_ref
+            return fn(x, self.weight, self.eps)
+        fn = norm_kernels.fused_add_rmsnorm if x.is_cuda else norm_kernels.fused_add_rmsnorm_ref
+        return fn(x, residual, self.weight, self.eps)

@@ -37,9 +37,17 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block with the residual carried separately: returns (mlp output, residual stream),
+        their sum being the block's output (the add is fused into the next norm)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DeepseekModel(torch.nn.Module):
@@ -51,10 +59,10 @@ class DeepseekModel(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                                      # [T, h]
+        x, residual = self.embed_tokens(input_ids), None                     # [T, h]
         for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, ctx)
+        return self.norm(x, residual)[0]
 
 
 class SharedHead(torch.nn.Module):
@@ -84,7 +92,7 @@ class NextNLayer(torch.nn.Module):
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> ModelOutput:
         x = self.eh_proj(torch.cat([self.enorm(self.embed(next_ids)), self.hnorm(hidden)], dim=-1))
-        x = self.shared_head.norm(self.block(positions, x, ctx))
+        x = self.shared_head.norm(*self.block(positions, x, None, ctx))[0]
         rows = x if ctx.logits_indices is None else x[ctx.logits_indices]
         return ModelOutput(self.shared_head.head(rows), x)
 

@@ -169,6 +169,9 @@ def synthetic_checkpoint(cfg: ModelConfig, seed: int, specs: list[TensorSpec] | 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 
 
+_STACKED = re.compile(r"^(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight(_scale_inv)?$")
+
+
 def iter_safetensors(path: str | Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """(tensor count, iterator of (name, tensor)) over a checkpoint directory, shard by shard via the index."""
     from safetensors import safe_open
@@ -239,6 +242,11 @@ class WeightLoader:
         self._route(w_name, block_dequant_ref(w, s, self.cfg.quant.block, torch.float32))
 
     def _route(self, name: str, tensor: torch.Tensor) -> None:
+        m = _STACKED.match(name)
+        if m:
+            module = self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1] + ".gate_up_proj")
+            module.load_part(name, 0 if m.group(2) == "gate_proj" else 1, tensor, scale=m.group(3) is not None)
+            return
         m = _EXPERT.match(name)
         if m:
             experts = self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1])
@@ -257,19 +265,14 @@ class WeightLoader:
                                   + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
         if self.pending:
             raise CheckpointError(f"FP8 tensor {next(iter(self.pending))!r} has no weight/scale partner")
-        derive_absorbed(self.model, self.cfg)
+        post_load(self.model)
 
 
-def derive_absorbed(model: torch.nn.Module, cfg: ModelConfig) -> None:
-    """w_kc / w_vc of every MLA layer from kv_b_proj (dequantised first when FP8)."""
-    from mlaserve.layers.mla import MLAAttention
-
+def post_load(model: torch.nn.Module) -> None:
+    """Weights derived from loaded ones: absorbed w_kc / w_vc (MLA), the fp32 router weight."""
     for mod in model.modules():
-        if isinstance(mod, MLAAttention):
-            lin = mod.kv_b_proj
-            w = lin.weight.float() if lin.quant is None else \
-                block_dequant_ref(lin.weight, lin.weight_scale_inv, lin.quant.block, torch.float32)
-            mod.set_absorbed(w.to(mod.w_kc.dtype))
+        if hasattr(mod, "post_load"):
+            mod.post_load()
 
 
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, path: str | Path | None, *,

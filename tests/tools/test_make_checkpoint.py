@@ -106,7 +106,7 @@ def test_activations_finite_and_non_degenerate(tmp_path, src, layers):
     load_weights(model, cfg, out, progress=False)
     stds = []
     for layer in model.model.layers:
-        layer.register_forward_hook(lambda m, i, o: stds.append(o.std().item()))
+        layer.register_forward_hook(lambda m, i, o: stds.append((o[0] + o[1]).std().item()))   # block output
     from seq_runner import SeqRunner
     logits = SeqRunner(model, cfg).extend({0: torch.randint(2, cfg.vocab_size, (24,)).tolist()}, all_logits=True).logits
     assert len(stds) == layers and all(0.05 < s < 50 for s in stds), stds
