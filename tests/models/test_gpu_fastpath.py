@@ -22,8 +22,8 @@ pytestmark = pytest.mark.gpu
 BF16_MEAN, BF16_P90 = 0.15, 0.3
 
 
-def scheduler(path, backend: str, graphs: bool, **kw) -> Scheduler:
-    server = ServerConfig.from_flat(model_path=str(path), device="cuda", dtype="bfloat16", max_total_tokens=8192,
+def scheduler(path, backend: str, graphs: bool, dtype: str = "bfloat16", **kw) -> Scheduler:
+    server = ServerConfig.from_flat(model_path=str(path), device="cuda", dtype=dtype, max_total_tokens=8192,
                                     attention_backend=backend, disable_cuda_graph=not graphs, cuda_graph_max_bs=16,
                                     log_level="warning", **kw)
     return Scheduler(server, str(path))
@@ -60,13 +60,15 @@ def test_fast_path_prompt_logprobs_match_reference(checkpoints, variant):
 
 @pytest.mark.parametrize("variant", ["v2-lite", "v3", "v3-fp8"])
 def test_fast_path_greedy_equals_reference(checkpoints, variant):
+    """32 greedy tokens for 12 prompts, fast path (Triton + graphs) vs the torch reference path, in float32:
+    in bf16 both paths leave an fp32 reference at the first near-tie (measured: after 3-9 tokens for half the
+    prompts on this random model), so token equality is only meaningful in fp32 (Triton dots use TF32 there)."""
     path = checkpoints(variant)
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 4000) for _ in range(rng.randint(5, 120))] for _ in range(12)]
-    ref = greedy_outputs(scheduler(path, "torch", graphs=False), prompts)
-    fast = greedy_outputs(scheduler(path, "triton", graphs=True), prompts)
+    ref = greedy_outputs(scheduler(path, "torch", graphs=False, dtype="float32"), prompts)
+    fast = greedy_outputs(scheduler(path, "triton", graphs=True, dtype="float32"), prompts)
     same = sum(ref[k] == fast[k] for k in ref)
-    # NOTE: bf16 argmax ties can legitimately diverge; require nearly all sequences identical
     assert same >= len(ref) - 1, {k: (ref[k], fast[k]) for k in ref if ref[k] != fast[k]}
 
 
