@@ -47,7 +47,7 @@ def build_runner(args: argparse.Namespace, path: str) -> tuple[ModelRunner, ReqT
                                     context_length=args.input_len + args.output_len + 8)
     runner = ModelRunner(server, path)
     pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8, runner.device)
-    runner.req_to_token = pool.table
+    runner.attach(pool.table)
     runner.init_cuda_graphs(pool.table, pool.alloc())
     return runner, pool, TokenSlotAllocator(runner.num_slots, runner.device)
 

@@ -34,6 +34,18 @@ class StepOutput(NamedTuple):
     input_top: list[list[list[tuple[float, int]]]]
 
 
+class PendingStep(NamedTuple):
+    """A step queued on the device: its sampled ids (and log-probs) arrive in host buffers at `event`."""
+
+    batch: Batch
+    samplers: list[int]
+    next_ids: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    top: tuple[torch.Tensor, torch.Tensor] | None
+    prompt: tuple[list, list]
+    event: "torch.cuda.Event | None"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,7 +83,8 @@ class ModelRunner:
         self.attn_backend = create_attn_backend(backend, self.cfg.softmax_scale, self.cfg.kv_lora_rank,
                                                 self.cfg.qk_rope_head_dim)
         self.sampler = Sampler()
-        self.req_to_token: torch.Tensor | None = None      # set by the scheduler's KVCacheManager
+        self.req_to_token: torch.Tensor | None = None      # set by attach() (the scheduler's table)
+        self.token_buf: torch.Tensor | None = None
         self.graphs = None
         logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,
                     self.pool.bytes_per_token() * self.num_slots / 2**20, kv_dtype)
@@ -132,67 +145,103 @@ class ModelRunner:
             start += n
         return rows, prompt_rows, sample_row
 
-    @torch.no_grad()
+    def attach(self, req_to_token: torch.Tensor) -> None:
+        """Use the scheduler's request-to-token table; `token_buf[row]` holds each request's last sampled token."""
+        self.req_to_token = req_to_token
+        self.token_buf = torch.zeros(req_to_token.shape[0], dtype=torch.int64, device=self.device)
+
     def forward(self, batch: Batch) -> StepOutput:
+        return self.resolve(self.launch(batch))
+
+    @torch.no_grad()
+    def launch(self, batch: Batch) -> PendingStep:
+        """Queue the step on the GPU and return without waiting; `resolve` fetches its results.
+
+        Decode inputs are read on the GPU from `token_buf` (written by the step that sampled them), so step
+        N + 1 can be queued before step N's tokens reach the CPU (the overlap scheduler)."""
         rows, prompt_rows, sample_row = self._logit_rows(batch)
-        if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run(batch.size):
-            # one host-to-device copy for all graph inputs: [5, B] int64
-            host = torch.tensor([batch.input_ids, batch.prefix_lens, batch.out_slots.tolist(),
-                                 [r.req_pool_idx for r in batch.reqs], [p + 1 for p in batch.prefix_lens]],
-                                dtype=torch.int64).pin_memory()
-            dev = host.to(self.device, non_blocking=True)
-            logits = self.graphs.replay(dev[0], dev[1], dev[2], dev[3], dev[4].to(torch.int32))
-            return self._sample(batch, logits, prompt_rows, sample_row)
+        rows_dev = torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64).to(self.device, non_blocking=True)
+        logits = self._logits(batch, rows, rows_dev)
+        samplers = [i for i in range(batch.size) if sample_row[i] is not None]
+        ids = lp = top = None
+        if samplers:
+            ids, lp, top = self._sample(batch, logits[[sample_row[i] for i in samplers]], samplers)
+            self.token_buf[rows_dev[samplers] if len(samplers) < batch.size else rows_dev] = ids
+        prompt = self._prompt_logprobs(batch, logits, prompt_rows)
+        host = [t.to("cpu", non_blocking=True) if t is not None else None for t in (ids, lp)]
+        top = tuple(t.to("cpu", non_blocking=True) for t in top) if top is not None else None
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(batch, samplers, host[0], host[1], top, prompt, event)
+
+    def resolve(self, p: PendingStep) -> StepOutput:
+        if p.event is not None:
+            p.event.synchronize()
+        b = p.batch.size
+        next_ids: list[int | None] = [None] * b
+        next_lp: list[float | None] = [None] * b
+        next_top: list = [None] * b
+        ids = p.next_ids.tolist() if p.next_ids is not None else []
+        lps = p.logprobs.tolist() if p.logprobs is not None else None
+        tops = [t.tolist() for t in p.top] if p.top is not None else None
+        for j, i in enumerate(p.samplers):
+            next_ids[i] = ids[j]
+            req = p.batch.reqs[i]
+            if req.return_logprob and lps is not None:
+                next_lp[i] = lps[j]
+                if tops is not None and req.top_logprobs_num:
+                    k = req.top_logprobs_num
+                    next_top[i] = list(zip(tops[0][j][:k], tops[1][j][:k]))
+        return StepOutput(next_ids, next_lp, next_top, *p.prompt)
+
+    def _logits(self, batch: Batch, rows: list[int], rows_dev: torch.Tensor) -> torch.Tensor:
+        if batch.mode is ForwardMode.DECODE:
+            ids = self.token_buf[rows_dev]                                     # [B] last sampled tokens
+            if self.graphs is not None and self.graphs.can_run(batch.size):
+                host = torch.tensor([batch.prefix_lens, batch.out_slots.tolist()], dtype=torch.int64)
+                dev = host.pin_memory().to(self.device, non_blocking=True)
+                return self.graphs.replay(ids, dev[0], dev[1], rows_dev, (dev[0] + 1).to(torch.int32))
+        else:
+            ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         ctx = build_context(batch.mode, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
                             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, out_slots=batch.out_slots,
                             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
                             device=self.device, last_token_logits=False)
         ctx.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
-        logits = self.model(ids, ctx.positions, ctx).logits                       # [len(rows), V] fp32
-        return self._sample(batch, logits, prompt_rows, sample_row)
+        return self.model(ids, ctx.positions, ctx).logits                    # [len(rows), V] fp32
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, prompt_rows: list[list[int]],
-                sample_row: list[int | None]) -> StepOutput:
-        b = batch.size
-        samplers = [i for i in range(b) if sample_row[i] is not None]
-        next_ids: list[int | None] = [None] * b
-        next_lp: list[float | None] = [None] * b
-        next_top: list = [None] * b
-        if samplers and self._plain_greedy(batch, samplers):
-            ids = logits[[sample_row[i] for i in samplers]].argmax(-1).tolist()
-            for j, i in enumerate(samplers):
-                next_ids[i] = ids[j]
-        elif samplers:
-            reqs = [batch.reqs[i] for i in samplers]
-            sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-                                     [r.input_ids for r in reqs], [r.output_ids for r in reqs], self.cfg.vocab_size,
-                                     self._eos_ids(), self.device)
-            want_lp = any(r.return_logprob for r in reqs)
-            k = max(r.top_logprobs_num for r in reqs)
-            out = self.sampler(logits[[sample_row[i] for i in samplers]], sb, return_logprob=want_lp,
-                               top_logprobs_num=k if want_lp else 0)
-            ids = out.next_ids.tolist()
-            lps = out.logprobs.tolist() if out.logprobs is not None else None
-            tops = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
-            for j, i in enumerate(samplers):
-                next_ids[i] = ids[j]
-                req = batch.reqs[i]
-                if req.return_logprob and lps is not None:
-                    next_lp[i] = lps[j]
-                    if tops is not None and req.top_logprobs_num:
-                        next_top[i] = list(zip(tops[0][j][: req.top_logprobs_num], tops[1][j][: req.top_logprobs_num]))
-        in_lp, in_top = self._prompt_logprobs(batch, logits, prompt_rows)
-        return StepOutput(next_ids, next_lp, next_top, in_lp, in_top)
+    def _sample(self, batch: Batch, logits: torch.Tensor, samplers: list[int]):
+        """logits [n, V] of the sampling rows -> (ids [n], chosen log-probs | None, top (values, ids) | None)."""
+        reqs = [batch.reqs[i] for i in samplers]
+        steps = [self._step_index(batch, i) for i in samplers]
+        if self._plain_greedy(reqs, steps):
+            return logits.argmax(-1), None, None
+        sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], steps,
+                                 [r.input_ids for r in reqs], [r.output_ids for r in reqs], self.cfg.vocab_size,
+                                 self._eos_ids(), self.device)
+        want_lp = any(r.return_logprob for r in reqs)
+        k = max(r.top_logprobs_num for r in reqs)
+        out = self.sampler(logits, sb, return_logprob=want_lp, top_logprobs_num=k if want_lp else 0)
+        return out.next_ids, out.logprobs, out.top_logprobs
 
     @staticmethod
-    def _plain_greedy(batch: Batch, samplers: list[int]) -> bool:
+    def _step_index(batch: Batch, i: int) -> int:
+        """Tokens the request had sampled before this step (its RNG counter), exact even while the previous
+        step's token is still in flight: a decode step's input is output token number prefix_len - prompt."""
+        req = batch.reqs[i]
+        if batch.mode is ForwardMode.DECODE:
+            return batch.prefix_lens[i] - len(req.input_ids) + 1
+        return len(req.output_ids)
+
+    @staticmethod
+    def _plain_greedy(reqs: list, steps: list[int]) -> bool:
         """Greedy, no penalties, no min_new_tokens, no log-probs: the argmax alone (skips SamplingBatch)."""
-        for i in samplers:
-            r = batch.reqs[i]
+        for r, step in zip(reqs, steps):
             p = r.params
             if (r.return_logprob or not p.is_greedy or p.repetition_penalty != 1 or p.frequency_penalty
-                    or p.presence_penalty or p.min_new_tokens > len(r.output_ids)):
+                    or p.presence_penalty or p.min_new_tokens > step):
                 return False
         return True
 

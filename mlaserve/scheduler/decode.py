@@ -21,6 +21,8 @@ def retract(sched: "Scheduler", req: Req) -> None:
 
 
 def plan_decode(sched: "Scheduler") -> Batch | None:
+    if sched.running and sched.kv.available() < len(sched.running):
+        sched.drain()                         # retraction needs every request's tokens on the CPU
     while sched.running and sched.kv.available() < len(sched.running):
         newest = max(sched.running, key=lambda r: r.arrival)
         retract(sched, newest)
@@ -35,5 +37,5 @@ def plan_decode(sched: "Scheduler") -> Batch | None:
         prefix.append(req.kv_len)
         sched.kv.extend(req, s.view(1))
     sched.new_token_ratio = max(sched.cfg.min_new_token_ratio, sched.new_token_ratio - 0.001)
-    return Batch(ForwardMode.DECODE, reqs, [r.fill_ids[-1] for r in reqs], slots, prefix, [1] * len(reqs),
-                 [True] * len(reqs))
+    # NOTE: input ids are read on the device from the runner's token_buf (the last step may be in flight)
+    return Batch(ForwardMode.DECODE, reqs, [], slots, prefix, [1] * len(reqs), [True] * len(reqs))

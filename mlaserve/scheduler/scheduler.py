@@ -13,7 +13,7 @@ import traceback
 
 from mlaserve.config import ServerConfig
 from mlaserve.core import Batch, ForwardMode, Req
-from mlaserve.engine.engine import ModelRunner, StepOutput
+from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
 from mlaserve.scheduler.decode import plan_decode
@@ -33,7 +33,7 @@ class Scheduler:
         self.kv = KVCacheManager(self.runner.num_slots, self.max_running + 8,
                                  min(self.context_len, self.runner.num_slots) + 1,
                                  disable_radix=server.cache.disable_radix_cache, device=self.runner.device)
-        self.runner.req_to_token = self.kv.req_to_token
+        self.runner.attach(self.kv.req_to_token)
         self.runner.init_cuda_graphs(self.kv.req_to_token, self.kv.req_pool.alloc())   # a row for padding
         self.eos_ids = set(self.runner._eos_ids())
         self.waiting: list[Req] = []
@@ -42,6 +42,8 @@ class Scheduler:
         self.new_token_ratio = self.cfg.init_new_token_ratio
         self.num_retracted = 0
         self.outbox: list[m.ReqOutput] = []
+        self.overlap = not self.cfg.disable_overlap_schedule
+        self.pending: PendingStep | None = None   # the step queued on the device, not yet processed
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0}
 
     # --- requests in ----------------------------------------------------------------------------
@@ -84,14 +86,14 @@ class Scheduler:
                 return
 
     def flush_cache(self) -> bool:
-        if self.running or self.waiting or self.chunked:
+        if self.running or self.waiting or self.chunked or self.pending:
             return False
         return self.kv.flush()
 
     # --- one iteration: plan -> run -> process ----------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.pending)
 
     def plan(self) -> Batch | None:
         return plan_prefill(self) or plan_decode(self)
@@ -116,11 +118,35 @@ class Scheduler:
                 self.running.append(req)
 
     def step(self) -> list[m.ReqOutput]:
-        """One scheduling iteration; returns what it produced for the tokenizer manager."""
+        """One scheduling iteration; returns what it produced for the tokenizer manager.
+
+        With overlap, step N + 1 is planned and queued on the device before step N's results are
+        processed, so the CPU work of both hides behind the GPU. A request that finished at step N has
+        one wasted token in step N + 1 (discarded); sampling keys (seed, step index) do not change, so
+        outputs are identical with overlap on or off.
+        """
+        if not self.overlap:
+            batch = self.plan()
+            if batch is not None:
+                self.process(batch, self.run(batch))
+            return self.step_outbox()
+        if self.pending is not None and self._needs_history():
+            self.drain()                      # penalties read the full output history
         batch = self.plan()
-        if batch is not None:
-            self.process(batch, self.run(batch))
+        launched = self.runner.launch(batch) if batch is not None else None
+        self.drain()
+        self.pending = launched
         return self.step_outbox()
+
+    def drain(self) -> None:
+        """Process the step in flight (waits for it)."""
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            self.process(p.batch, self.runner.resolve(p))
+
+    def _needs_history(self) -> bool:
+        return any(r.params.repetition_penalty != 1 or r.params.frequency_penalty or r.params.presence_penalty
+                   for r in self.running)
 
     def step_outbox(self) -> list[m.ReqOutput]:
         out, self.outbox = self.outbox, []

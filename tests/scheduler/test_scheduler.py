@@ -129,3 +129,25 @@ def test_stop_token_ids_min_new_tokens_and_seeded_sampling(ckpt):
     seeded2 = msg("t", [1, 2, 3], max_new=16, temperature=1.0, seed=77)
     busy = run(make(ckpt), others + [seeded2], arrivals={"t": 2})["t"]["ids"]
     assert alone == busy
+
+
+def test_overlap_schedule_gives_identical_outputs(ckpt):
+    """Step N + 1 queued before step N is processed: same tokens (greedy and seeded sampling, stop ids,
+    penalties, chunked prompts, retraction) as the plain loop."""
+    rng = random.Random()
+    ps = prompts(16, 4, 80)
+    msgs = []
+    for i, p in enumerate(ps):
+        kw = {"temperature": 0.8, "seed": i + 1, "top_p": 0.9} if i % 2 else {}
+        if i % 5 == 0:
+            kw |= {"frequency_penalty": 0.5, "min_new_tokens": 3}
+        msgs.append(msg(f"o{i}", p, max_new=rng.randint(2, 30), **kw))
+    arrivals = {x.rid: rng.randint(0, 10) for x in msgs}
+    small = dict(max_total_tokens=400, chunked_prefill_size=32, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    plain = run(make(ckpt, disable_overlap_schedule=True, **small), msgs, arrivals)
+    overlapped_sched = make(ckpt, **small)
+    overlapped = run(overlapped_sched, msgs, arrivals)
+    for x in msgs:
+        assert overlapped[x.rid]["ids"] == plain[x.rid]["ids"], x.rid
+        assert overlapped[x.rid]["finished"] == plain[x.rid]["finished"], x.rid
+    assert_no_leak(overlapped_sched)
