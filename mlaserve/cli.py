@@ -9,6 +9,7 @@ COMMANDS = {
     "make-checkpoint": ("mlaserve.tools.make_checkpoint", "create a synthetic DeepSeek checkpoint"),
     "bench serving": ("mlaserve.bench.serving", "load-test an OpenAI-compatible server (ours or another)"),
     "bench one-batch": ("mlaserve.bench.one_batch", "prefill + decode one batch, beside the floor (and HF)"),
+    "bench offline": ("mlaserve.bench.offline", "throughput over many random prompts through the Engine"),
     "bench kernels": ("mlaserve.bench.kernels", "time every Triton kernel at DeepSeek shapes (GPU)"),
     "tune fused-moe": ("mlaserve.tools.tune_fused_moe", "search fused-MoE kernel configs (GPU)"),
     "tune fp8-gemm": ("mlaserve.tools.tune_fp8_gemm", "search block-FP8 GEMM kernel configs (GPU)"),

@@ -44,7 +44,8 @@ def build_runner(args: argparse.Namespace, path: str) -> tuple[ModelRunner, ReqT
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
                                     device=args.device, max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
                                     cuda_graph_max_bs=max_bs, attention_backend=args.attention_backend,
-                                    context_length=args.input_len + args.output_len + 8)
+                                    context_length=args.input_len + args.output_len + 8,
+                                    enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=max_bs)
     runner = ModelRunner(server, path)
     pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8, runner.device)
     runner.attach(pool.table)
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "torch"))
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--enable-torch-compile", action="store_true", help="torch.compile the decode step (in graphs)")
     ap.add_argument("--profile", action="store_true", help="write a torch profiler trace of the last batch size")
     ap.add_argument("--profile-dir", default="/tmp/mlaserve-profile")
     ap.add_argument("--hf-peer", action="store_true", help="then run HF transformers on the same config")

@@ -121,8 +121,9 @@ class ModelRunner:
         if self.device.type != "cuda" or sched.disable_cuda_graph or not isinstance(self.attn_backend, TritonMLABackend):
             return
         sizes = sched.cuda_graph_bs or default_batch_sizes(sched.cuda_graph_max_bs)
+        compile_bs = sched.torch_compile_max_bs if sched.enable_torch_compile else 0
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req, sizes,
-                                        min(self.context_len, self.num_slots), self.device)
+                                        min(self.context_len, self.num_slots), self.device, compile_max_bs=compile_bs)
 
     # --- one step ----------------------------------------------------------------------------
     def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:

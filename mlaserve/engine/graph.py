@@ -27,8 +27,16 @@ class DecodeGraphRunner:
     """Captures `model` decode forwards; `replay(...)` returns the logits [bs, V] of a real batch."""
 
     def __init__(self, model: torch.nn.Module, kv_pool, attn_backend, req_to_token: torch.Tensor,
-                 dummy_req: int, batch_sizes: list[int], max_context: int, device: torch.device):
+                 dummy_req: int, batch_sizes: list[int], max_context: int, device: torch.device,
+                 compile_max_bs: int = 0):
         self.model, self.batch_sizes = model, sorted(batch_sizes)
+        self.compile_max_bs = compile_max_bs
+        self.compiled = None
+        if compile_max_bs:
+            # NOTE: graph breaks at the Triton launchers are fine: dynamo compiles the torch code between them
+            import torch._dynamo
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.compiled = torch.compile(model, dynamic=False)
         self.dummy_req, self.device = dummy_req, device
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -62,14 +70,15 @@ class DecodeGraphRunner:
         for bs in reversed(self.batch_sizes):             # largest first: later graphs reuse its memory
             ctx = self._ctx(bs, kv_pool, attn_backend, req_to_token, max_context)
             ids, pos = self.input_ids[:bs], self.positions[:bs]
+            fn = self.compiled if self.compiled is not None and bs <= self.compile_max_bs else self.model
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):                        # warm up: Triton compiles, autotune caches
-                    self.model(ids, pos, ctx)
+                for _ in range(2):                        # warm up: Triton and torch.compile compile here
+                    fn(ids, pos, ctx)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self.model(ids, pos, ctx).logits
+                out = fn(ids, pos, ctx).logits
             self.pool = graph.pool()
             self.graphs[bs], self.outputs[bs], self.ctxs[bs] = graph, out, ctx
         torch.cuda.synchronize()

@@ -30,7 +30,7 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int = 128,
     g = -(-k // group)
     xp = torch.nn.functional.pad(x.float(), (0, g * group - k)).view(m, g, group)
     amax = xp.abs().amax(dim=-1).clamp_min(FP8_MIN_SCALE)       # [M, G]
-    scale = amax / fp8_max(dtype)
+    scale = amax / torch.full_like(amax, fp8_max(dtype))   # NOTE: tensor / tensor: exact on CUDA too
     xq = (xp / scale[..., None]).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype)
     return xq.view(m, g * group)[:, :k].contiguous(), scale
 
@@ -47,7 +47,7 @@ def block_quant_fp8_ref(w: torch.Tensor, block: tuple[int, int] = (128, 128),
     wp = torch.nn.functional.pad(w.float(), (0, gk * bk - k, 0, gn * bn - n))
     tiles = wp.view(gn, bn, gk, bk)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(FP8_MIN_SCALE)   # [gn, gk]
-    scale_inv = amax / fp8_max(dtype)
+    scale_inv = amax / torch.full_like(amax, fp8_max(dtype))
     wq = (tiles / scale_inv[:, None, :, None]).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype)
     return wq.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale_inv
 

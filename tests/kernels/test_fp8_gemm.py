@@ -17,12 +17,20 @@ from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref, per_t
 from mlaserve.tools import tune_fp8_gemm
 
 # Tolerances, as max |y - ref| / max |ref|:
-#   fp32 output vs the fp32 reference: same fp8 inputs, only the summation order differs -> 1e-5;
+#   fp32 output vs the fp32 reference: same fp8 inputs, only the summation order differs -> 1e-5 under the
+#   interpreter (exact products, fp32 sums). On CUDA (H100) tiles of 64+ rows run on fp8 wgmma, whose
+#   tensor-core accumulator keeps fewer bits than fp32 within each 128-deep K-step (Triton does not promote
+#   inside one fp8 tl.dot on sm_90): measured 2.1e-4 and 3.3e-4 at M=64 -> FP32_CUDA_TOL 2e-3;
 #   bf16 output: both sides round once to bf16 (2^-8 relative) -> 1e-2.
 # Against the unquantised matmul (quantisation error of the activations, e4m3 = 3 mantissa bits),
 # as ||y - ref|| / ||ref||: about 0.026 for Gaussian activations -> 0.05.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+FP32_CUDA_TOL = 2e-3
 QUANT_TOL = 0.05
+
+
+def _tol(out_dtype: torch.dtype, device: str) -> float:
+    return FP32_CUDA_TOL if out_dtype == torch.float32 and device == "cuda" else TOL[out_dtype]
 
 
 def _rel_max(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -46,7 +54,7 @@ def test_fp8_gemm_matches_ref(device: str, m: int, n: int, k: int, out_dtype: to
     x_q, x_s, w_q, w_s = _operands(m, n, k, device)
     y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=out_dtype)
     assert y.shape == (m, n) and y.dtype == out_dtype
-    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= TOL[out_dtype]
+    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= _tol(out_dtype, device)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -56,7 +64,7 @@ def test_fp8_gemm_matches_ref(device: str, m: int, n: int, k: int, out_dtype: to
 def test_fp8_gemm_tile_configs(device: str, cfg: dict) -> None:
     x_q, x_s, w_q, w_s = _operands(70, 300, 520, device)
     y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=torch.float32, config=cfg)
-    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= TOL[torch.float32]
+    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= _tol(torch.float32, device)
 
 
 def test_fp8_gemm_rejects_bad_scales(device: str) -> None:
@@ -96,7 +104,7 @@ def test_fp8_bmm(device: str, n: int, k: int) -> None:
     w_q = (w / w_scale[:, None, None]).to(torch.float8_e4m3fn)
     y = fp8_bmm(x, w_q, w_scale)
     assert y.shape == (h, b, n) and y.dtype == x.dtype
-    assert _rel_max(y, fp8_bmm_ref(x, w_q, w_scale)) <= TOL[torch.float32]
+    assert _rel_max(y, fp8_bmm_ref(x, w_q, w_scale)) <= _tol(torch.float32, device)
     dense = torch.bmm(x, (w_q.float() * w_scale[:, None, None]).transpose(1, 2))
     assert _rel_norm(y, dense) <= QUANT_TOL
     xb = x.to(torch.bfloat16)
@@ -129,7 +137,7 @@ def test_tuned_config_drives_kernel(tmp_path, monkeypatch: pytest.MonkeyPatch, d
     fp8_gemm_mod._load_configs.cache_clear()
     path.write_text(json.dumps({"4": dict(cfg, BLOCK_K=128)}))
     y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=torch.float32)
-    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= TOL[torch.float32]
+    assert _rel_max(y, fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)) <= _tol(torch.float32, device)
 
 
 def test_tuner_search_space_and_cpu_exit() -> None:

@@ -17,11 +17,17 @@ from mlaserve.kernels.fused_moe import fused_moe, fused_moe_ref, get_moe_config,
 from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref
 from mlaserve.tools import tune_fused_moe as tuner
 
-# max |out - ref| / max |ref|: fp32 = accumulation order only; fp16 / bf16 = rounding of h, of each weighted
-# slot and of out (2^-11 / 2^-8 relative). fp8: the ref quantises exactly like the kernel, so only those
-# roundings remain, plus rare one-step fp8 flips of h where fp32 sum order moved h across a rounding boundary.
+# max |out - ref| / max |ref|: fp32 = accumulation order only (interpreter: exact fp32 products); fp16 / bf16 =
+# rounding of h, of each weighted slot and of out (2^-11 / 2^-8 relative). fp8: the ref quantises exactly like
+# the kernel, so only those roundings remain, plus rare one-step fp8 flips of h where fp32 sum order moved h
+# across a rounding boundary (an exact-arithmetic emulation of the GPU test, bf16 M=24, peaks at 7e-3 over 30
+# draws). On CUDA the fp8 cases compare with `spec_ref` (see there).
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 FP8_TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# fp32 on CUDA: Triton runs fp32 tl.dot in TF32 (operands cut to a 10-bit mantissa: ~1e-3 relative per product,
+# biased towards zero), through two chained GEMMs: measured 2.4e-3 on an H100, a truncating-TF32 emulation of
+# the fp32 case gives 2.3e-3 median / 2.9e-3 max over 100 draws -> 5e-3.
+FP32_CUDA_TOL = 5e-3
 CFG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=64, GROUP_SIZE_M=2, num_warps=4, num_stages=2)
 FP8_CFG = dict(CFG, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128)
 
@@ -65,6 +71,26 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
+def spec_ref(x: torch.Tensor, w: dict[str, torch.Tensor], topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe_ref computed on the CPU, returned on x.device: the exact fp8 spec on any device.
+
+    The spec's activation scale is amax / 448 rounded once. torch does that division on the CPU, but on CUDA
+    `tensor / 448.0` multiplies by fl(1/448), 1 ulp off in ~60% of groups; bf16 / fp16 activations often sit
+    exactly on an e4m3 rounding tie (x = 3/4 amax, ...), so that ulp flips a code in ~5% of bf16 groups, and one
+    flipped code near the group max moves outputs by 1-3%: that explains the 1.9e-2 / 3.3e-2 seen at M=12 / 24
+    on an H100 against the on-device ref. The in-GEMM quantisation divides exactly (tl.math.div_rn), i.e. it
+    matches this CPU reference.
+    """
+    cpu = {k: v.cpu() for k, v in w.items()}
+    return fused_moe_ref(x.cpu(), **cpu, topk_weights=topk_weights.cpu(), topk_ids=topk_ids.cpu()).to(x.device)
+
+
+def device_ref(x: torch.Tensor, w: dict[str, torch.Tensor], topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+    return fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
+
+
 @pytest.mark.parametrize("tokens", [1, 41])
 @pytest.mark.parametrize("block_m", [4, 16])
 def test_moe_align_block_size_invariants(tokens: int, block_m: int, device: str) -> None:
@@ -96,7 +122,8 @@ def test_fused_moe_matches_ref(dtype: torch.dtype, tokens: int, config: dict | N
     out = torch.empty_like(x)
     got = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
-    assert rel_err(got, fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)) < TOL[dtype]
+    tol = FP32_CUDA_TOL if dtype == torch.float32 and device == "cuda" else TOL[dtype]
+    assert rel_err(got, fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)) < tol
 
 
 @pytest.mark.parametrize("dtype,tokens,fuse_quant", [(torch.bfloat16, 1, None), (torch.float16, 41, True),
@@ -107,7 +134,9 @@ def test_fused_moe_fp8_matches_ref(dtype: torch.dtype, tokens: int, fuse_quant: 
     x = torch.randn(tokens, V3.hidden, device=device, dtype=dtype)
     config = FP8_CFG if fuse_quant is None else dict(FP8_CFG, FUSE_QUANT=fuse_quant)
     got = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config)
-    ref = fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
+    # NOTE: without FUSE_QUANT the separate pass (quant.per_token_group_quant_fp8) quantises with Triton's
+    # approximate `/` on CUDA, not the exact spec; on an H100 it has agreed with the on-device reference.
+    ref = (device_ref if fuse_quant is False else spec_ref)(x, w, topk_weights, topk_ids)
     assert rel_err(got, ref) < FP8_TOL[dtype]
     # and close to the unquantised math on the dequantised weights (activation fp8 rounding: ~2^-5 per element)
     dense = {n: torch.stack([block_dequant_ref(q, sc, dtype=torch.float32) for q, sc in zip(w[n], w[f"{n}_scale"])])
@@ -177,13 +206,14 @@ def test_fused_moe_gpu_bf16_and_cuda_graph(fp8: bool) -> None:
     w = fp8_weights(s, "cuda") if fp8 else dense_weights(s, torch.bfloat16, "cuda")
     topk_weights, topk_ids = routing(24, s, "cuda", active=50)
     x = torch.randn(24, s.hidden, device="cuda", dtype=torch.bfloat16)
-    ref = fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
+    # fp8 at M=24 (default config): activations quantised inside the GEMM, exactly -> compare with the spec
+    ref_fn = spec_ref if fp8 else device_ref
     out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)           # warm-up / compile
-    assert rel_err(out, ref) < (FP8_TOL if fp8 else TOL)[torch.bfloat16]
+    assert rel_err(out, ref_fn(x, w, topk_weights, topk_ids)) < (FP8_TOL if fp8 else TOL)[torch.bfloat16]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):                                                 # no host sync inside
         out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(out, fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)) < 3e-2
+    assert rel_err(out, ref_fn(x, w, topk_weights, topk_ids)) < 3e-2

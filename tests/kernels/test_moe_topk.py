@@ -48,25 +48,26 @@ def test_moe_topk_matches_ref(kw: dict, num_experts: int, tokens: int, device: s
         torch.testing.assert_close(got[0].sum(-1), torch.full((tokens,), kw["routed_scaling_factor"], device=device))
 
 
-def _hf_router(kw: dict, num_experts: int, hidden: int) -> torch.nn.Module:
+def _hf_router(kw: dict, num_experts: int, hidden: int, device: str) -> torch.nn.Module:
+    """HF's router on `device` (its logits then feed the Triton kernel there) with random weight / bias."""
     common = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=num_experts,
                   num_experts_per_tok=kw["top_k"], n_group=kw.get("n_group", 1), topk_group=kw.get("topk_group", 1),
                   routed_scaling_factor=kw.get("routed_scaling_factor", 1.0))
     if kw["topk_method"] == "noaux_tc":
-        router = DeepseekV3TopkRouter(DeepseekV3Config(norm_topk_prob=kw["norm_topk_prob"], **common))
-        router.e_score_correction_bias.copy_(torch.randn(num_experts) * 0.1)
+        router = DeepseekV3TopkRouter(DeepseekV3Config(norm_topk_prob=kw["norm_topk_prob"], **common)).to(device)
+        router.e_score_correction_bias.copy_(torch.randn(num_experts, device=device) * 0.1)
     else:
-        router = DeepseekV2TopkRouter(DeepseekV2Config(topk_method=kw["topk_method"], **common))
+        router = DeepseekV2TopkRouter(DeepseekV2Config(topk_method=kw["topk_method"], **common)).to(device)
     with torch.no_grad():
-        router.weight.copy_(torch.randn(num_experts, hidden))
+        router.weight.copy_(torch.randn(num_experts, hidden, device=device))
     return router
 
 
 @pytest.mark.parametrize("kw", [V2_GREEDY, V2_GROUPED, V3_NOAUX], ids=["greedy", "group_limited", "noaux_tc"])
-def test_moe_topk_ref_matches_hf_router(kw: dict) -> None:
+def test_moe_topk_ref_matches_hf_router(kw: dict, device: str) -> None:
     num_experts, hidden, tokens = 32, 16, 40
-    router = _hf_router(kw, num_experts, hidden)
-    x = torch.randn(tokens, hidden)
+    router = _hf_router(kw, num_experts, hidden, device)
+    x = torch.randn(tokens, hidden, device=device)
     with torch.no_grad():
         logits, hf_weights, hf_ids = router(x)
     bias = getattr(router, "e_score_correction_bias", None)
@@ -75,18 +76,18 @@ def test_moe_topk_ref_matches_hf_router(kw: dict) -> None:
     assert_same_routing(moe_topk(logits, e_score_correction_bias=bias, **kw), (hf_weights, hf_ids))
 
 
-def test_group_limited_greedy_stays_in_kept_groups() -> None:
+def test_group_limited_greedy_stays_in_kept_groups(device: str) -> None:
     # One group holds the 6 largest logits but only topk_group=1 group is kept: the best group's experts win.
-    logits = torch.randn(3, 32)
+    logits = torch.randn(3, 32, device=device)
     logits[:, 8:16] += 10.0
     w, ids = moe_topk(logits, **dict(V2_GROUPED, topk_group=1))
     assert ((ids >= 8) & (ids < 16)).all(), ids
 
 
-def test_noaux_tc_bias_chooses_but_does_not_weigh() -> None:
+def test_noaux_tc_bias_chooses_but_does_not_weigh(device: str) -> None:
     # A large bias on expert 5 forces its choice; its weight is still its unbiased sigmoid score.
-    logits = torch.randn(4, 64)
-    bias = torch.zeros(64)
+    logits = torch.randn(4, 64, device=device)
+    bias = torch.zeros(64, device=device)
     bias[5] = 100.0
     kw = dict(V3_NOAUX, norm_topk_prob=False, routed_scaling_factor=1.0)
     w, ids = moe_topk(logits, e_score_correction_bias=bias, **kw)
