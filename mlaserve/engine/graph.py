@@ -34,8 +34,8 @@ class DecodeGraphRunner:
         self.compiled = None
         if compile_max_bs:
             # NOTE: graph breaks at the Triton launchers are fine: dynamo compiles the torch code between them
-            import torch._dynamo
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            from torch import _dynamo
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
             self.compiled = torch.compile(model, dynamic=False)
         self.dummy_req, self.device = dummy_req, device
         n = self.batch_sizes[-1]

@@ -266,13 +266,14 @@ def _fp8_bmm_kernel(
         kk = k0 + offs_k
         x = tl.load(x_rows + kk[None, :] * stride_xk, mask=kk[None, :] < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = tl.maximum(amax, MIN_SCALE) / FP8_MAX                                      # [BM]
+    amax = tl.maximum(amax, MIN_SCALE)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))             # [BM], exact as the ref
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         x = tl.load(x_rows + kk[None, :] * stride_xk, mask=kk[None, :] < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -FP8_MAX), FP8_MAX)
         if INTERPRETED:
             q = _round_to_fp8_grid(q, 3, -6)
         w = tl.load(w_cols + kk[:, None], mask=kk[:, None] < K, other=0.0)           # [BK, BN] e4m3

@@ -97,8 +97,10 @@ def _per_token_group_quant_fp8_kernel(
         mask = row_ok[:, None] & ((cols < GROUP) & (k < K))[None, :]          # [BLOCK_M, BLOCK_G]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask, other=0.0)
         x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_SCALE) / FP8_MAX    # [BLOCK_M]
-        q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_SCALE)
+        # NOTE: correctly rounded divisions, as torch's tensor / tensor (the reference) on every device
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))         # [BLOCK_M]
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -FP8_MAX), FP8_MAX)
         if INTERPRETED:
             q = _round_to_fp8_grid(q, MANT, MIN_EXP)
         tl.store(xq_ptr + rows[:, None] * K + k[None, :], q.to(xq_ptr.dtype.element_ty), mask=mask)

@@ -12,6 +12,9 @@ from mlaserve.config import QuantConfig
 from mlaserve.kernels import fp8_gemm as fp8_kernels
 
 
+_fp8_linear = torch.compiler.disable(fp8_kernels.fp8_linear)   # opaque to torch.compile
+
+
 class ShapeError(ValueError):
     """A checkpoint tensor does not have the shape the model expects (message names both)."""
 
@@ -86,7 +89,7 @@ class Linear(torch.nn.Module):
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
     """Block-FP8 linear: the Triton kernels on GPU, the PyTorch references on the CPU."""
-    fn = fp8_kernels.fp8_linear if x.is_cuda else fp8_kernels.fp8_linear_ref
+    fn = _fp8_linear if x.is_cuda else fp8_kernels.fp8_linear_ref
     return fn(x, w_q, w_scale_inv)
 
 

@@ -12,10 +12,13 @@ import torch
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode
 from mlaserve.kernels.quant import block_dequant_ref
-from mlaserve.kernels.rope import mla_rope_kv_store
+from mlaserve.kernels import rope as rope_kernels
 from mlaserve.layers.linear import Linear
 from mlaserve.layers.rmsnorm import RMSNorm
 from mlaserve.layers.rope import RotaryEmbedding
+
+
+mla_rope_kv_store = torch.compiler.disable(rope_kernels.mla_rope_kv_store)   # opaque to torch.compile
 
 
 class MLAAttention(torch.nn.Module):
@@ -78,9 +81,19 @@ class MLAAttention(torch.nn.Module):
         backend = ctx.attn_backend
         if ctx.mode is ForwardMode.DECODE and self.absorb:
             q_lat = torch.einsum("thd,hdl->thl", q[..., : self.dn], self.w_kc)   # absorb W_UK: [T, H, L]
-            o_lat = backend.decode(self.layer_id, torch.cat([q_lat, q_pe], dim=-1), ctx)   # [T, H, L]
+            o_lat = _decode(backend, self.layer_id, torch.cat([q_lat, q_pe], dim=-1), ctx)  # [T, H, L]
             o = torch.einsum("thl,hvl->thv", o_lat, self.w_vc)                 # apply W_UV: [T, H, Dv]
         else:
             q = q if x.is_cuda else torch.cat([q[..., : self.dn], q_pe], dim=-1)
-            o = backend.extend(self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
+            o = _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
         return self.o_proj(o.reshape(t, self.h * self.dv))
+
+
+@torch.compiler.disable
+def _decode(backend, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    return backend.decode(layer, q, ctx)
+
+
+@torch.compiler.disable
+def _extend(backend, layer: int, q, kv_c, k_pe, ctx: ForwardContext, expand_kv) -> torch.Tensor:
+    return backend.extend(layer, q, kv_c, k_pe, ctx, expand_kv)

@@ -11,8 +11,14 @@ import torch.nn.functional as F
 from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.kernels import fused_moe as moe_kernels
 from mlaserve.kernels import moe_topk as topk_kernels
-from mlaserve.kernels.activation import silu_and_mul
+from mlaserve.kernels import activation as act_kernels
 from mlaserve.layers.linear import Linear, MergedLinear, ShapeError, cdiv, copy_checked
+
+
+# NOTE: Triton launchers stay opaque to torch.compile (it compiles the torch code between them)
+silu_and_mul = torch.compiler.disable(act_kernels.silu_and_mul)
+_fused_moe = torch.compiler.disable(moe_kernels.fused_moe)
+_moe_topk = torch.compiler.disable(topk_kernels.moe_topk)
 
 
 class DenseMLP(torch.nn.Module):
@@ -54,7 +60,7 @@ class Router(torch.nn.Module):
         w = getattr(self, "weight_f32", None)
         logits = F.linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
         c = self.cfg
-        topk = topk_kernels.moe_topk if x.is_cuda else topk_kernels.moe_topk_ref
+        topk = _moe_topk if x.is_cuda else topk_kernels.moe_topk_ref
         return topk(logits, c.num_experts_per_tok, topk_method=c.topk_method, scoring_func=c.scoring_func,
                     n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                     routed_scaling_factor=c.routed_scaling_factor,
@@ -95,7 +101,7 @@ class RoutedExperts(torch.nn.Module):
         copy_checked(name, dst, loaded)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        fn = moe_kernels.fused_moe if x.is_cuda else moe_kernels.fused_moe_ref
+        fn = _fused_moe if x.is_cuda else moe_kernels.fused_moe_ref
         return fn(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
 
 

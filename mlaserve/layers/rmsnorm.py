@@ -6,6 +6,10 @@ import torch
 
 from mlaserve.kernels import norm as norm_kernels
 
+# NOTE: Triton launchers stay opaque to torch.compile (it compiles the torch code between them)
+_rmsnorm = torch.compiler.disable(norm_kernels.rmsnorm)
+_fused_add_rmsnorm = torch.compiler.disable(norm_kernels.fused_add_rmsnorm)
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.bfloat16,
@@ -18,7 +22,7 @@ class RMSNorm(torch.nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`: (norm(x + residual), x + residual) (on the GPU `residual` is updated in place)."""
         if residual is None:
-            fn = norm_kernels.rmsnorm if x.is_cuda else norm_kernels.rmsnorm_ref
+            fn = _rmsnorm if x.is_cuda else norm_kernels.rmsnorm_ref
             return fn(x, self.weight, self.eps)
-        fn = norm_kernels.fused_add_rmsnorm if x.is_cuda else norm_kernels.fused_add_rmsnorm_ref
+        fn = _fused_add_rmsnorm if x.is_cuda else norm_kernels.fused_add_rmsnorm_ref
         return fn(x, residual, self.weight, self.eps)

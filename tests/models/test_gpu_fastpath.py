@@ -85,6 +85,16 @@ def test_cuda_graph_batches_pad_correctly(checkpoints):
     path = checkpoints("v3")
     rng = random.Random(1)
     prompts = [[rng.randrange(2, 4000) for _ in range(rng.randint(5, 60))] for _ in range(11)]
-    eager = greedy_outputs(scheduler(path, "triton", graphs=False), prompts, 16)
-    graph = greedy_outputs(scheduler(path, "triton", graphs=True, cuda_graph_bs=[1, 4, 16]), prompts, 16)
+    eager = greedy_outputs(scheduler(path, "triton", graphs=False, dtype="float32"), prompts, 16)
+    graph = greedy_outputs(scheduler(path, "triton", graphs=True, cuda_graph_bs=[1, 4, 16], dtype="float32"), prompts, 16)
     assert sum(eager[k] == graph[k] for k in eager) >= len(eager) - 1
+
+
+def test_torch_compile_with_graphs_equals_reference(checkpoints):
+    path = checkpoints("v3")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 4000) for _ in range(rng.randint(5, 60))] for _ in range(6)]
+    ref = greedy_outputs(scheduler(path, "torch", graphs=False, dtype="float32"), prompts, 16)
+    fast = greedy_outputs(scheduler(path, "triton", graphs=True, dtype="float32", enable_torch_compile=True,
+                                    cuda_graph_bs=[1, 2, 4, 8], torch_compile_max_bs=8), prompts, 16)
+    assert sum(ref[k] == fast[k] for k in ref) >= len(ref) - 1
