@@ -58,11 +58,14 @@ def test_fast_path_prompt_logprobs_match_reference(checkpoints, variant):
     close_stats(fast - ref, BF16_MEAN, BF16_P90, f"{variant} triton vs torch")
 
 
-@pytest.mark.parametrize("variant", ["v2-lite", "v3", "v3-fp8"])
+@pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3"])
 def test_fast_path_greedy_equals_reference(checkpoints, variant):
     """32 greedy tokens for 12 prompts, fast path (Triton + graphs) vs the torch reference path, in float32:
     in bf16 both paths leave an fp32 reference at the first near-tie (measured: after 3-9 tokens for half the
-    prompts on this random model), so token equality is only meaningful in fp32 (Triton dots use TF32 there)."""
+    prompts on this random model), so token equality is only meaningful in fp32 (Triton dots use TF32 there).
+    FP8 checkpoints are compared by log-prob statistics instead (test_fp8_fast_path_vs_dequantised_bf16):
+    per-token activation quantisation turns the attention backends' last-bit differences into whole e4m3
+    steps, so even fp32 runs of the two paths part after a few tokens (measured on an H100, 2026-11-21)."""
     path = checkpoints(variant)
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 4000) for _ in range(rng.randint(5, 120))] for _ in range(12)]
