@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.quant import (FP8_E4M3_MAX, FP8_MIN_SCALE, _round_to_fp8_grid, block_dequant_ref,
+from mlaserve.kernels.quant import (FP8_E4M3_MAX, FP8_MIN_SCALE, round_to_fp8_grid, block_dequant_ref,
                                     per_token_group_quant_fp8, per_token_group_quant_fp8_ref)
 
 logger = logging.getLogger(__name__)
@@ -275,7 +275,7 @@ def _fp8_bmm_kernel(
         x = tl.load(x_rows + kk[None, :] * stride_xk, mask=kk[None, :] < K, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -FP8_MAX), FP8_MAX)
         if INTERPRETED:
-            q = _round_to_fp8_grid(q, 3, -6)
+            q = round_to_fp8_grid(q, 3, -6)
         w = tl.load(w_cols + kk[:, None], mask=kk[:, None] < K, other=0.0)           # [BK, BN] e4m3
         acc = tl.dot(q.to(tl.float8e4nv), w, acc)
     acc = acc * scale[:, None] * tl.load(ws_ptr + h)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import quant
+from mlaserve.kernels.quant import round_to_fp8_grid
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +93,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
 
 # ------------------------------------------------------------------------------------------ grouped GEMM
 @triton.jit
-def _e4m3_rne(v):
-    # Round fp32 (|v| <= 448) to the e4m3 grid, ties to even, so the following cast is exact. Used under the
-    # interpreter only, whose own fp32 -> fp8 cast mis-rounds values that round up into the next binade.
-    mag = tl.abs(v)
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    sub = ((mag * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000).to(tl.float32) * 0.001953125
-    return tl.where(mag < 0.015625, tl.where(v < 0, -sub, sub), normal)       # subnormals: steps of 2^-9
-
-
-@triton.jit
 def _bf16_rne(v):
     # Round fp32 to bf16 precision, ties to even (interpreter only: its own fp32 -> bf16 cast truncates).
     bits = v.to(tl.int32, bitcast=True)
@@ -116,7 +106,7 @@ def _quant_rows(a, INTERPRET: tl.constexpr):
     scale = tl.math.div_rn(scale, tl.full(scale.shape, 448.0, tl.float32))
     q = tl.minimum(tl.maximum(tl.math.div_rn(a, scale[:, None]), -448.0), 448.0)
     if INTERPRET:
-        q = _e4m3_rne(q)
+        q = round_to_fp8_grid(q, 3, -6)   # e4m3: 3 mantissa bits, min exponent -6
     return q.to(tl.float8e4nv), scale
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.quant import fp8_max
+from mlaserve.kernels.quant import fp8_max, round_to_fp8_grid
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # dtype -> (mantissa bits, exponent of the smallest normal)
@@ -24,27 +24,12 @@ def fp8_consts(dtype: torch.dtype, device: torch.device) -> dict:
 
 
 @triton.jit
-def fp8_round(v, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Round fp32 `v` to the nearest fp8 value (ties to even, sign kept), staying in fp32; |v| <= the fp8 max.
-
-    NOTE: only for the CPU interpreter, whose fp32 -> fp8 cast mis-rounds (a carry out of the mantissa halves
-    the value); the cast of the result is then exact. On GPU the cast itself rounds to nearest even.
-    """
-    a = tl.abs(v)
-    exp = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127)  # subnormals: min-normal step
-    step = ((exp - MANT_BITS) << 23).to(tl.float32, bitcast=True)                # 2^(e - MANT_BITS)
-    magic = step * 12582912.0                                                    # 1.5 * 2^23 * step
-    r = (a + magic) - magic                                                      # fp32 spacing there is step
-    return tl.where(v < 0, -r, r)
-
-
-@triton.jit
 def fp8_saturate(v, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
                  SOFT_ROUND: tl.constexpr):
     """Clamp fp32 `v` to [-FP8_MAX, FP8_MAX], rounded onto the fp8 grid in software under the interpreter."""
     v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
     if SOFT_ROUND:
-        v = fp8_round(v, MANT_BITS, MIN_EXP)
+        v = round_to_fp8_grid(v, MANT_BITS, MIN_EXP)
     return v
 
 

@@ -66,7 +66,7 @@ _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
 
 @triton.jit
-def _round_to_fp8_grid(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+def round_to_fp8_grid(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     """Round fp32 `v` to the nearest (ties to even) value of an fp8 grid, returned as fp32.
 
     NOTE: only for the CPU interpreter, whose fp32 -> fp8 cast truncates and drops mantissa carries;
@@ -102,7 +102,7 @@ def _per_token_group_quant_fp8_kernel(
         scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))         # [BLOCK_M]
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -FP8_MAX), FP8_MAX)
         if INTERPRETED:
-            q = _round_to_fp8_grid(q, MANT, MIN_EXP)
+            q = round_to_fp8_grid(q, MANT, MIN_EXP)
         tl.store(xq_ptr + rows[:, None] * K + k[None, :], q.to(xq_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + rows * G + g, scale, mask=row_ok & (rows * 0 + g < G))
 

@@ -9,16 +9,8 @@ import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-# NOTE: the bars are U+FF5C (fullwidth vertical line), the separators U+2581 (lower one eighth block).
-TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
-TOOL_CALLS_END = "<｜tool▁calls▁end｜>"
-TOOL_CALL_BEGIN = "<｜tool▁call▁begin｜>"
-TOOL_CALL_END = "<｜tool▁call▁end｜>"
-TOOL_SEP = "<｜tool▁sep｜>"
-TOOL_OUTPUTS_BEGIN = "<｜tool▁outputs▁begin｜>"
-TOOL_OUTPUTS_END = "<｜tool▁outputs▁end｜>"
-TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
-TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
+from mlaserve.tokenizer import (TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END,  # noqa: F401
+                                 TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END, TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END, TOOL_SEP)
 
 _TEXT, _BLOCK, _CALL = "text", "block", "call"
 
