@@ -120,6 +120,9 @@ class ModelRunner:
         sched = self.server.sched
         if self.device.type != "cuda" or sched.disable_cuda_graph or not isinstance(self.attn_backend, TritonMLABackend):
             return
+        if self.server.load.disable_mla:
+            logger.info("--disable-mla: decode runs the non-absorbed form eagerly (no CUDA graphs)")
+            return
         sizes = sched.cuda_graph_bs or default_batch_sizes(sched.cuda_graph_max_bs)
         compile_bs = sched.torch_compile_max_bs if sched.enable_torch_compile else 0
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req, sizes,

@@ -143,7 +143,7 @@ class Engine:
 
     def get_server_info(self) -> dict:
         stats = self._call(self.manager.get_stats())
-        return {**self.handle.info, **stats, "model_path": self.model_path, **self.server.flat()}
+        return {**self.server.flat(), **self.handle.info, **stats, "model_path": self.model_path}
 
     def shutdown(self) -> None:
         if getattr(self, "handle", None) is not None:

@@ -77,11 +77,13 @@ class TokenizerManager:
         self.recv.bind(recv_addr)
         self.states: dict[str, _State] = {}
         self._replies: asyncio.Queue | None = None
+        self._control: asyncio.Lock | None = None      # one control request (flush / stats) in flight at a time
         self._loop_task: asyncio.Task | None = None
 
     def start(self) -> None:
         """Start the receive loop on the running event loop."""
         self._replies = asyncio.Queue()
+        self._control = asyncio.Lock()
         self._loop_task = asyncio.get_running_loop().create_task(self._recv_loop())
 
     # --- requests ---------------------------------------------------------------------------------
@@ -149,8 +151,9 @@ class TokenizerManager:
         return (await self._request(m.GetStatsReqMsg())).stats
 
     async def _request(self, msg: object) -> Any:
-        await self.send.send(m.encode(msg))
-        return await asyncio.wait_for(self._replies.get(), timeout=60)
+        async with self._control:         # NOTE: replies carry no id: never two control requests at once
+            await self.send.send(m.encode(msg))
+            return await asyncio.wait_for(self._replies.get(), timeout=60)
 
     # --- results ------------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:

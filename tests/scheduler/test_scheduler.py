@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 import mlaserve
 from mlaserve.config import ServerConfig
@@ -151,3 +152,13 @@ def test_overlap_schedule_gives_identical_outputs(ckpt):
         assert overlapped[x.rid]["ids"] == plain[x.rid]["ids"], x.rid
         assert overlapped[x.rid]["finished"] == plain[x.rid]["finished"], x.rid
     assert_no_leak(overlapped_sched)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache(ckpt, kv_dtype):
+    """--kv-cache-dtype fp8: the latent cache stores e4m3 / e5m2; generation runs and frees everything."""
+    sched = make(ckpt, kv_cache_dtype=kv_dtype)
+    assert sched.runner.pool.buffers[0].dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
+    res = run(sched, [msg(f"f{i}", p, max_new=8) for i, p in enumerate(prompts(4))])
+    assert all(r["finished"] is not None and len(r["ids"]) >= 1 for r in res.values())
+    assert_no_leak(sched)
