@@ -68,12 +68,20 @@ class Router(torch.nn.Module):
 
 
 class RoutedExperts(torch.nn.Module):
-    """E SwiGLU experts as two stacked tensors, bf16 or block-FP8 (per-expert `weight_scale_inv`)."""
+    """E SwiGLU experts as two stacked tensors, bf16 or block-FP8 (per-expert `weight_scale_inv`).
+
+    The shared experts ride along as slots E .. E + n_shared - 1: a shared MLP of intermediate size
+    n_shared * I is n_shared experts of size I side by side (SwiGLU is elementwise over the intermediate
+    dimension), so one fused-MoE call computes routed and shared experts (every token routed to the
+    shared slots with weight 1).
+    """
 
     def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
                  device: torch.device | str):
         super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.n_routed, self.n_shared = cfg.n_routed_experts, cfg.n_shared_experts
+        e = self.n_routed + self.n_shared
         self.i, self.quant = i, quant
         wdtype = torch.float8_e4m3fn if quant else dtype
         self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, h, dtype=wdtype, device=device), requires_grad=False)
@@ -100,6 +108,12 @@ class RoutedExperts(torch.nn.Module):
             dst = dst[rows:]
         copy_checked(name, dst, loaded)
 
+    def load_shared(self, name: str, proj: str, loaded: torch.Tensor, scale: bool) -> None:
+        """Split `mlp.shared_experts.{proj}.weight[_scale_inv]` into the n_shared expert slots after the routed ones."""
+        parts = loaded.chunk(self.n_shared, dim=1 if proj == "down_proj" else 0)
+        for s, part in enumerate(parts):
+            self.load_expert(name, self.n_routed + s, proj, part, scale)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fn = _fused_moe if x.is_cuda else moe_kernels.fused_moe_ref
         return fn(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
@@ -111,14 +125,14 @@ class MoE(torch.nn.Module):
         super().__init__()
         self.gate = Router(cfg, dtype, device)
         self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device)
-        self.shared_experts = None
-        if cfg.n_shared_experts:
-            self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           quant=quant, dtype=dtype, device=device)
+        e, ns = cfg.n_routed_experts, cfg.n_shared_experts
+        self.register_buffer("shared_ids", torch.arange(e, e + ns, dtype=torch.int32, device=device)[None], persistent=False)
+        self.register_buffer("shared_weights", torch.ones(1, ns, dtype=torch.float32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        weights, ids = self.gate(x)                                           # [T, K] f32, [T, K] int32
+        if self.shared_ids.shape[1]:                                          # + the shared slots, weight 1
+            t = x.shape[0]
+            ids = torch.cat([ids.to(torch.int32), self.shared_ids.expand(t, -1)], dim=1)
+            weights = torch.cat([weights, self.shared_weights.expand(t, -1)], dim=1)
+        return self.experts(x, weights, ids)

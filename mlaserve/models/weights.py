@@ -169,6 +169,7 @@ def synthetic_checkpoint(cfg: ModelConfig, seed: int, specs: list[TensorSpec] | 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 
 
+_SHARED = re.compile(r"^(.*\.mlp)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _STACKED = re.compile(r"^(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight(_scale_inv)?$")
 
 
@@ -242,6 +243,11 @@ class WeightLoader:
         self._route(w_name, block_dequant_ref(w, s, self.cfg.quant.block, torch.float32))
 
     def _route(self, name: str, tensor: torch.Tensor) -> None:
+        m = _SHARED.match(name)
+        if m:
+            experts = self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1] + ".experts")
+            experts.load_shared(name, m.group(2), tensor, scale=m.group(3) is not None)
+            return
         m = _STACKED.match(name)
         if m:
             module = self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1] + ".gate_up_proj")
