@@ -12,7 +12,11 @@ from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.kernels import fused_moe as moe_kernels
 from mlaserve.kernels import moe_topk as topk_kernels
 from mlaserve.kernels import activation as act_kernels
-from mlaserve.layers.linear import Linear, MergedLinear, ShapeError, cdiv, copy_checked
+from mlaserve.layers.linear import Linear, MergedLinear, ShapeError, cdiv, copy_checked, fp8_linear
+
+# Up to this many tokens the shared experts run inside the fused-MoE call (decode: fewer, fuller launches);
+# above it, as dense GEMMs (prefill: the grouped GEMM is slower than a plain one for an expert every token uses).
+FUSE_SHARED_MAX_TOKENS = 256
 
 
 # NOTE: Triton launchers stay opaque to torch.compile (it compiles the torch code between them)
@@ -114,6 +118,20 @@ class RoutedExperts(torch.nn.Module):
         for s, part in enumerate(parts):
             self.load_expert(name, self.n_routed + s, proj, part, scale)
 
+    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts as dense GEMMs over their slots (large batches: better than the grouped GEMM)."""
+        out = None
+        for s in range(self.n_routed, self.n_routed + self.n_shared):
+            gu = self._linear(x, self.w13[s], None if self.w13_scale is None else self.w13_scale[s])    # [T, 2I]
+            h = silu_and_mul(gu) if x.is_cuda else F.silu(gu[:, : self.i]) * gu[:, self.i:]
+            y = self._linear(h, self.w2[s], None if self.w2_scale is None else self.w2_scale[s])         # [T, h]
+            out = y if out is None else out + y
+        return out
+
+    @staticmethod
+    def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, w) if scale is None else fp8_linear(x, w, scale)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fn = _fused_moe if x.is_cuda else moe_kernels.fused_moe_ref
         return fn(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
@@ -131,8 +149,11 @@ class MoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)                                           # [T, K] f32, [T, K] int32
-        if self.shared_ids.shape[1]:                                          # + the shared slots, weight 1
-            t = x.shape[0]
+        t = x.shape[0]
+        if not self.shared_ids.shape[1]:
+            return self.experts(x, weights, ids)
+        if t <= FUSE_SHARED_MAX_TOKENS:                                       # + the shared slots, weight 1
             ids = torch.cat([ids.to(torch.int32), self.shared_ids.expand(t, -1)], dim=1)
             weights = torch.cat([weights, self.shared_weights.expand(t, -1)], dim=1)
-        return self.experts(x, weights, ids)
+            return self.experts(x, weights, ids)
+        return self.experts(x, weights, ids) + self.experts.shared_forward(x)

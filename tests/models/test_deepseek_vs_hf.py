@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 # - fp32: max |d| ~2e-5 (tolerance 1e-4, as the issue asks).
 # - bf16 (ours bf16 vs HF bf16): mean |d| 0.02 (v2-lite) .. 0.09 (v3), p90 0.04 .. 0.2; max 0.06 .. 1.1, the
 #   large ones at single positions where bf16 rounding flips a routed-expert choice (a discontinuity that
-#   no bf16 implementation avoids). Asserted: mean <= 0.15 and p90 <= 0.3.
+#   no bf16 implementation avoids); over 30 prompts on v3 the worst mean was 0.13 and the worst p90 0.23.
+#   Asserted: mean <= 0.2 and p90 <= 0.35.
 # - FP8 path (e4m3 weights, activations quantised per token per 128 channels) vs HF on the dequantised
 #   weights in fp32: mean 0.37 .. 0.50, p90 0.74 .. 0.92, max up to 2.8 (activation quantisation error
 #   through 3 layers of random weights with logits of std 4). Asserted: mean <= 0.7 and p90 <= 1.3; the
@@ -82,7 +83,7 @@ def test_prompt_logprobs_bf16(checkpoints, variant):
     model, cfg = ours(path, torch.bfloat16)
     ids = random_prompt(cfg, 40)
     a, b = ours_prompt_logprobs(model, cfg, ids), hf_prompt_logprobs(hf(path, torch.bfloat16), ids)
-    assert_close_stats(a - b, 0.15, 0.3, f"bf16 {variant}")
+    assert_close_stats(a - b, 0.2, 0.35, f"bf16 {variant}")
 
 
 @pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3"])
