@@ -20,7 +20,6 @@ class TorchMLABackend(BaseAttnBackend):
 
     def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], q.shape[1], 0)
         outs = []
         for b, start, n in self._spans(ctx):
             rows = self._request_rows(layer, ctx, b, q.dtype)               # [S, L + R]
@@ -28,7 +27,7 @@ class TorchMLABackend(BaseAttnBackend):
             k_rope = rows[:, None, self.kv_lora_rank:].expand(-1, k_nope.shape[1], -1)
             k = torch.cat([k_nope, k_rope], dim=-1)                         # [S, H, Dn + R]
             outs.append(_causal_attention(q[start:start + n], k, v, self.sm_scale))
-        return torch.cat(outs, dim=0) if outs else out
+        return torch.cat(outs, dim=0) if outs else q.new_empty(0, q.shape[1], 0)
 
     def decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         outs = []

@@ -224,7 +224,7 @@ class ModelRunner:
             return logits.argmax(-1), None, None
         sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], steps,
                                  [r.input_ids for r in reqs], [r.output_ids for r in reqs], self.cfg.vocab_size,
-                                 self._eos_ids(), self.device)
+                                 self.eos_ids(), self.device)
         want_lp = any(r.return_logprob for r in reqs)
         k = max(r.top_logprobs_num for r in reqs)
         out = self.sampler(logits, sb, return_logprob=want_lp, top_logprobs_num=k if want_lp else 0)
@@ -265,5 +265,5 @@ class ModelRunner:
                 in_top[i] = [list(zip(a, b)) for a, b in zip(v.tolist(), ids.tolist())]
         return in_lp, in_top
 
-    def _eos_ids(self) -> list[int]:
+    def eos_ids(self) -> list[int]:
         return [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]

@@ -35,7 +35,7 @@ class Scheduler:
                                  disable_radix=server.cache.disable_radix_cache, device=self.runner.device)
         self.runner.attach(self.kv.req_to_token)
         self.runner.init_cuda_graphs(self.kv.req_to_token, self.kv.req_pool.alloc())   # a row for padding
-        self.eos_ids = set(self.runner._eos_ids())
+        self.eos_ids = set(self.runner.eos_ids())
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
