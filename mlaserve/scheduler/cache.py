@@ -66,6 +66,16 @@ class KVCacheManager:
         self.req_pool.write(req.req_pool_idx, req.kv_len, slots)
         req.kv_len += len(slots)
 
+    def extend_one_each(self, reqs: list[Req], slots: torch.Tensor) -> None:
+        """Decode: one new slot per request, written into the table with a single indexed store."""
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        dev = self.req_to_token.device
+        self.req_to_token[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = \
+            slots.to(self.req_to_token.dtype)
+        for r in reqs:
+            r.kv_len += 1
+
     def release(self, req: Req) -> None:
         """Hand the request's computed KV to the tree (or free it), unlock, and free its row."""
         if req.req_pool_idx is None:

@@ -32,10 +32,8 @@ def plan_decode(sched: "Scheduler") -> Batch | None:
     reqs = list(sched.running)
     slots = sched.kv.alloc(len(reqs))
     assert slots is not None, "decode slots must be available after retraction"
-    prefix = []
-    for req, s in zip(reqs, slots):
-        prefix.append(req.kv_len)
-        sched.kv.extend(req, s.view(1))
+    prefix = [r.kv_len for r in reqs]
+    sched.kv.extend_one_each(reqs, slots)
     sched.new_token_ratio = max(sched.cfg.min_new_token_ratio, sched.new_token_ratio - 0.001)
     # NOTE: input ids are read on the device from the runner's token_buf (the last step may be in flight)
     return Batch(ForwardMode.DECODE, reqs, [], slots, prefix, [1] * len(reqs), [True] * len(reqs))
