@@ -204,9 +204,10 @@ class ModelRunner:
         if batch.mode is ForwardMode.DECODE:
             ids = self.token_buf[rows_dev]                                     # [B] last sampled tokens
             if self.graphs is not None and self.graphs.can_run(batch.size):
-                host = torch.tensor([batch.prefix_lens, batch.out_slots.tolist()], dtype=torch.int64)
-                dev = host.pin_memory().to(self.device, non_blocking=True)
-                return self.graphs.replay(ids, dev[0], dev[1], rows_dev, (dev[0] + 1).to(torch.int32))
+                # NOTE: out_slots already live on the device; reading them back would sync and undo the overlap
+                prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+                return self.graphs.replay(ids, prefix, batch.out_slots.to(self.device), rows_dev,
+                                          (prefix + 1).to(torch.int32))
         else:
             ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         ctx = build_context(batch.mode, req_pool_idx=[r.req_pool_idx for r in batch.reqs],

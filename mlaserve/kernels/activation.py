@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.kv_store import fp8_consts, fp8_quant_groups, num_warps_for
+from mlaserve.kernels.kv_store import fp8_consts, num_warps_for, store_row_maybe_fp8
 from mlaserve.kernels.quant import FP8_MIN_SCALE, per_token_group_quant_fp8_ref
 
 _TILE = 128          # channels per tile row when not quantising
@@ -30,12 +30,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, I, stride_x, stride_out, str
     gate = gate.to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(in_ty)                         # silu(gate) * up, in x.dtype
-    if QUANT:
-        q, scale = fp8_quant_groups(y.to(tl.float32), FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, MIN_SCALE)
-        tl.store(out_ptr + row * stride_out + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + row * stride_scale + g, scale, mask=g * GROUP < I)
-    else:
-        tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
+    store_row_maybe_fp8(y, out_ptr + row * stride_out, scale_ptr + row * stride_scale, offs, mask, g, I, QUANT,
+                        FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, MIN_SCALE, GROUP)
 
 
 def _check(x: torch.Tensor) -> int:

@@ -44,6 +44,19 @@ def fp8_quant_groups(y, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP:
 
 
 @triton.jit
+def store_row_maybe_fp8(y, out_row, scale_row, offs, mask, g, n, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+                        MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                        MIN_SCALE: tl.constexpr, GROUP: tl.constexpr):
+    """Epilogue of a row kernel: store y [BG, GROUP] as is, or fp8-quantised per group with its scales."""
+    if QUANT:
+        q, scale = fp8_quant_groups(y.to(tl.float32), FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, MIN_SCALE)
+        tl.store(out_row + offs, q.to(out_row.dtype.element_ty), mask=mask)
+        tl.store(scale_row + g, scale, mask=g * GROUP < n)
+    else:
+        tl.store(out_row + offs, y, mask=mask)
+
+
+@triton.jit
 def _kv_store_kernel(cache_ptr, slot_ptr, src_ptr, scale_ptr, D, stride_cache, stride_slot, stride_src,
                      BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr,
                      FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,

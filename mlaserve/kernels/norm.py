@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.kv_store import fp8_consts, fp8_quant_groups, num_warps_for
+from mlaserve.kernels.kv_store import fp8_consts, num_warps_for, store_row_maybe_fp8
 from mlaserve.kernels.quant import FP8_MIN_SCALE, per_token_group_quant_fp8_ref
 
 _TILE = 128   # channels per tile row when not quantising (any power of two works)
@@ -37,12 +37,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, D, eps,
     y = (x * tl.math.rsqrt(var + eps)).to(in_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (w * y).to(in_ty)                                                     # out in x.dtype
-    if QUANT:
-        q, scale = fp8_quant_groups(y.to(tl.float32), FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, MIN_SCALE)
-        tl.store(out_ptr + row * stride_out + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + row * stride_scale + g, scale, mask=g * GROUP < D)
-    else:
-        tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
+    store_row_maybe_fp8(y, out_ptr + row * stride_out, scale_ptr + row * stride_scale, offs, mask, g, D, QUANT,
+                        FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, MIN_SCALE, GROUP)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, name: str = "x") -> None:

@@ -7,12 +7,12 @@ from typing import Any
 
 from mlaserve.server.manager import GenerateInput, RequestError
 from mlaserve.server.openai_common import (
-    ServingContext, chat_logprobs, check_sampling, finish_reason, matched_stop, max_new_tokens, new_id, stream_error,
-    usage,
+    ServingContext, chat_logprobs, check_sampling, finish_reason, matched_stop, max_new_tokens, new_id, stream_end,
+    stream_error, usage,
 )
 from mlaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from mlaserve.server.reasoning import create_reasoning_parser
-from mlaserve.server.sse import DONE, collect, merge, sse
+from mlaserve.server.sse import collect, merge, sse
 from mlaserve.server.tool_parser import create_tool_parser, tool_finish_reason
 
 
@@ -178,9 +178,8 @@ async def chat_stream(req: ChatCompletionRequest, ctx: ServingContext, inputs: l
     except (APIError, RequestError) as e:
         yield stream_error(e)
         return
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(finals, req.n).model_dump()})
-    yield DONE
+    for event in stream_end(req, base, finals):
+        yield event
 
 
 def _delta(reasoning: str, content: str, calls: list[dict]) -> dict:

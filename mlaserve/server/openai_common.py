@@ -80,6 +80,14 @@ def stream_error(e: Exception) -> str:
     return sse(error_body(getattr(e, "message", str(e)), param, status)) + DONE
 
 
+def stream_end(req: Any, base: dict, finals: list) -> list[str]:
+    """The last SSE events of an OpenAI stream: the usage chunk when `stream_options.include_usage`, then [DONE]."""
+    events = []
+    if req.stream_options is not None and req.stream_options.include_usage:
+        events.append(sse({**base, "choices": [], "usage": usage(finals, req.n).model_dump()}))
+    return events + [DONE]
+
+
 def matched_stop(meta: dict) -> Any:
     fr = meta.get("finish_reason") or {}
     return fr.get("matched")

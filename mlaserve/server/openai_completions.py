@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 from mlaserve.server.manager import GenerateInput, RequestError
 from mlaserve.server.openai_common import (
     ServingContext, check_sampling, completion_logprobs, finish_reason, matched_stop, max_new_tokens, new_id,
-    stream_error, usage,
+    stream_end, stream_error, usage,
 )
 from mlaserve.server.protocol import APIError, CompletionRequest
-from mlaserve.server.sse import DONE, collect, merge, sse
+from mlaserve.server.sse import collect, merge, sse
 
 
 class Prompt:
@@ -100,6 +100,5 @@ async def completion_stream(req: CompletionRequest, ctx: ServingContext, inputs:
     except (APIError, RequestError) as e:
         yield stream_error(e)
         return
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse({**base, "choices": [], "usage": usage(finals, req.n).model_dump()})
-    yield DONE
+    for event in stream_end(req, base, finals):
+        yield event
