@@ -1,22 +1,51 @@
 """GPU timing and ceiling measurement shared by every benchmark (CUDA events, median of many runs)."""
 from __future__ import annotations
 
+import logging
 import statistics
 from typing import Callable
 
 import torch
 
+logger = logging.getLogger(__name__)
+
+
+def _capture(fn: Callable[[], object], warmup: int) -> Callable[[], object]:
+    """`fn` captured in a CUDA graph (after `warmup` eager calls on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
 
 def time_cuda(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50,
-              flush_l2: bool = True) -> float:
+              flush_l2: bool = True, graph: bool = True) -> float:
     """Median wall time of `fn()` on the current CUDA device, in milliseconds.
 
     Each timed call is bracketed by CUDA events; the L2 cache is flushed before each call
-    (a 256 MiB write) so weights are read from HBM as they would be in a real step.
+    (a 256 MiB write) so weights are read from HBM as they would be in a real step. With `graph`
+    (the default) `fn` is captured in a CUDA graph and its replays are timed, as the engine runs
+    decode: a kernel of a few microseconds is then timed without the host's launch cost, and the
+    flush gives the host time to queue the replay before the GPU reaches it. `fn` that cannot be
+    captured (a host sync inside) is timed eagerly.
     """
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    run = fn
+    if graph:
+        try:
+            run = _capture(fn, warmup)
+        except RuntimeError as exc:
+            logger.warning("CUDA graph capture failed (%s); timing eagerly", str(exc).splitlines()[0])
+            torch.cuda.synchronize()
+            run = fn
     for _ in range(warmup):
-        fn()
+        run()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -24,7 +53,7 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50,
             flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -35,7 +64,7 @@ def measure_copy_bandwidth(nbytes: int = 2 * 1024**3) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    ms = time_cuda(lambda: dst.copy_(src), flush_l2=False, iters=20)
+    ms = time_cuda(lambda: dst.copy_(src), flush_l2=False, iters=20, graph=False)
     return 2 * src.numel() / (ms * 1e-3)
 
 
@@ -50,7 +79,7 @@ def measure_matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
         a = torch.randn(n, n, device="cuda", dtype=dtype)
         b = torch.randn(n, n, device="cuda", dtype=dtype)
         fn = lambda: a @ b  # noqa: E731
-    ms = time_cuda(fn, flush_l2=False, iters=20)
+    ms = time_cuda(fn, flush_l2=False, iters=20, graph=False)
     return 2 * n**3 / (ms * 1e-3)
 
 

@@ -134,7 +134,7 @@ def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
     return first_m + (pid % per_group) % rows_in_group, (pid % per_group) // rows_in_group
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_padded"])   # one compile for every token count
 def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
                       sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, N, K, num_slots, num_padded,
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,

@@ -53,7 +53,7 @@ def choose_num_kv_splits(programs: int, max_len: int, num_sms: int = NUM_SMS) ->
     return max(1, min(want, most, MAX_SPLITS))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
                        qk_scale, v_scale, stride_qt, stride_qh, stride_kv, stride_rtt, H, num_q, num_splits,
                        L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -13,12 +13,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from mlaserve.bench.kernel_cases.fused_moe import TOL as bench_tol
 from mlaserve.bench.kernel_cases.fused_moe import MoeShape, make_weights, route
-from mlaserve.bench.timing import time_cuda
-from mlaserve.kernels.fused_moe import CONFIG_DIR, config_file_name, fused_moe
+from mlaserve.kernels.fused_moe import CONFIG_DIR, config_file_name, fused_moe, fused_moe_ref
+from mlaserve.tools.tuning import best_config, graph_timer, precompile
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SMEM_BYTES = 200 * 1024          # leave headroom under the H100/H200 227 KiB per block
+PRECOMPILE_EXPERTS = 16          # workers compile with this many experts: same kernels, little memory
 
 
 def shape_from_hf_config(path: Path, tp_size: int, dtype: str) -> MoeShape:
@@ -32,20 +34,38 @@ def shape_from_hf_config(path: Path, tp_size: int, dtype: str) -> MoeShape:
 
 
 def search_space(tokens: int, s: MoeShape) -> Iterator[dict]:
-    """Candidate configs, pruned: BLOCK_SIZE_M near the rows per expert, tiles fitting shared memory."""
-    rows_per_expert = max(1, tokens * s.top_k // s.num_experts)
-    max_bm = max(16, min(128, 2 ** math.ceil(math.log2(rows_per_expert))))
+    """Candidate configs, pruned: BLOCK_SIZE_M between an eighth of and the rows per expert (powers of two),
+    swizzle and 8 warps only for tall tiles, fused activation quantisation (fp8) only for few tokens, tiles
+    fitting shared memory."""
+    rows = 2 ** math.ceil(math.log2(max(1, tokens * s.top_k / s.num_experts)))
     elt = 1 if s.fp8 else 2
-    group_sizes = (1,) if rows_per_expert <= 16 else (1, 16, 32, 64)     # swizzle only helps many M blocks
     for bm, bn, bk, gm, warps, stages in itertools.product(
-            (16, 32, 64, 128), (32, 64, 128, 256), (128,) if s.fp8 else (64, 128, 256),
-            group_sizes, (4, 8), (2, 3, 4, 5)):
-        if bm > max_bm or (bm * bk + bk * bn) * elt * stages > SMEM_BYTES:
+            (16, 32, 64, 128), (64, 128, 256), (128,) if s.fp8 else (64, 128), (1, 16), (4, 8), (3, 4, 5)):
+        if not max(16, rows // 8) <= bm <= max(16, min(128, rows)):
+            continue
+        if (gm > 1 or warps > 4) and bm < 64 or bm >= 64 and (bn < 128 or stages > 4):
+            continue
+        if (bm * bk + bk * bn) * elt * stages > SMEM_BYTES:
             continue
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=warps,
                    num_stages=stages)
-        for fuse in ((True, False) if s.fp8 else (None,)):
+        for fuse in ((True, False) if s.fp8 and tokens <= 256 else (False,) if s.fp8 else (None,)):
             yield cfg if fuse is None else {**cfg, "FUSE_QUANT": fuse}
+
+
+_WORKER_WEIGHTS: dict[MoeShape, dict[str, torch.Tensor]] = {}
+
+
+def _compile_job(job: tuple[MoeShape, int, dict]) -> None:
+    # Runs in a precompile worker: the same call as the timing process, on PRECOMPILE_EXPERTS experts.
+    s, tokens, cfg = job
+    small = s._replace(num_experts=min(s.num_experts, PRECOMPILE_EXPERTS), n_group=1, topk_group=1)
+    if small not in _WORKER_WEIGHTS:
+        _WORKER_WEIGHTS[small] = make_weights(small)
+    x = torch.randn(tokens, s.hidden_size, device="cuda", dtype=torch.bfloat16)
+    topk_ids = torch.rand(tokens, small.num_experts, device="cuda").topk(s.top_k, dim=1).indices.to(torch.int32)
+    topk_weights = torch.rand(tokens, s.top_k, device="cuda")
+    fused_moe(x, **_WORKER_WEIGHTS[small], topk_weights=topk_weights, topk_ids=topk_ids, config=cfg)
 
 
 def benchmark(s: MoeShape, tokens: int, weights: dict[str, torch.Tensor]) -> Callable[[dict], float]:
@@ -54,8 +74,8 @@ def benchmark(s: MoeShape, tokens: int, weights: dict[str, torch.Tensor]) -> Cal
     out = torch.empty_like(x)
 
     def run(cfg: dict) -> float:
-        return time_cuda(lambda: fused_moe(x, **weights, topk_weights=topk_weights, topk_ids=topk_ids,
-                                           config=cfg, out=out), warmup=2, iters=10)
+        return graph_timer(lambda: fused_moe(x, **weights, topk_weights=topk_weights, topk_ids=topk_ids,
+                                             config=cfg, out=out))
     return run
 
 
@@ -63,18 +83,19 @@ def tune(s: MoeShape, batch_sizes: list[int], bench: Callable[[int], Callable[[d
     """Best config per batch size; `bench(tokens)` returns a timer `cfg -> ms` (raises if cfg cannot run)."""
     best: dict[str, dict] = {}
     for tokens in batch_sizes:
-        timer = bench(tokens)
-        results = []
-        for cfg in search_space(tokens, s):
-            try:
-                results.append((timer(cfg), cfg))
-            except Exception as exc:  # noqa: BLE001 -- out of shared memory / registers: skip the config
-                print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
-        assert results, f"no config ran for T={tokens}"
-        ms, cfg = min(results, key=lambda r: r[0])
-        print(f"T={tokens}: {ms:.4f} ms {cfg}")
+        cfg, ms = best_config(search_space(tokens, s), bench(tokens), f"T={tokens}")
+        print(f"T={tokens}: {ms * 1e3:.1f} us {cfg}", flush=True)
         best[str(tokens)] = cfg
     return best
+
+
+def check_config(s: MoeShape, tokens: int, weights: dict[str, torch.Tensor], cfg: dict) -> float:
+    """Max error of `fused_moe` with `cfg` against `fused_moe_ref`, relative to max |ref|."""
+    x = torch.randn(tokens, s.hidden_size, device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = route(s, tokens)
+    got = fused_moe(x, **weights, topk_weights=topk_weights, topk_ids=topk_ids, config=cfg).float()
+    ref = fused_moe_ref(x, **weights, topk_weights=topk_weights, topk_ids=topk_ids).float()
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
 def write_configs(best: dict[str, dict], s: MoeShape, dtype: str, out_dir: Path,
@@ -93,6 +114,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp8_w8a8", "bf16"), default="bf16")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES))
     p.add_argument("--out-dir", type=Path, default=CONFIG_DIR)
+    p.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPUs - 1, at most 16)")
     return p.parse_args(argv)
 
 
@@ -102,8 +124,17 @@ def main(argv: list[str]) -> int:
         print("tune fused-moe needs a CUDA GPU", file=sys.stderr)
         return 1
     s = shape_from_hf_config(args.model_config, args.tp_size, args.dtype)
+    jobs = [(s, t, cfg) for t in args.batch_sizes for cfg in search_space(t, s)]
+    print(f"{s.name} E={s.num_experts} I={s.moe_intermediate_size} {args.dtype}: compiling {len(jobs)} "
+          f"candidates in {args.jobs or 'auto'} processes", flush=True)
+    failed = precompile(_compile_job, jobs, args.jobs)
+    print(f"  {failed} candidates did not run", flush=True)
     weights = make_weights(s)
     best = tune(s, args.batch_sizes, lambda tokens: benchmark(s, tokens, weights))
+    tol = bench_tol["fp8" if s.fp8 else "bf16"]
+    for tokens, cfg in best.items():
+        err = check_config(s, int(tokens), weights, cfg)
+        assert err <= tol, f"T={tokens}: the chosen {cfg} is wrong (rel err {err:.2e} > {tol})"
     print(f"wrote {write_configs(best, s, args.dtype, args.out_dir)}")
     return 0
 

@@ -51,5 +51,6 @@ def _case(ceil: Ceilings, m: int, n: int, k: int) -> dict:
     tbps, flops = weight_bytes(n, k) / sec, gemm_flops(m, n, k) / sec
     bw = m <= BW_MAX_M
     return dict(kernel="fp8_gemm", shape=f"M={m} N={n} K={k}", ms=ms, tbps=tbps / 1e12, tflops=flops / 1e12,
-                bound="bw" if bw else "fp8", frac=tbps / ceil["copy_bps"] if bw else flops / ceil["fp8_flops"],
+                mma="fp8", bound="bw" if bw else "fp8",
+                frac=tbps / ceil["copy_bps"] if bw else flops / ceil["fp8_flops"],
                 target=TARGET_BW if bw else TARGET_FP8, err=err, ok=err <= TOL)

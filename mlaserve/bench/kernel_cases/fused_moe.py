@@ -103,7 +103,7 @@ def _row(s: MoeShape, tokens: int, w: dict[str, torch.Tensor], ceil: Ceilings) -
     dtype = "fp8" if s.fp8 else "bf16"
     return dict(kernel="fused_moe", shape=f"{s.name} {dtype} T={tokens} E={s.num_experts} k={s.top_k} "
                 f"K={s.hidden_size} I={s.moe_intermediate_size}", ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12,
-                tflops=flops / (ms * 1e-3) / 1e12, bound=bound, frac=rate / ceiling, target=TARGET[bound],
+                tflops=flops / (ms * 1e-3) / 1e12, mma=dtype, bound=bound, frac=rate / ceiling, target=TARGET[bound],
                 err=err, ok=err <= TOL[dtype])
 
 

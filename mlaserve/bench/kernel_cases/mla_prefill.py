@@ -82,7 +82,7 @@ def _case(ceil: Ceilings, label: str, heads: int, ext: list[int], pre: list[int]
                               x["kv_cache"], x["req_to_token"], x["req_pool_idx"], _expander(x["w"], heads),
                               sm_scale)
     err = _error(run(), x, heads, sm_scale)
-    ms = time_cuda(run, iters=iters)
+    ms = time_cuda(run, iters=iters, graph=False)     # host-side planning: not capturable
     flops = attn_flops(ext, pre, heads) + expand_flops(pre, heads)
     tflops = flops / (ms * 1e-3) / 1e12
     return dict(kernel="mla_prefill", shape=label, ms=ms, tbps=min_bytes(ext, pre, heads) / (ms * 1e-3) / 1e12,
