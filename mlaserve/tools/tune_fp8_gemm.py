@@ -95,7 +95,9 @@ def main(argv: list[str]) -> int:
         print("tune_fp8_gemm: needs a CUDA GPU", file=sys.stderr)
         return 1
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(m, n, k, cfg) for n, k in args.shapes for m in args.batch_sizes for cfg in search_space(m, n, k)]
+    # one compile job per config and specialisation (integer arguments: == 1, % 16; K % BLOCK_K)
+    jobs = list({(m == 1, m % 16 == 0, n % 16 == 0, k % 128 == 0, json.dumps(cfg, sort_keys=True)): (m, n, k, cfg)
+                 for n, k in args.shapes for m in args.batch_sizes for cfg in search_space(m, n, k)}.values())
     print(f"compiling {len(jobs)} candidates in {args.jobs or 'auto'} processes", flush=True)
     print(f"  {precompile(_compile_job, jobs, args.jobs)} candidates did not run", flush=True)
     for n, k in args.shapes:

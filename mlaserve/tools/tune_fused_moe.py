@@ -124,7 +124,9 @@ def main(argv: list[str]) -> int:
         print("tune fused-moe needs a CUDA GPU", file=sys.stderr)
         return 1
     s = shape_from_hf_config(args.model_config, args.tp_size, args.dtype)
-    jobs = [(s, t, cfg) for t in args.batch_sizes for cfg in search_space(t, s)]
+    # the kernels do not specialise on the token count: one compile job per distinct config
+    jobs = list({json.dumps(cfg, sort_keys=True): (s, t, cfg) for t in args.batch_sizes
+                 for cfg in search_space(t, s)}.values())
     print(f"{s.name} E={s.num_experts} I={s.moe_intermediate_size} {args.dtype}: compiling {len(jobs)} "
           f"candidates in {args.jobs or 'auto'} processes", flush=True)
     failed = precompile(_compile_job, jobs, args.jobs)
