@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 device runs: tune the kernels and bench them. One part per call (each fits the 10-minute limit):
+# Issue 5 device runs: tune the kernels and bench them. Parts run in the order given (one call: 10 minutes):
 #   bash benchmarks/gpu_tune.sh moe-a   # fused_moe: V2-Lite bf16 and V3 fp8 tp8    -> $OUT/configs/*.json
 #   bash benchmarks/gpu_tune.sh moe-b   # fused_moe: V3 fp8 tp1                     -> $OUT/configs/*.json
 #   bash benchmarks/gpu_tune.sh gemm    # fp8_gemm at the six V3 (N, K) shapes      -> $OUT/configs/*.json
@@ -12,11 +12,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/env.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/env.txt"
 C=mlaserve/tools/configs
-case "${1:-}" in
+[ $# -gt 0 ] || set -- help
+for part in "$@"; do
+case "$part" in
   moe-a|moe-b)
-    if [ "$1" = moe-a ]; then set -- "$C/deepseek-v2-lite.json --dtype bf16" "$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 8"
-    else set -- "$C/deepseek-v3.json --dtype fp8_w8a8"; fi
-    for args in "$@"; do
+    if [ "$part" = moe-a ]; then shapes=("$C/deepseek-v2-lite.json --dtype bf16" "$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 8")
+    else shapes=("$C/deepseek-v3.json --dtype fp8_w8a8"); fi
+    for args in "${shapes[@]}"; do
       timeout 290 python3 -m mlaserve.cli tune fused-moe --model-config $args --out-dir "$OUT/configs" \
         2>>"$OUT/tune_moe_err.txt" | tee -a "$OUT/tune_moe.txt"
     done ;;
@@ -25,8 +27,12 @@ case "${1:-}" in
       | tee "$OUT/tune_gemm.txt" | grep -E "M=(1|16|4096):|wrote" ;;
   decode)
     timeout 560 python3 benchmarks/sweep_mla_decode.py --out "$OUT/mla_decode_sweep.txt" 2>&1 | tail -60 ;;
+  profile-moe)
+    timeout 200 python3 benchmarks/profile_moe.py 2>&1 | tee "$OUT/profile_moe.txt" | tail -40 ;;
   bench)
     timeout 560 python3 -m mlaserve.cli bench kernels --output "$OUT/kernels.md" > "$OUT/kernels_log.txt" 2>&1
     grep -E "^\|" "$OUT/kernels.md" | cut -c1-160 ;;
-  *) echo "usage: $0 moe-a|moe-b|gemm|decode|bench"; exit 2 ;;
+  *) echo "usage: $0 moe-a|moe-b|gemm|decode|profile-moe|bench ..."; exit 2 ;;
 esac
+done
+tar -C "$OUT" -cf "$OUT/configs.tar" configs     # the file names hold spaces and brackets: carried as one tar
