@@ -25,18 +25,30 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------------------------- align
+# Counting sort of the S = T * k slots by expert in chunks of CHUNK slots: count per chunk and expert, an
+# exclusive scan over (expert, chunk) that also pads each expert to BLOCK_M and labels the blocks, then a
+# scatter of each chunk's slots to their ranks. One program does all three when the slots fit one chunk
+# (decode); otherwise the count and the scatter run one program per chunk around a one-program scan.
 @triton.jit
-def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-                      num_slots, num_blocks,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    # One program. Phase 1 counts slots per expert, phase 2 writes each block's expert and fills the
-    # padding with the sentinel, phase 3 scatters slot indices (stable); phases 2 and 3 write disjoint slots.
+def _chunk_onehot(topk_ids_ptr, chunk, num_slots, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1)
+    return offs, (tl.arange(0, BLOCK_E)[:, None] == ids[None, :]).to(tl.int32)     # [C], [BE, C]
+
+
+@triton.jit
+def _scatter_chunk(sorted_ids_ptr, offs, onehot, base, num_slots):
+    # stable: slot j of expert e in this chunk goes to base[e] + (its rank among e's slots in the chunk)
+    rank = tl.cumsum(onehot, axis=1) - 1 + base[:, None]
+    tl.store(sorted_ids_ptr + tl.sum(onehot * rank, axis=0), offs, mask=offs < num_slots)
+
+
+@triton.jit
+def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # counts [BE] slots per expert -> starts [BE] of each expert's padded run; writes each block's expert
+    # (-1 past the used blocks), the padding sentinels and the used length.
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for s0 in range(0, num_slots, CHUNK):
-        offs = s0 + tl.arange(0, CHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1)
-        counts += tl.sum((experts[:, None] == ids[None, :]).to(tl.int32), axis=1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -52,14 +64,57 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
         pos = first[:, None] + tl.arange(0, BLOCK_M)[None, :]                         # [C, BM]
         pad = (tl.arange(0, BLOCK_M)[None, :] >= filled[:, None]) & (blocks < num_blocks)[:, None]
         tl.store(sorted_ids_ptr + pos, tl.zeros([CHUNK, BLOCK_M], tl.int32) + num_slots, mask=pad)
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for s0 in range(0, num_slots, CHUNK):
-        offs = s0 + tl.arange(0, CHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1)
-        onehot = (experts[:, None] == ids[None, :]).to(tl.int32)                     # [BE, C]
-        rank = tl.cumsum(onehot, axis=1) - 1 + (seen + starts)[:, None]
-        tl.store(sorted_ids_ptr + tl.sum(onehot * rank, axis=0), offs, mask=offs < num_slots)
-        seen += tl.sum(onehot, axis=1)
+    return starts
+
+
+@triton.jit
+def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+                      num_slots, num_blocks,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # One program, the slots in one chunk: count, label, scatter.
+    offs, onehot = _chunk_onehot(topk_ids_ptr, 0, num_slots, BLOCK_E, CHUNK)
+    starts = _label_blocks(tl.sum(onehot, axis=1), expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr,
+                           num_slots, num_blocks, BLOCK_M, BLOCK_E, CHUNK)
+    _scatter_chunk(sorted_ids_ptr, offs, onehot, starts, num_slots)
+
+
+@triton.jit
+def _moe_count_kernel(topk_ids_ptr, partial_ptr, num_slots, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # partial [chunks, BE]: slots of each expert in this chunk
+    chunk = tl.program_id(0)
+    _, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, BLOCK_E, CHUNK)
+    tl.store(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(onehot, axis=1))
+
+
+@triton.jit
+def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
+                     num_chunks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK_P: tl.constexpr):
+    # One program: totals per expert, block labels, then partial[c, e] := first sorted position of chunk c's
+    # slots of expert e (in place).
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_chunks, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        ptrs = partial_ptr + rows[:, None] * BLOCK_E + experts[None, :]
+        counts += tl.sum(tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0), axis=0)
+    run = _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
+                        BLOCK_M, BLOCK_E, CHUNK)
+    for p0 in range(0, num_chunks, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        ptrs = partial_ptr + rows[:, None] * BLOCK_E + experts[None, :]
+        tile = tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0)             # [BP, BE]
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + run[None, :], mask=(rows < num_chunks)[:, None])
+        run += tl.sum(tile, axis=0)
+
+
+@triton.jit
+def _moe_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, num_slots,
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    chunk = tl.program_id(0)
+    offs, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, BLOCK_E, CHUNK)
+    base = tl.load(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E))
+    _scatter_chunk(sorted_ids_ptr, offs, onehot, base, num_slots)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
@@ -84,10 +139,21 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    ids = topk_ids.reshape(-1).contiguous()
     block_e = triton.next_power_of_2(num_experts)
-    _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, expert_ids, num_post_pad,
-                            s, num_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
-                            CHUNK=max(16, min(128, 8192 // block_e)), num_warps=8)
+    chunk = max(16, min(128, 8192 // block_e))
+    num_chunks = triton.cdiv(s, chunk)
+    if num_chunks <= 1:               # decode: one short program (its dependent steps are the latency)
+        chunk = max(16, triton.next_power_of_2(max(s, num_blocks)))
+        _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_pad, s, num_blocks,
+                                BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+        return sorted_ids, expert_ids, num_post_pad
+    partial = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)       # [chunks, BE]
+    _moe_count_kernel[(num_chunks,)](ids, partial, s, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+    _moe_scan_kernel[(1,)](partial, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks,
+                           BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, BLOCK_P=max(1, 8192 // block_e),
+                           num_warps=8)
+    _moe_scatter_kernel[(num_chunks,)](ids, partial, sorted_ids, s, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
     return sorted_ids, expert_ids, num_post_pad
 
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 NUM_SMS = 132              # H100 SXM; the split heuristic aims for ~WAVES programs per SM
-WAVES = 2
+WAVES = 1                  # one wave: on the H100 sweep more splits only added reduce work
 MIN_SPLIT_TOKENS = 128     # a split shorter than this costs more in the reduce than it gains
 MAX_SPLITS = 128
 REDUCE_TILE = 8192         # fp32 values of [S, BLOCK_L] one reduce program holds
@@ -32,10 +32,11 @@ class MLADecodeConfig(NamedTuple):
 
 # Keyed by query rows per request (num_q * H), smallest key >= rows wins; larger row counts use the last
 # entry with several head blocks. H=16 (V2-Lite) is bandwidth-bound; H=128 (V3, ~241 FLOP/byte) compute-bound.
+# Chosen by benchmarks/sweep_mla_decode.py on an H100 (benchmarks/results/tuning/h100-mla-decode-sweep.txt).
 CONFIGS: dict[int, MLADecodeConfig] = {
-    16: MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
-    32: MLADecodeConfig(block_h=32, block_n=64, num_warps=4, num_stages=2),
-    64: MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
+    16: MLADecodeConfig(block_h=16, block_n=128, num_warps=4, num_stages=2),
+    32: MLADecodeConfig(block_h=32, block_n=128, num_warps=8, num_stages=2),
+    64: MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
 }
 
 

@@ -91,7 +91,7 @@ def device_ref(x: torch.Tensor, w: dict[str, torch.Tensor], topk_weights: torch.
     return fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-@pytest.mark.parametrize("tokens", [1, 41])
+@pytest.mark.parametrize("tokens", [1, 41, 300])     # one chunk; several chunks (count / scan / scatter)
 @pytest.mark.parametrize("block_m", [4, 16])
 def test_moe_align_block_size_invariants(tokens: int, block_m: int, device: str) -> None:
     _, ids = routing(tokens, V2_LITE, device, active=11)          # experts 11..15 get no tokens
@@ -217,3 +217,20 @@ def test_fused_moe_gpu_bf16_and_cuda_graph(fp8: bool) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, ref_fn(x, w, topk_weights, topk_ids)) < 3e-2
+
+
+def test_moe_align_many_chunks_and_experts(device: str) -> None:
+    # V3's 256 experts: 32-slot chunks, the scan walks its [chunks, E] table in several tiles
+    ids = torch.rand(300, 256, device=device).topk(8, dim=1).indices.to(torch.int32)
+    ids[ids == 7] = 9                                                         # expert 7 gets no slot
+    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids, 16, 256)
+    flat, used = ids.flatten().cpu().long(), int(num_post_pad.item())
+    sorted_ids, expert_ids = sorted_ids.cpu().long(), expert_ids.cpu().long()
+    counts = torch.bincount(flat, minlength=256)
+    assert used == int(((counts + 15) // 16 * 16).sum())
+    blocks = sorted_ids[:used].view(-1, 16)
+    want = torch.repeat_interleave(torch.arange(256), (counts + 15) // 16)
+    assert torch.equal(expert_ids[:used // 16], want)
+    for e in (0, 9, 255):
+        got = blocks[expert_ids[:used // 16] == e].flatten()
+        assert torch.equal(got[got != flat.numel()], (flat == e).nonzero().flatten())   # stable order
