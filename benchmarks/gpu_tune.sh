@@ -34,5 +34,6 @@ case "$part" in
     grep -E "^\|" "$OUT/kernels.md" | cut -c1-160 ;;
   *) echo "usage: $0 moe-a|moe-b|gemm|decode|profile-moe|bench ..."; exit 2 ;;
 esac
+cp "$OUT"/configs/*.json mlaserve/kernels/configs/ 2>/dev/null   # later parts (bench) use the fresh tables
 done
 tar -C "$OUT" -cf "$OUT/configs.tar" configs     # the file names hold spaces and brackets: carried as one tar
