@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_tune.sh moe-b   # fused_moe: V3 fp8 tp1                     -> $OUT/configs/*.json
 #   bash benchmarks/gpu_tune.sh gemm    # fp8_gemm at the six V3 (N, K) shapes      -> $OUT/configs/*.json
 #   bash benchmarks/gpu_tune.sh decode  # mla_decode tile / split sweep             -> $OUT/mla_decode_sweep.txt
+#   bash benchmarks/gpu_tune.sh prefill # mla_prefill flash tile sweep + profile    -> $OUT/mla_prefill_sweep.txt
 #   bash benchmarks/gpu_tune.sh bench   # mlaserve bench kernels with the configs in mlaserve/kernels/configs
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -27,12 +28,14 @@ case "$part" in
       | tee "$OUT/tune_gemm.txt" | grep -E "M=(1|16|4096):|wrote" ;;
   decode)
     timeout 560 python3 benchmarks/sweep_mla_decode.py --out "$OUT/mla_decode_sweep.txt" 2>&1 | tail -60 ;;
+  prefill)
+    timeout 300 python3 benchmarks/sweep_mla_prefill.py --out "$OUT/mla_prefill_sweep.txt" 2>&1 | tail -25 ;;
   profile-moe)
     timeout 200 python3 benchmarks/profile_moe.py 2>&1 | tee "$OUT/profile_moe.txt" | tail -40 ;;
   bench)
     timeout 560 python3 -m mlaserve.cli bench kernels --output "$OUT/kernels.md" > "$OUT/kernels_log.txt" 2>&1
     grep -E "^\|" "$OUT/kernels.md" | cut -c1-160 ;;
-  *) echo "usage: $0 moe-a|moe-b|gemm|decode|profile-moe|bench ..."; exit 2 ;;
+  *) echo "usage: $0 moe-a|moe-b|gemm|decode|prefill|profile-moe|bench ..."; exit 2 ;;
 esac
 cp "$OUT"/configs/*.json mlaserve/kernels/configs/ 2>/dev/null   # later parts (bench) use the fresh tables
 done

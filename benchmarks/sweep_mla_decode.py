@@ -21,17 +21,17 @@ SHAPES = {16: [(1, 4096), (1, 16384), (32, 4096), (32, 16384), (128, 4096), (128
 
 
 def candidates(heads: int) -> list[md.MLADecodeConfig]:
-    bhs = (16,) if heads == 16 else (32, 64)
-    return [md.MLADecodeConfig(bh, bn, w, st) for bh, bn, w, st in
-            itertools.product(bhs, (16, 32, 64, 128), (4, 8), (1, 2, 3))
-            if not (bh == 64 and bn == 128) and not (bh == 16 and bn == 16)]
+    if heads == 16:
+        space = itertools.product((16,), (32, 64, 128), (4, 8), (2, 3), (1, 2))
+    else:
+        space = itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3), (1, 2))
+    return [md.MLADecodeConfig(*c) for c in space if not (c[0] == 64 and c[1] == 128 and c[4] == 1)]
 
 
 def run(heads: int, batch: int, ctx: int, cfg: md.MLADecodeConfig, splits: int | None = None) -> float:
     args = make_inputs(heads, batch, ctx)
     md.CONFIGS = {heads: cfg}
-    head_blocks = -(-heads // cfg.block_h)
-    splits = splits or md.choose_num_kv_splits(batch * head_blocks, ctx)
+    splits = splits or md.choose_num_kv_splits(md.decode_programs(batch, heads), ctx)
     out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
     return graph_timer(lambda: md.mla_decode(**args, num_kv_splits=splits, out=out), iters=20)
 
@@ -63,7 +63,8 @@ def main() -> None:
             lines.append(f"{score[cfg]:.3f} {cfg} us: {cells}")
         top = min(score, key=score.get)
         for (b, n), t in zip(shapes, times[top]):
-            base = md.choose_num_kv_splits(b * -(-heads // top.block_h), n)
+            md.CONFIGS = {heads: top}
+            base = md.choose_num_kv_splits(md.decode_programs(b, heads), n)
             cells = []
             for s in sorted({max(1, base // 4), max(1, base // 2), base, base * 2, base * 4, 1}):
                 cells.append(f"S={s}:{run(heads, b, n, top, s) * 1e3:.1f}")

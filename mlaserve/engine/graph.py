@@ -12,7 +12,7 @@ import time
 import torch
 
 from mlaserve.core import ForwardContext, ForwardMode
-from mlaserve.kernels.mla_decode import choose_num_kv_splits, pick_config
+from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,7 @@ class DecodeGraphRunner:
         self._capture(kv_pool, attn_backend, req_to_token, max_context)
 
     def _ctx(self, bs: int, kv_pool, attn_backend, req_to_token, max_context: int) -> ForwardContext:
-        heads = self.model.cfg.num_attention_heads
-        block_h = pick_config(heads).block_h
-        splits = choose_num_kv_splits(bs * -(-heads // block_h), max_context)
+        splits = choose_num_kv_splits(decode_programs(bs, self.model.cfg.num_attention_heads), max_context)
         return ForwardContext(
             mode=ForwardMode.DECODE, positions=self.positions[:bs], out_slots=self.out_slots[:bs],
             req_pool_idx=self.req_pool_idx[:bs], seq_lens=self.seq_lens[:bs],

@@ -17,6 +17,8 @@ import triton.language as tl
 
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LOG2E = 1.4426950408889634
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the flash kernel on the GPU (benchmarks/sweep_mla_prefill.py)
+FLASH_CONFIG = (128, 64, 8, 2)
 
 
 @triton.jit
@@ -183,7 +185,7 @@ def _flash_attn(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
     tq, h, d_nope, d_rope, d_v = q.shape[0], q.shape[1], k_nope.shape[2], k_pe.shape[2], v.shape[2]
     out = torch.empty(tq, h, d_v, dtype=out_dtype, device=q.device)                     # [Tq, H, Dv]
     lse = torch.empty(tq, h, dtype=torch.float32, device=q.device)                      # [Tq, H]
-    block_m, block_n, warps, stages = (128, 64, 8, 2) if q.is_cuda else (32, 16, 4, 1)
+    block_m, block_n, warps, stages = FLASH_CONFIG if q.is_cuda else (32, 16, 4, 1)
     plan = _plan(tuple(lens_q), tuple(lens_k), block_m, causal, q.device)
     if plan.table.shape[0] == 0:
         return out, lse

@@ -10,7 +10,8 @@ from typing import Iterator
 import torch
 
 from mlaserve.bench.timing import Ceilings, time_cuda
-from mlaserve.kernels.mla_decode import choose_num_kv_splits, mla_decode, mla_decode_ref, pick_config
+from mlaserve.kernels.mla_decode import (choose_num_kv_splits, decode_programs, mla_decode, mla_decode_ref,
+                                         pick_config)
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -59,7 +60,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def one_case(ceil: Ceilings, heads: int, batch: int, ctx: int, bound: str, target: float | None) -> dict:
     args = make_inputs(heads, batch, ctx)
     cfg = pick_config(heads)
-    splits = choose_num_kv_splits(batch * -(-heads // cfg.block_h), ctx)
+    splits = choose_num_kv_splits(decode_programs(batch, heads), ctx)
     out = torch.empty(batch, heads, KV_LORA_RANK, device="cuda", dtype=torch.bfloat16)
     ms = time_cuda(lambda: mla_decode(**args, num_kv_splits=splits, out=out))
     err = rel_error(mla_decode(**args, num_kv_splits=splits), mla_decode_ref(**args))
@@ -67,7 +68,7 @@ def one_case(ceil: Ceilings, heads: int, batch: int, ctx: int, bound: str, targe
     flops = decode_flops(batch, heads, ctx) / (ms * 1e-3)
     frac = bps / ceil["copy_bps"] if bound == "bw" else flops / ceil["bf16_flops"]
     return dict(kernel="mla_decode", shape=f"H={heads} B={batch} ctx={ctx} bf16 S={splits} "
-                f"BH={cfg.block_h} BN={cfg.block_n} w={cfg.num_warps}",
+                f"BH={cfg.block_h} BN={cfg.block_n} w={cfg.num_warps} st={cfg.num_stages} V/{cfg.v_parts}",
                 ms=ms, tbps=bps / 1e12, tflops=flops / 1e12, bound=bound, frac=frac, target=target,
                 err=err, ok=err <= BF16_TOL)
 
