@@ -22,10 +22,10 @@ SHAPES = {16: [(1, 4096), (1, 16384), (32, 4096), (32, 16384), (128, 4096), (128
 
 def candidates(heads: int) -> list[md.MLADecodeConfig]:
     if heads == 16:
-        space = itertools.product((16,), (32, 64, 128), (4, 8), (2, 3), (1, 2))
+        space = itertools.product((16,), (32, 64, 128), (4, 8), (2, 3))
     else:
-        space = itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3), (1, 2))
-    return [md.MLADecodeConfig(*c) for c in space if not (c[0] == 64 and c[1] == 128 and c[4] == 1)]
+        space = itertools.product((32, 64), (32, 64, 128), (4, 8), (2, 3))
+    return [md.MLADecodeConfig(*c) for c in space if not (c[0] == 64 and c[1] == 128)]
 
 
 def run(heads: int, batch: int, ctx: int, cfg: md.MLADecodeConfig, splits: int | None = None) -> float:

@@ -28,7 +28,6 @@ class MLADecodeConfig(NamedTuple):
     block_n: int      # cached tokens per tile
     num_warps: int
     num_stages: int
-    v_parts: int = 1  # programs sharing one head block, each owning L / v_parts output columns (q . K^T redone)
 
 
 # Keyed by query rows per request (num_q * H), smallest key >= rows wins; larger row counts use the last
@@ -50,8 +49,7 @@ def pick_config(rows: int) -> MLADecodeConfig:
 
 def decode_programs(batch: int, rows: int) -> int:
     """Stage-1 programs per split for `batch` requests of `rows` query rows (num_q * H) each."""
-    cfg = pick_config(rows)
-    return batch * triton.cdiv(rows, cfg.block_h) * cfg.v_parts
+    return batch * triton.cdiv(rows, pick_config(rows).block_h)
 
 
 def choose_num_kv_splits(programs: int, max_len: int, num_sms: int = NUM_SMS) -> int:
@@ -66,11 +64,10 @@ def choose_num_kv_splits(programs: int, max_len: int, num_sms: int = NUM_SMS) ->
 def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
                        qk_scale, v_scale, stride_qt, stride_qh, stride_kv, stride_rtt, H, num_q, num_splits,
                        L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Stage 1: one (request, head block x V part, split) -> normalised partial output and its log2-sum-exp."""
+                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp."""
     b = tl.program_id(0)
-    hb = tl.program_id(1) // (L // BLOCK_V)
-    v0 = tl.program_id(1) % (L // BLOCK_V) * BLOCK_V
+    hb = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     pool_row = tl.load(ReqPoolIdx + b).to(tl.int64)
@@ -93,10 +90,9 @@ def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     q_nope = tl.load(q_row[:, None] + offs_l[None, :], mask=row_ok[:, None], other=0.0)     # [BLOCK_H, L]
     q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)   # [BLOCK_H, R]
 
-    offs_v = v0 + tl.arange(0, BLOCK_V)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    acc = tl.zeros([BLOCK_H, L], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
@@ -116,11 +112,7 @@ def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if BLOCK_V == L:
-            kv_v = kv_nope
-        else:   # this program's V columns: a second read of the tile, from L1 / L2
-            kv_v = tl.load(kv_row[:, None] + offs_v[None, :], mask=pos_ok[:, None], other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_nope, input_precision=DOT_PREC)
         m_i = m_new
 
     seen = l_i > 0.0
@@ -128,9 +120,8 @@ def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     o = acc / l_safe[:, None] * v_scale
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
     mid = (t * H + h) * num_splits + split           # [BLOCK_H] row of MidO [T*H*S, L] / MidLse [T*H*S]
-    tl.store(MidO + mid[:, None] * L + offs_v[None, :], o, mask=row_ok[:, None])
-    if v0 == 0:
-        tl.store(MidLse + mid, lse, mask=row_ok)
+    tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None])
+    tl.store(MidLse + mid, lse, mask=row_ok)
 
 
 @triton.jit
@@ -213,12 +204,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     mid_o = torch.empty((t, h, splits, big_l), dtype=torch.float32, device=q.device)   # [T, H, S, L]
     mid_lse = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)        # [T, H, S]
     scale = 1.0 if kv_scale is None else float(kv_scale)
-    assert big_l % cfg.v_parts == 0, f"v_parts={cfg.v_parts} must divide kv_lora_rank={big_l}"
-    _mla_decode_kernel[(b, head_blocks * cfg.v_parts, splits)](
+    _mla_decode_kernel[(b, head_blocks, splits)](
         q, kv_cache, req_to_token, req_pool_idx, seq_lens, mid_o, mid_lse,
         sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
         h, num_q, splits, L=big_l, R=d - big_l, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        BLOCK_V=big_l // cfg.v_parts,
         DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_s = triton.next_power_of_2(splits)

@@ -18,7 +18,7 @@ import triton.language as tl
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the flash kernel on the GPU (benchmarks/sweep_mla_prefill.py)
-FLASH_CONFIG = (128, 64, 8, 2)
+FLASH_CONFIG = (128, 64, 8, 3)
 
 
 @triton.jit

@@ -7,9 +7,8 @@ import random
 import pytest
 import torch
 
-import mlaserve.kernels.mla_decode as mla_decode_mod
 from mlaserve.bench.kernel_cases import mla_decode as bench_case
-from mlaserve.kernels.mla_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, NUM_SMS, MLADecodeConfig, choose_num_kv_splits,
+from mlaserve.kernels.mla_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, NUM_SMS, choose_num_kv_splits, decode_programs,
                                          mla_decode, mla_decode_ref, pick_config)
 
 # Tolerances (max abs error; outputs are averages of N(0, 1) values, so |out| <= ~3):
@@ -65,15 +64,6 @@ def test_splits_that_do_not_divide_the_length(device: str, splits: int) -> None:
     lens = [1, 131, random.randint(40, 200)]
     check(make_case(device, lens, heads=16, big_l=64, rope=16, num_q=1, dtype=torch.float32,
                     kv_dtype=torch.float32), TOL[torch.float32], num_kv_splits=splits)
-
-
-@pytest.mark.parametrize("v_parts", [2, 4])
-def test_output_columns_split_across_programs(device: str, v_parts: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # each program of a head block owns L / v_parts output columns; fp8 cache and num_q 2 ride along
-    monkeypatch.setattr(mla_decode_mod, "CONFIGS", {16: MLADecodeConfig(16, 16, 4, 1, v_parts=v_parts)})
-    lens = [2, random.randint(20, 90), random.randint(100, 200)]
-    check(make_case(device, lens, heads=16, big_l=64, rope=16, num_q=2, dtype=torch.float32,
-                    kv_dtype=torch.float8_e4m3fn), TOL[torch.float32], num_kv_splits=3)
 
 
 @pytest.mark.parametrize("splits", [None, 3])
@@ -136,6 +126,7 @@ def test_split_choice_fills_the_gpu_without_tiny_splits() -> None:
     s = choose_num_kv_splits(programs=32, max_len=4096)
     assert s >= 2 and 32 * s <= NUM_SMS < 32 * (s + 1)                  # one full wave, no ragged second one
     assert pick_config(16).block_h == 16 and pick_config(128).block_h == 64 and pick_config(4).block_h == 16
+    assert decode_programs(32, 128) == 64 and decode_programs(3, 16) == 3           # requests x head blocks
 
 
 def test_bench_arithmetic() -> None:

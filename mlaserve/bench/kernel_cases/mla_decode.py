@@ -68,7 +68,7 @@ def one_case(ceil: Ceilings, heads: int, batch: int, ctx: int, bound: str, targe
     flops = decode_flops(batch, heads, ctx) / (ms * 1e-3)
     frac = bps / ceil["copy_bps"] if bound == "bw" else flops / ceil["bf16_flops"]
     return dict(kernel="mla_decode", shape=f"H={heads} B={batch} ctx={ctx} bf16 S={splits} "
-                f"BH={cfg.block_h} BN={cfg.block_n} w={cfg.num_warps} st={cfg.num_stages} V/{cfg.v_parts}",
+                f"BH={cfg.block_h} BN={cfg.block_n} w={cfg.num_warps} st={cfg.num_stages}",
                 ms=ms, tbps=bps / 1e12, tflops=flops / 1e12, bound=bound, frac=frac, target=target,
                 err=err, ok=err <= BF16_TOL)
 
