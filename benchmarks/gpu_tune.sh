@@ -30,12 +30,20 @@ case "$part" in
     timeout 560 python3 benchmarks/sweep_mla_decode.py --out "$OUT/mla_decode_sweep.txt" 2>&1 | tail -60 ;;
   prefill)
     timeout 300 python3 benchmarks/sweep_mla_prefill.py --out "$OUT/mla_prefill_sweep.txt" 2>&1 | tail -25 ;;
+  check)      # GPU tests (kernels, fast path) and one-batch V2-Lite decode with the shipped tables
+    [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD timeout 280 python3 -m pytest -q -p no:cacheprovider -rA tests/kernels \
+      tests/models/test_gpu_fastpath.py 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed" \
+      | tee "$OUT/gpu_tests.txt" | tail -3
+    PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m mlaserve.cli bench one-batch --load-format dummy \
+      --model-config $C/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32 \
+      --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -4 ;;
   profile-moe)
     timeout 200 python3 benchmarks/profile_moe.py 2>&1 | tee "$OUT/profile_moe.txt" | tail -40 ;;
   bench)
     timeout 560 python3 -m mlaserve.cli bench kernels --output "$OUT/kernels.md" > "$OUT/kernels_log.txt" 2>&1
     grep -E "^\|" "$OUT/kernels.md" | cut -c1-160 ;;
-  *) echo "usage: $0 moe-a|moe-b|gemm|decode|prefill|profile-moe|bench ..."; exit 2 ;;
+  *) echo "usage: $0 moe-a|moe-b|gemm|decode|prefill|check|profile-moe|bench ..."; exit 2 ;;
 esac
 cp "$OUT"/configs/*.json mlaserve/kernels/configs/ 2>/dev/null   # later parts (bench) use the fresh tables
 done
