@@ -10,11 +10,10 @@ import itertools
 import math
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import mlaserve.kernels.mla_prefill as mp
 from mlaserve.bench.kernel_cases import mla_prefill as case
-from mlaserve.bench.timing import Ceilings
+from mlaserve.bench.timing import Ceilings, kernel_breakdown
 
 
 def main() -> None:
@@ -46,15 +45,8 @@ def main() -> None:
     run = lambda: mp.mla_prefill(x["q"], x["k_new"], x["v_new"], x["extend_lens"], x["prefix_lens"],  # noqa: E731
                                  x["kv_cache"], x["req_to_token"], x["req_pool_idx"], case._expander(x["w"], heads),
                                  case.D_QK**-0.5)
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
     lines.append(f"\nprofile of {label} with {mp.FLASH_CONFIG}:")
-    for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:10]:
-        lines.append(f"  {ev.device_time_total / 3:9.1f} us/call x{ev.count // 3} {ev.key[:90]}")
+    lines += ["  " + line for line in kernel_breakdown(run, calls=3, top=10)]
     print("\n".join(lines), flush=True)
     if args.out:
         with open(args.out, "w") as f:

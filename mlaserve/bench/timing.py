@@ -60,6 +60,21 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50,
     return statistics.median(times)
 
 
+def kernel_breakdown(fn: Callable[[], object], calls: int = 5, top: int = 8) -> list[str]:
+    """GPU time per call of each kernel `fn` launches (torch.profiler over `calls` calls after warm-up), as lines
+    "<us per call> x<launches per call> <kernel name>", largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+    return [f"{ev.device_time_total / calls:9.1f} us/call x{ev.count // calls} {ev.key[:90]}" for ev in events]
+
+
 def measure_copy_bandwidth(nbytes: int = 2 * 1024**3) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
