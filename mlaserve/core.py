@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,13 +101,8 @@ class SamplingParams:
 
 
 @dataclass
-class Req:
-    """A request as the scheduler tracks it (token ids only; text lives in the tokenizer manager).
-
-    KV bookkeeping: req_to_token[req_pool_idx, 0 : kv_len] holds the slots of the first kv_len tokens of
-    `fill_ids` (prompt + output so far); the first `prefix_len` of them are owned by the radix cache
-    (locked at `last_node`), the rest by the request.
-    """
+class RequestSpec:
+    """What a submitter asks for (token ids only): the scheduler's `Req` and the IPC message both start here."""
 
     rid: str
     input_ids: list[int]
@@ -117,6 +112,23 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+
+    def spec_fields(self) -> dict:
+        """The `RequestSpec` fields of this object, by name (input_ids copied)."""
+        out = {f.name: getattr(self, f.name) for f in fields(RequestSpec)}
+        out["input_ids"] = list(self.input_ids)
+        return out
+
+
+@dataclass
+class Req(RequestSpec):
+    """A request as the scheduler tracks it (text lives in the tokenizer manager).
+
+    KV bookkeeping: req_to_token[req_pool_idx, 0 : kv_len] holds the slots of the first kv_len tokens of
+    `fill_ids` (prompt + output so far); the first `prefix_len` of them are owned by the radix cache
+    (locked at `last_node`), the rest by the request.
+    """
+
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None

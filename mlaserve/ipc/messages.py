@@ -5,19 +5,12 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlaserve.core import SamplingParams
+from mlaserve.core import RequestSpec
 
 
 @dataclass
-class GenerateReqMsg:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    seed: int
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    stream: bool = False
+class GenerateReqMsg(RequestSpec):
+    """A new request, manager -> scheduler."""
 
 
 @dataclass

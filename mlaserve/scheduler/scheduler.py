@@ -48,8 +48,7 @@ class Scheduler:
 
     # --- requests in ----------------------------------------------------------------------------
     def add_request(self, msg: m.GenerateReqMsg) -> None:
-        req = Req(msg.rid, list(msg.input_ids), msg.params, msg.seed, msg.return_logprob,
-                  msg.logprob_start_len, msg.top_logprobs_num, msg.stream, arrival=time.monotonic())
+        req = Req(**msg.spec_fields(), arrival=time.monotonic())
         error = self._validate(req)
         if error:
             self._finish(req, {"type": "abort", "message": error, "status_code": 400})
