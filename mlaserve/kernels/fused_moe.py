@@ -318,7 +318,7 @@ def _check_config(cfg: dict, fp8: bool, fuse_quant: bool, block_k: int) -> None:
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               block_shape: tuple[int, int] = (128, 128), config: dict | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              num_routed_experts: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
     Args:
@@ -326,6 +326,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             w13_scale [E, ceil(2I/bn), ceil(K/bk)] and w2_scale [E, ceil(K/bn), ceil(I/bk)] (`weight_scale_inv`).
         topk_weights / topk_ids: [T, k] from `moe_topk`; ids in [0, E).
         config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM).
+        num_routed_experts: the E the tuned tables are keyed by (default: all E stacked experts). A model that
+            stacks its shared experts after its routed ones passes its routed count (see `get_moe_config`).
     Returns:
         out [T, K] in x.dtype. No host sync: capturable in a CUDA graph for a fixed T.
     """
@@ -336,7 +338,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     assert out.shape == x.shape and out.dtype == x.dtype, f"out must be {tuple(x.shape)} {x.dtype}"
     if t == 0:
         return out
-    cfg = dict(config if config is not None else get_moe_config(e, i, "fp8_w8a8" if fp8 else None, t))
+    if config is None:
+        config = get_moe_config(num_routed_experts or e, i, table_dtype(w13.dtype, x.dtype), t)
+    cfg = dict(config)
     # quantising activations inside the GEMM pays while few rows share each weight tile (decode)
     fuse_quant = bool(cfg.pop("FUSE_QUANT", t <= 128 and cfg["BLOCK_SIZE_K"] == block_shape[1]))
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
@@ -377,13 +381,28 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 # --------------------------------------------------------------------------------------------- configs
-def _device_name() -> str:
+# Key of a tuned table: (E routed experts, N = moe_intermediate_size per TP rank, dtype, GPU name). DeepSeek's
+# shared experts run in the same call as n_shared extra expert slots (`layers/moe.py`, every token routed to
+# them with weight 1): the model passes E = its routed count, so V3 (257 stacked experts) reads the E=256 table
+# that `tune fused-moe` (n_routed_experts of the config.json) and `bench kernels` (routed experts only) use.
+# NOTE: the tables were timed without the shared slots; with them a decode step also streams n_shared more
+# experts' weights and gives each of those T rows. The entry is still chosen by the token count M.
+@functools.lru_cache(maxsize=1)
+def gpu_name() -> str:
+    """This process's GPU as the table files name it (`torch.cuda.get_device_name()`, spaces as `_`)."""
     return torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+
+
+def table_dtype(weight_dtype: torch.dtype, act_dtype: torch.dtype) -> str:
+    """The dtype part of a table's name: fp8_w8a8 for block-FP8 weights, else the activations' dtype."""
+    if weight_dtype == FP8_DTYPE:
+        return "fp8_w8a8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[act_dtype]
 
 
 def config_file_name(E: int, N: int, dtype: str | None, device_name: str | None = None) -> str:
     dtype = dtype or "bf16"
-    name = device_name or _device_name()
+    name = device_name or gpu_name()
     return f"E={E},N={N},device_name={name},dtype={dtype},block_shape=[128, 128].json"
 
 
@@ -395,8 +414,11 @@ def _load_configs(path: Path) -> dict[int, dict] | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _log_default(name: str) -> None:
-    logger.info("no tuned fused_moe config %s in %s; using defaults", name, CONFIG_DIR)
+def _warn_untuned(name: str, gpu: str) -> None:
+    # once per shape and process; no GPU (the interpreter) has no tables to miss
+    log = logger.debug if gpu == "cpu" else logger.warning
+    log("fused_moe: no tuned table %s in %s; running untuned default tiles (tune with `mlaserve tune fused-moe`)",
+        name, CONFIG_DIR)
 
 
 def default_moe_config(M: int, dtype: str | None) -> dict:
@@ -410,15 +432,17 @@ def default_moe_config(M: int, dtype: str | None) -> dict:
 
 
 def get_moe_config(E: int, N: int, dtype: str | None, M: int, device_name: str | None = None) -> dict:
-    """Tile config for `fused_moe` with T = M tokens, E experts and intermediate size N (per TP partition).
+    """Tile config for `fused_moe` with T = M tokens, E routed experts and intermediate size N (per TP rank).
 
     Read from CONFIG_DIR/`config_file_name(...)` (JSON {"M": config}, nearest M key wins), else
-    `default_moe_config` and one log line. Keys: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages;
-    BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns).
+    `default_moe_config` and one WARNING per shape on a GPU. Keys: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps,
+    num_stages; BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns).
+    `device_name` defaults to this process's GPU (`gpu_name()`).
     """
-    name = config_file_name(E, N, dtype, device_name)
+    gpu = device_name or gpu_name()
+    name = config_file_name(E, N, dtype, gpu)
     table = _load_configs(CONFIG_DIR / name)
     if not table:
-        _log_default(name)
+        _warn_untuned(name, gpu)
         return default_moe_config(M, dtype)
     return dict(table[min(table, key=lambda m: (abs(m - M), m))])

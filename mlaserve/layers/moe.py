@@ -133,8 +133,11 @@ class RoutedExperts(torch.nn.Module):
         return F.linear(x, w) if scale is None else fp8_linear(x, w, scale)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        fn = _fused_moe if x.is_cuda else moe_kernels.fused_moe_ref
-        return fn(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+        if x.is_cuda:      # tuned tiles are keyed by the routed experts; the shared slots ride along
+            return _fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
+                              w2_scale=self.w2_scale, num_routed_experts=self.n_routed)
+        return moe_kernels.fused_moe_ref(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
+                                         w2_scale=self.w2_scale)
 
 
 class MoE(torch.nn.Module):

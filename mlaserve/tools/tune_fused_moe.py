@@ -24,7 +24,9 @@ PRECOMPILE_EXPERTS = 16          # workers compile with this many experts: same 
 
 
 def shape_from_hf_config(path: Path, tp_size: int, dtype: str) -> MoeShape:
-    """Routed-expert shape of one TP rank from a Hugging Face config.json (I = moe_intermediate_size / tp)."""
+    """Routed-expert shape of one TP rank from a Hugging Face config.json (I = moe_intermediate_size / tp).
+
+    E = n_routed_experts: the key the model's calls read (its stacked shared experts are not counted)."""
     d = json.loads(Path(path).read_text())
     inter = d["moe_intermediate_size"]
     assert inter % tp_size == 0, f"moe_intermediate_size={inter} is not divisible by --tp-size {tp_size}"

@@ -1,0 +1,123 @@
+"""The MoE layer's own fused-MoE calls read the shipped tuned tables (DeepSeek-V2-Lite and V3, TP 1 and the TP-8
+rank shape) on the GPUs they were tuned on; the tuner and `bench kernels` use the same key; a GPU without a
+table gets one WARNING per shape.
+
+The layer runs at the real sizes on meta tensors (no memory, no GPU) whose input says it is on a GPU, so the
+layer takes its GPU path: its forward and the kernel's table lookup run for real, only the Triton launches are
+stubbed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import mlaserve
+from mlaserve.bench.kernel_cases import fused_moe as bench_case
+from mlaserve.config import ModelConfig
+from mlaserve.kernels import fused_moe as fm
+from mlaserve.layers import moe as moe_layer
+from mlaserve.tools import tune_fused_moe as tuner
+
+CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
+SHIPPED_GPUS = ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200")
+# (model config, TP size): the per-rank shapes the tables were tuned for
+SHAPES = [("deepseek-v2-lite", 1), ("deepseek-v3", 1), ("deepseek-v3", 8)]
+TOKENS = (1, 64, 256, 1024)      # decode (shared slots fused into the call) and prefill (shared as dense GEMMs)
+
+
+class OnGPU(torch.Tensor):
+    """A meta tensor that answers `is_cuda` with True (and so do the tensors computed from it)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def gpu_input(t: int, hidden: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(t, hidden, dtype=dtype, device="meta").as_subclass(OnGPU)
+
+
+def rank_config(name: str, tp: int) -> ModelConfig:
+    """The model's config with one TP rank's expert width (TP splits each expert's intermediate size)."""
+    cfg = ModelConfig.from_hf(CONFIGS / f"{name}.json")
+    return dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // tp)
+
+
+def stub_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replace every Triton launch on the MoE path by a shape-only stand-in; returns the table files looked up."""
+    looked_up: list[str] = []
+    real_load = fm._load_configs
+
+    def load(path: Path):
+        looked_up.append(path.name)
+        return real_load(path)
+
+    def topk(logits: torch.Tensor, k: int, **_: object):
+        return logits.new_empty(logits.shape[0], k), logits.new_empty(logits.shape[0], k, dtype=torch.int32)
+
+    monkeypatch.setattr(fm, "_load_configs", load)
+    monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
+    monkeypatch.setattr(moe_layer, "_moe_topk", topk)
+    monkeypatch.setattr(moe_layer, "silu_and_mul", lambda gu: gu[:, : gu.shape[1] // 2])
+    monkeypatch.setattr(moe_layer, "fp8_linear", lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
+    return looked_up
+
+
+@pytest.mark.parametrize("gpu", SHIPPED_GPUS)
+@pytest.mark.parametrize("name,tp", SHAPES)
+def test_model_moe_calls_read_a_shipped_table(name: str, tp: int, gpu: str, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    cfg = rank_config(name, tp)
+    looked_up = stub_launches(monkeypatch)
+    monkeypatch.setattr(fm, "gpu_name", lambda: gpu)
+    layer = moe_layer.MoE(cfg, quant=cfg.quant, dtype=torch.bfloat16, device="meta")
+    assert layer.experts.w13.shape[0] == cfg.n_routed_experts + cfg.n_shared_experts   # shared slots stacked
+    with caplog.at_level(logging.WARNING, logger=fm.__name__):
+        for t in TOKENS:
+            layer(gpu_input(t, cfg.hidden_size))
+    dtype = "fp8_w8a8" if cfg.quant else "bf16"
+    want = f"E={cfg.n_routed_experts},N={cfg.moe_intermediate_size},device_name={gpu},dtype={dtype}"
+    assert looked_up and all(n.startswith(want) for n in looked_up), looked_up
+    assert all((fm.CONFIG_DIR / n).is_file() for n in looked_up), f"not shipped: {sorted(set(looked_up))}"
+    assert not [r for r in caplog.records if "no tuned table" in r.getMessage()]
+
+
+@pytest.mark.parametrize("name,tp", SHAPES)
+def test_tuner_and_bench_write_and_read_the_models_key(name: str, tp: int, tmp_path: Path) -> None:
+    cfg = rank_config(name, tp)
+    dtype = "fp8_w8a8" if cfg.quant else "bf16"
+    model_key = fm.config_file_name(cfg.n_routed_experts, cfg.moe_intermediate_size, dtype, "GPU")
+    shape = tuner.shape_from_hf_config(CONFIGS / f"{name}.json", tp, dtype)
+    assert tuner.write_configs({"1": {}}, shape, dtype, tmp_path, device_name="GPU").name == model_key
+    bench = next(s for s in bench_case.MODELS if s.name == name)      # the bench calls with its routed experts
+    assert fm.config_file_name(bench.num_experts, bench.moe_intermediate_size,
+                               "fp8_w8a8" if bench.fp8 else "bf16", "GPU") == \
+        fm.config_file_name(cfg.n_routed_experts, cfg.moe_intermediate_size * tp, dtype, "GPU")
+
+
+def test_gpu_without_a_table_warns_once_per_shape(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    cfg = rank_config("deepseek-v2-lite", 1)
+    stub_launches(monkeypatch)
+    monkeypatch.setattr(fm, "gpu_name", lambda: "Untuned_GPU")
+    fm._warn_untuned.cache_clear()
+    layer = moe_layer.MoE(cfg, quant=None, dtype=torch.bfloat16, device="meta")
+    with caplog.at_level(logging.WARNING, logger=fm.__name__):
+        for t in (1, 2, 64, 1024):                                           # one shape, many token counts
+            layer(gpu_input(t, cfg.hidden_size))
+        layer.float()(gpu_input(1, cfg.hidden_size, torch.float32))        # a second shape (fp32 experts)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("\n" not in w and "Untuned_GPU" in w for w in warnings), warnings
+    assert "dtype=bf16" in warnings[0] and "dtype=fp32" in warnings[1]
+
+
+def test_shipped_tables_parse() -> None:
+    for path in fm.CONFIG_DIR.glob("E=*.json"):
+        table = json.loads(path.read_text())
+        assert table and all({"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"} <= set(c) for c in table.values())
