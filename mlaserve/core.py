@@ -22,10 +22,10 @@ class ForwardContext:
     """What one model forward needs besides the token ids: where KV goes and which cache rows it reads.
 
     Legend: `T` new tokens in the batch, `B` requests. Request b's new tokens are the contiguous range
-    of T given by `extend_lens`; they sit at positions prefix_lens[b] .. seq_lens[b] - 1.
+    of T given by `extend_lens_cpu`; they sit at positions prefix_lens_cpu[b] .. seq_lens[b] - 1.
 
         req_to_token[req_pool_idx[b], 0 : seq_lens[b]]  -> KV-cache slots of request b
-        |<---- prefix_lens[b] (cached) ---->|<- extend_lens[b] (new) ->|
+        |<-- prefix_lens_cpu[b] (cached) -->|<- extend_lens_cpu[b] (new) ->|
     """
 
     mode: ForwardMode
@@ -33,8 +33,6 @@ class ForwardContext:
     out_slots: torch.Tensor          # [T] int64: slot each new token's latent KV is written to
     req_pool_idx: torch.Tensor       # [B] int64
     seq_lens: torch.Tensor           # [B] int32 (device), prefix + new
-    extend_lens: torch.Tensor        # [B] int32 (device)
-    prefix_lens: torch.Tensor        # [B] int32 (device)
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     req_to_token: torch.Tensor       # [max_reqs, max_context] int32

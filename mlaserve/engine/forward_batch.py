@@ -27,7 +27,7 @@ def build_context(mode: ForwardMode, *, req_pool_idx: list[int], prefix_lens: li
 
     return ForwardContext(
         mode=mode, positions=positions.to(device), out_slots=out_slots.to(device),
-        req_pool_idx=dev(req_pool_idx, torch.int64), seq_lens=dev(seq_lens), extend_lens=dev(extend_lens),
-        prefix_lens=dev(prefix_lens), seq_lens_cpu=seq_lens, extend_lens_cpu=list(extend_lens),
+        req_pool_idx=dev(req_pool_idx, torch.int64), seq_lens=dev(seq_lens), seq_lens_cpu=seq_lens,
+        extend_lens_cpu=list(extend_lens),
         req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=num_q,
         logits_indices=logits_idx)

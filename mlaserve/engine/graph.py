@@ -55,9 +55,8 @@ class DecodeGraphRunner:
         splits = choose_num_kv_splits(decode_programs(bs, self.model.cfg.num_attention_heads), max_context)
         return ForwardContext(
             mode=ForwardMode.DECODE, positions=self.positions[:bs], out_slots=self.out_slots[:bs],
-            req_pool_idx=self.req_pool_idx[:bs], seq_lens=self.seq_lens[:bs],
-            extend_lens=torch.ones(bs, dtype=torch.int32, device=self.device),
-            prefix_lens=self.seq_lens[:bs] - 1, seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs,
+            req_pool_idx=self.req_pool_idx[:bs], seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs,
+            extend_lens_cpu=[1] * bs,
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=1,
             logits_indices=None, num_kv_splits=splits)
 

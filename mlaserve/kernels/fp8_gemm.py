@@ -1,8 +1,7 @@
 """Block-scaled FP8 GEMM: y = (x_q * x_scale) @ (w_q * w_scale_inv)^T with fp32 accumulation.
 
 Shapes: x_q [M, K] e4m3 with x_scale [M, ceil(K/128)] (per token per 128 channels),
-w_q [N, K] e4m3 with w_scale_inv [ceil(N/128), ceil(K/128)], y [M, N]. Also `fp8_linear` (quantise + GEMM)
-and `fp8_bmm` (per-head FP8 batched matmul for the absorbed MLA weights, H heads).
+w_q [N, K] e4m3 with w_scale_inv [ceil(N/128), ceil(K/128)], y [M, N]. Also `fp8_linear` (quantise + GEMM).
 """
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.quant import (FP8_E4M3_MAX, FP8_MIN_SCALE, round_to_fp8_grid, block_dequant_ref,
-                                    per_token_group_quant_fp8, per_token_group_quant_fp8_ref)
+from mlaserve.kernels.quant import block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref
 
 logger = logging.getLogger(__name__)
 
@@ -238,90 +236,3 @@ def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype).view(*lead, w_q.shape[0])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Batched per-head FP8 matmul for the absorbed MLA weights w_kc / w_vc (one scale per head)
-# ---------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _fp8_bmm_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
-    stride_xh, stride_xm, stride_xk, stride_wh, stride_wn, stride_oh, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    # Grid: (tiles of out[h], H). x rows are quantised in-kernel: pass 1 finds each row's amax over K,
-    # pass 2 quantises x tiles to e4m3 and feeds the fp8 dot; both scales are applied once at the end.
-    pid, h = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    offs_m = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + h * stride_xh + (offs_m % M)[:, None] * stride_xm                 # [BM, 1]
-    w_cols = w_ptr + h * stride_wh + (offs_n % N)[None, :] * stride_wn                 # [1, BN]
-
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        x = tl.load(x_rows + kk[None, :] * stride_xk, mask=kk[None, :] < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    amax = tl.maximum(amax, MIN_SCALE)
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))             # [BM], exact as the ref
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        x = tl.load(x_rows + kk[None, :] * stride_xk, mask=kk[None, :] < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -FP8_MAX), FP8_MAX)
-        if INTERPRETED:
-            q = round_to_fp8_grid(q, 3, -6)
-        w = tl.load(w_cols + kk[:, None], mask=kk[:, None] < K, other=0.0)           # [BK, BN] e4m3
-        acc = tl.dot(q.to(tl.float8e4nv), w, acc)
-    acc = acc * scale[:, None] * tl.load(ws_ptr + h)
-
-    out_ptrs = out_ptr + h * stride_oh + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-
-
-def fp8_bmm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """out[h] = x[h] @ (w_q[h] * w_scale[h])^T, x quantised per (head, row) to e4m3 (scale = amax / 448).
-
-    Args:
-        x: [H, M, K] bf16/fp16/fp32, any strides (e.g. q_nope.transpose(0, 1) of [B, H, 128]).
-        w_q: [H, N, K] float8_e4m3fn, K contiguous (w_kc [H, 512, 128] or w_vc [H, 128, 512]).
-        w_scale: [H] float32, one dequantisation scale per head.
-    Returns:
-        [H, M, N] in x.dtype, contiguous.
-    """
-    assert x.dim() == 3 and w_q.dim() == 3, f"x [H, M, K], w_q [H, N, K]; got {tuple(x.shape)}, {tuple(w_q.shape)}"
-    (h, m, k), (hw, n, kw) = x.shape, w_q.shape
-    assert (h, k) == (hw, kw), f"head count / K mismatch: x {tuple(x.shape)} vs w_q {tuple(w_q.shape)}"
-    assert x.is_floating_point() and x.element_size() >= 2, f"x must be fp16/bf16/fp32, got {x.dtype}"
-    assert w_q.dtype == torch.float8_e4m3fn and w_q.stride(2) == 1, "w_q must be float8_e4m3fn, contiguous along K"
-    assert w_scale.shape == (h,) and w_scale.dtype == torch.float32, f"w_scale must be float32 [{h}]"
-    out = torch.empty((h, m, n), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = 64 if m <= 64 else 128
-    block_k = min(128, max(32, triton.next_power_of_2(k)))                # fp8 MMA needs K-steps >= 32
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), h)
-    _fp8_bmm_kernel[grid](
-        x, w_q, w_scale, out, m, n, k,
-        x.stride(0), x.stride(1), x.stride(2), w_q.stride(0), w_q.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE,
-        INTERPRETED=not x.is_cuda, num_warps=4, num_stages=3,
-    )
-    return out
-
-
-def fp8_bmm_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """Reference of `fp8_bmm`: quantise each x row over its K channels, dequantise, fp32 bmm."""
-    h, m, k = x.shape
-    x_q, x_scale = per_token_group_quant_fp8_ref(x.reshape(h * m, k), group=max(k, 1))
-    x_deq = (x_q.float() * x_scale).view(h, m, k)                        # [H, M, K]
-    w = w_q.float() * w_scale.view(h, 1, 1)                              # [H, N, K]
-    return torch.bmm(x_deq, w.transpose(1, 2)).to(x.dtype)               # [H, M, N]

@@ -47,9 +47,8 @@ def _stop_ids(p: SamplingParams, eos_token_ids: list[int], vocab_size: int) -> l
 
 @dataclass
 class SamplingBatch:
-    """Per-batch sampling tensors, built once per batch composition on the scheduler side (`build`).
+    """Per-batch sampling tensors, built for each step's batch (`build`).
 
-    Between steps of an unchanged batch, `advance(next_ids)` updates the counters in place (no host sync).
     All [B] tensors live on the logits' device. Optional [B, V] tensors are None when no row needs them.
     """
 
@@ -136,15 +135,6 @@ class SamplingBatch:
             batch.stop_mask = _token_mask([_stop_ids(p, eos_token_ids, vocab_size) for p in params],
                                           vocab_size, device)
         return batch
-
-    def advance(self, next_ids: torch.Tensor) -> None:
-        """Account for one sampled token per row (next_ids: [B] int64): steps, counts, seen tokens."""
-        rows = torch.arange(self.batch_size, device=next_ids.device)
-        self.steps += 1
-        if self.token_counts is not None:
-            self.token_counts[rows, next_ids] += 1
-        if self.seen_mask is not None:
-            self.seen_mask[rows, next_ids] = True
 
 
 class SampleOutput(NamedTuple):

@@ -1,4 +1,4 @@
-"""fp8_gemm / fp8_linear / fp8_bmm (Triton; interpreter on CPU) against their references, config lookup,
+"""fp8_gemm / fp8_linear (Triton; interpreter on CPU) against their references, config lookup,
 the tuner's search space and the bench cases' arithmetic."""
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 from mlaserve.bench.kernel_cases import fp8_gemm as gemm_cases
 from mlaserve.bench.kernel_cases import quant as quant_cases
 from mlaserve.kernels import fp8_gemm as fp8_gemm_mod
-from mlaserve.kernels.fp8_gemm import (fp8_bmm, fp8_bmm_ref, fp8_gemm, fp8_gemm_ref, fp8_linear, fp8_linear_ref,
-                                       get_fp8_gemm_config)
+from mlaserve.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, fp8_linear, fp8_linear_ref, get_fp8_gemm_config
 from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref, per_token_group_quant_fp8_ref
 from mlaserve.tools import tune_fp8_gemm
 
@@ -93,22 +92,6 @@ def test_fp8_linear_uses_ref_on_plain_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     x = torch.randn(5, 256)
     w_q, w_s = block_quant_fp8_ref(torch.randn(130, 256))
     assert torch.equal(fp8_linear(x, w_q, w_s), fp8_linear_ref(x, w_q, w_s))
-
-
-@pytest.mark.parametrize("n,k", [(64, 128), (40, 300)])               # w_kc-like (K = 128), odd K
-def test_fp8_bmm(device: str, n: int, k: int) -> None:
-    h, b = 4, 3
-    x = torch.randn(b, h, k, device=device).transpose(0, 1)              # [H, B, K] view of [B, H, K]
-    w = torch.randn(h, n, k, device=device) * torch.rand(h, 1, 1, device=device)
-    w_scale = w.abs().amax(dim=(1, 2)) / 448.0                           # one scale per head
-    w_q = (w / w_scale[:, None, None]).to(torch.float8_e4m3fn)
-    y = fp8_bmm(x, w_q, w_scale)
-    assert y.shape == (h, b, n) and y.dtype == x.dtype
-    assert _rel_max(y, fp8_bmm_ref(x, w_q, w_scale)) <= _tol(torch.float32, device)
-    dense = torch.bmm(x, (w_q.float() * w_scale[:, None, None]).transpose(1, 2))
-    assert _rel_norm(y, dense) <= QUANT_TOL
-    xb = x.to(torch.bfloat16)
-    assert _rel_max(fp8_bmm(xb, w_q, w_scale), fp8_bmm_ref(xb, w_q, w_scale)) <= TOL[torch.bfloat16]
 
 
 def test_config_lookup_nearest_m(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
