@@ -50,7 +50,7 @@ def build_runner(args: argparse.Namespace, path: str) -> tuple[ModelRunner, ReqT
     pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8, runner.device)
     runner.attach(pool.table)
     runner.init_cuda_graphs(pool.table, pool.alloc())
-    return runner, pool, TokenSlotAllocator(runner.num_slots, runner.device)
+    return runner, pool, TokenSlotAllocator(runner.num_slots)
 
 
 def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocator, bs: int, input_len: int,
@@ -88,7 +88,7 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
         for r, tok in zip(reqs, out.next_ids):
             r.output_ids.append(tok)
     for r in reqs:
-        alloc.free(pool.table[r.req_pool_idx, : r.kv_len].long())
+        alloc.free(pool.slots(r.req_pool_idx, r.kv_len))
         pool.free(r.req_pool_idx)
     step = statistics.median(steps) if steps else float("nan")
     gpu = graph_replay_s(runner, bs)

@@ -13,6 +13,7 @@ from mlaserve.attention import create_attn_backend
 from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.core import Batch, ForwardMode
 from mlaserve.engine.forward_batch import build_context
+from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
 from mlaserve.models.deepseek import DeepseekForCausalLM
@@ -206,7 +207,7 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.can_run(batch.size):
                 # NOTE: out_slots already live on the device; reading them back would sync and undo the overlap
                 prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-                return self.graphs.replay(ids, prefix, batch.out_slots.to(self.device), rows_dev,
+                return self.graphs.replay(ids, prefix, to_device(batch.out_slots, self.device), rows_dev,
                                           (prefix + 1).to(torch.int32))
         else:
             ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from mlaserve.core import ForwardContext, ForwardMode
+from mlaserve.kvcache.allocator import to_device
 
 
 def build_context(mode: ForwardMode, *, req_pool_idx: list[int], prefix_lens: list[int],
@@ -26,7 +27,7 @@ def build_context(mode: ForwardMode, *, req_pool_idx: list[int], prefix_lens: li
         return torch.tensor(x, dtype=dtype, device=device)
 
     return ForwardContext(
-        mode=mode, positions=positions.to(device), out_slots=out_slots.to(device),
+        mode=mode, positions=positions.to(device), out_slots=to_device(out_slots, device),
         req_pool_idx=dev(req_pool_idx, torch.int64), seq_lens=dev(seq_lens), seq_lens_cpu=seq_lens,
         extend_lens_cpu=list(extend_lens),
         req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=num_q,

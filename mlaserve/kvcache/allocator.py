@@ -19,29 +19,25 @@ PAD_SLOT = 0
 class TokenSlotAllocator:
     """Hands out and takes back KV token slots `1..size`; slot 0 is never handed out.
 
-    The free list is a device tensor, so `alloc` is a slice and `free` a concatenation.
-    `free` validates its argument (slot 0, out of range, already free, repeated in the call) with one
-    device->host sync per call; wrap many frees in `begin_free_group()` / `end_free_group()` to pay
-    that once.
+    Host-side bookkeeping (CPU tensors): slot ids reach the device only as copies written into the
+    request -> token table (`ReqToTokenPool`) and the batch's output slots, so `alloc` and `free` never wait
+    for the device, e.g. while the overlap scheduler frees a finished request's slots with the next step in
+    flight. `free` validates its argument (slot 0, out of range, already free, repeated) on that host data.
 
     Args:
         size: number of usable slots (the pool has `size + 1` rows, row 0 being padding).
-        device: where slot ids live (the pool's device).
     """
 
-    def __init__(self, size: int, device: str | torch.device = "cpu"):
+    def __init__(self, size: int):
         assert size >= 1, f"size must be >= 1, got {size}"
         self.size = size
-        self.device = torch.device(device)
-        self._group: list[torch.Tensor] | None = None
         self.clear()
 
     def clear(self) -> None:
-        """Every slot `1..size` free again (any open free group is dropped)."""
-        self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)  # [F]
-        self._is_free = torch.ones(self.size + 1, dtype=torch.bool, device=self.device)    # [size + 1]
+        """Every slot `1..size` free again."""
+        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)      # [F]
+        self._is_free = torch.ones(self.size + 1, dtype=torch.bool)          # [size + 1]
         self._is_free[PAD_SLOT] = False
-        self._group = None
 
     @property
     def available(self) -> int:
@@ -53,7 +49,7 @@ class TokenSlotAllocator:
         return self._free
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` slots: [n] int64 on `device`, or None (nothing taken) if fewer than `n` are free."""
+        """Take `n` slots: [n] int64 on the CPU, or None (nothing taken) if fewer than `n` are free."""
         assert n >= 0, f"cannot allocate {n} slots"
         if n > self._free.numel():
             return None
@@ -62,59 +58,49 @@ class TokenSlotAllocator:
         return out
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return `slots` (1-D, any integer dtype). Raises ValueError on slot 0, out-of-range ids,
-        slots already free or repeated; on error nothing is freed. Inside a free group the slots are
-        only queued (checked and freed by `end_free_group`)."""
+        """Return `slots` (1-D, any integer dtype, on the CPU). Raises ValueError on slot 0, out-of-range
+        ids, slots already free or repeated; on error nothing is freed."""
         assert slots.dim() == 1, f"slots must be 1-D, got shape {tuple(slots.shape)}"
         assert not slots.is_floating_point(), f"slots must be integer ids, got {slots.dtype}"
+        assert slots.device.type == "cpu", f"free takes host slot ids (reading {slots.device} ones would sync)"
         if slots.numel() == 0:
             return
-        slots = slots.to(self.device, torch.int64)
-        if self._group is not None:
-            self._group.append(slots)
-            return
-        self._mark_free(slots)
+        slots = slots.to(torch.int64)
+        error = self._check(slots)
+        if error:
+            raise ValueError(error)
+        self._is_free[slots] = True
         self._free = torch.cat([self._free, slots])
 
-    def begin_free_group(self) -> None:
-        assert self._group is None, "free groups do not nest"
-        self._group = []
+    def _check(self, slots: torch.Tensor) -> str | None:
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 1 or hi > self.size:
+            bad = sorted({i for i in slots.tolist() if not 1 <= i <= self.size})
+            return f"cannot free slot ids {bad[:8]}: valid slots are 1..{self.size} (0 is padding)"
+        if bool(self._is_free[slots].any()):
+            free = sorted({i for i in slots.tolist() if self._is_free[i]})
+            return f"double free of slots {free[:8]}"
+        if torch.unique(slots).numel() != slots.numel():
+            ids = sorted(slots.tolist())
+            return f"slots {sorted({a for a, b in zip(ids, ids[1:]) if a == b})[:8]} repeated in one free"
+        return None
 
-    def end_free_group(self) -> None:
-        assert self._group is not None, "end_free_group without begin_free_group"
-        group, self._group = self._group, None
-        if group:
-            self.free(torch.cat(group))
 
-    def _mark_free(self, slots: torch.Tensor) -> None:
-        """Set `_is_free[slots]`, or undo it and raise if any id is bad (one device->host sync)."""
-        clamped = slots.clamp(0, self.size)
-        before = self._is_free[clamped]
-        self._is_free[clamped] = True
-        # NOTE: _is_free.sum() == available always; a slot already free or repeated adds fewer.
-        newly_free = self._is_free.sum() - self._free.numel()
-        ok = (newly_free == slots.numel()) & (slots.min() >= 1) & (slots.max() <= self.size)
-        if not bool(ok):
-            self._is_free[clamped] = before
-            raise ValueError(self._describe_bad(slots))
-
-    def _describe_bad(self, slots: torch.Tensor) -> str:
-        ids = sorted(slots.tolist())
-        bad_range = [i for i in ids if not 1 <= i <= self.size]
-        if bad_range:
-            return f"cannot free slot ids {bad_range[:8]}: valid slots are 1..{self.size} (0 is padding)"
-        twice = sorted({a for a, b in zip(ids, ids[1:]) if a == b})
-        if twice:
-            return f"slots {twice[:8]} repeated in one free"
-        free = [i for i in ids if bool(self._is_free[i])]
-        return f"double free of slots {free[:8]}"
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; a host tensor goes to a GPU through pinned memory without waiting for the device."""
+    device = torch.device(device)
+    if t.device == device or t.device.type != "cpu" or device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class ReqToTokenPool:
     """[max_reqs, max_context] int32 table: position -> slot for each live request row.
 
-    Rows are handed out by `alloc` and taken back by `free`; a freed row keeps its stale contents
-    (readers only look at positions below the request's length).
+    `table` lives on the device (the attention kernels read it); `host` is its CPU copy, the one the
+    scheduler reads (which slots a request holds) so that it never waits for the device. Writes take host
+    slot ids and go to both. Rows are handed out by `alloc` and taken back by `free`; a freed row keeps
+    its stale contents (readers only look at positions below the request's length).
     """
 
     def __init__(self, max_reqs: int, max_context: int, device: str | torch.device = "cpu"):
@@ -123,6 +109,7 @@ class ReqToTokenPool:
         self.max_context = max_context
         self.device = torch.device(device)
         self.table = torch.zeros(max_reqs, max_context, dtype=torch.int32, device=self.device)
+        self.host = self.table if self.device.type == "cpu" else torch.zeros(max_reqs, max_context, dtype=torch.int32)
         self.clear()
 
     def clear(self) -> None:
@@ -148,10 +135,27 @@ class ReqToTokenPool:
         self._free_rows.append(idx)
 
     def write(self, idx: int, start: int, slots: torch.Tensor) -> None:
-        """table[idx, start:start + len(slots)] = slots (any integer dtype, stored as int32)."""
+        """table[idx, start:start + len(slots)] = slots (host ids, any integer dtype, stored as int32)."""
         assert idx in self._live, f"request row {idx} is not live"
-        assert slots.dim() == 1, f"slots must be 1-D, got shape {tuple(slots.shape)}"
+        assert slots.dim() == 1 and slots.device.type == "cpu", \
+            f"slots must be 1-D host ids, got shape {tuple(slots.shape)} on {slots.device}"
         end = start + slots.numel()
         assert 0 <= start and end <= self.max_context, (
             f"positions {start}..{end} do not fit max_context={self.max_context}")
-        self.table[idx, start:end] = slots.to(self.device, torch.int32)
+        self.host[idx, start:end] = slots.to(torch.int32)
+        if self.host is not self.table:
+            self.table[idx, start:end] = to_device(self.host[idx, start:end], self.device)
+
+    def write_one_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """table[rows[b], cols[b]] = slots[b] for every b (one new slot per request) as one indexed store."""
+        assert all(r in self._live for r in rows), "every request row must be live"
+        assert len(rows) == len(cols) == slots.numel() and slots.device.type == "cpu", "one host slot per row"
+        index = torch.tensor([rows, cols], dtype=torch.int64)                 # [2, B]
+        self.host[index[0], index[1]] = slots.to(torch.int32)
+        if self.host is not self.table:
+            index, values = to_device(index, self.device), to_device(slots.to(torch.int32), self.device)
+            self.table[index[0], index[1]] = values
+
+    def slots(self, idx: int, end: int) -> torch.Tensor:
+        """The slots of positions 0 .. end - 1 of row `idx`, from the host copy: [end] int64."""
+        return self.host[idx, :end].to(torch.int64)

@@ -30,7 +30,7 @@ class TreeNode:
 
     def __init__(self, key: tuple[int, ...], value: torch.Tensor, parent: TreeNode | None):
         self.key = key                               # token ids of this run
-        self.value = value                           # [len(key)] int64 slots
+        self.value = value                           # [len(key)] int64 slots (host ids)
         self.parent = parent
         self.children: dict[int, TreeNode] = {}
         self.lock_ref = 0
@@ -96,7 +96,7 @@ class RadixCache:
         self._protected = 0
 
     def _empty(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+        return torch.empty(0, dtype=torch.int64)
 
     # ---- sizes -------------------------------------------------------------------------------------
     @property
@@ -155,7 +155,7 @@ class RadixCache:
             child.last_access = now
             node, pos = child, pos + m
         if pos < len(tokens):
-            value = slots[pos:].to(self.allocator.device, torch.int64).clone()  # [N - n_present]
+            value = slots[pos:].to(torch.int64).clone()                          # [N - n_present]
             leaf = TreeNode(tokens[pos:], value, node)
             leaf.last_access = now
             node.children[tokens[pos]] = leaf

@@ -15,7 +15,7 @@ from mlaserve.kvcache.radix import RadixCache
 class KVCacheManager:
     def __init__(self, num_slots: int, max_reqs: int, max_context: int, *, disable_radix: bool,
                  device: torch.device | str = "cpu"):
-        self.allocator = TokenSlotAllocator(num_slots, device)
+        self.allocator = TokenSlotAllocator(num_slots)
         self.req_pool = ReqToTokenPool(max_reqs, max_context, device)
         self.tree = RadixCache(self.allocator, disable=disable_radix)
         self.num_slots = num_slots
@@ -68,11 +68,7 @@ class KVCacheManager:
 
     def extend_one_each(self, reqs: list[Req], slots: torch.Tensor) -> None:
         """Decode: one new slot per request, written into the table with a single indexed store."""
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
-        dev = self.req_to_token.device
-        self.req_to_token[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = \
-            slots.to(self.req_to_token.dtype)
+        self.req_pool.write_one_each([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
         for r in reqs:
             r.kv_len += 1
 
@@ -80,7 +76,7 @@ class KVCacheManager:
         """Hand the request's computed KV to the tree (or free it), unlock, and free its row."""
         if req.req_pool_idx is None:
             return
-        row = self.req_to_token[req.req_pool_idx, : req.kv_len].long()
+        row = self.req_pool.slots(req.req_pool_idx, req.kv_len)        # host ids: no device sync
         own = row[req.prefix_len:]
         if self.tree.disable:
             if len(own):

@@ -1,4 +1,5 @@
-"""TokenSlotAllocator and ReqToTokenPool: slot accounting, padding slot, exhaustion, double frees."""
+"""TokenSlotAllocator and ReqToTokenPool: slot accounting, padding slot, exhaustion, double frees, host-side
+bookkeeping (the device table is only written)."""
 from __future__ import annotations
 
 import random
@@ -63,22 +64,13 @@ def test_bad_free_raises_and_changes_nothing(bad: str):
     assert alloc.available == 16
 
 
-def test_free_group_batches_and_still_catches_double_free():
-    alloc = TokenSlotAllocator(20)
-    a, b = alloc.alloc(5), alloc.alloc(5)
-    alloc.begin_free_group()
-    alloc.free(a)
-    alloc.free(b)
-    assert alloc.available == 10             # queued, not yet applied
-    alloc.end_free_group()
-    assert alloc.available == 20
-    c = alloc.alloc(4)
-    alloc.begin_free_group()
-    alloc.free(c)
-    alloc.free(c[:1])
-    with pytest.raises(ValueError):
-        alloc.end_free_group()
-    assert alloc.available == 16
+def test_free_takes_host_ids_only():
+    alloc = TokenSlotAllocator(8)
+    s = alloc.alloc(3)
+    with pytest.raises(AssertionError, match="host"):
+        alloc.free(s.to("meta"))             # device ids: reading them would wait for the device
+    alloc.free(s)
+    assert alloc.available == 8
 
 
 def test_clear_restores_everything():
@@ -107,3 +99,19 @@ def test_req_to_token_pool_rows_and_writes():
     with pytest.raises(AssertionError):
         pool.write(rows[2], 0, slots)        # not live any more
     assert pool.available == 1 and pool.alloc() == rows[2]
+
+
+def test_req_to_token_pool_device_table_follows_host_copy():
+    pool = ReqToTokenPool(3, 8, device="meta")   # a device table whose values cannot be read back
+    assert pool.host is not pool.table and pool.host.device.type == "cpu"
+    row = pool.alloc()
+    pool.write(row, 0, torch.tensor([4, 5, 6]))
+    pool.write_one_each([row], [3], torch.tensor([9]))
+    assert pool.slots(row, 4).tolist() == [4, 5, 6, 9] and pool.slots(row, 4).dtype == torch.int64
+    with pytest.raises(AssertionError, match="host"):
+        pool.write(row, 4, torch.tensor([1], device="meta"))
+    cpu = ReqToTokenPool(2, 8)                   # on the CPU the table is its own host copy
+    assert cpu.host is cpu.table
+    r = cpu.alloc()
+    cpu.write_one_each([r], [2], torch.tensor([7]))
+    assert cpu.table[r, 2].item() == 7
