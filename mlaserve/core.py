@@ -170,7 +170,7 @@ class Batch:
     mode: ForwardMode
     reqs: list[Req]
     input_ids: list[int]
-    out_slots: torch.Tensor
+    out_slots: torch.Tensor          # [T] int64 host slot ids (the runner copies them to the device)
     prefix_lens: list[int]
     extend_lens: list[int]
     sampling: list[bool]

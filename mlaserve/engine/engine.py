@@ -170,8 +170,8 @@ class ModelRunner:
         samplers = [i for i in range(batch.size) if sample_row[i] is not None]
         ids = lp = top = None
         if samplers:
-            ids, lp, top = self._sample(batch, logits[[sample_row[i] for i in samplers]], samplers)
-            self.token_buf[rows_dev[samplers] if len(samplers) < batch.size else rows_dev] = ids
+            ids, lp, top = self._sample(batch, _take_rows(logits, [sample_row[i] for i in samplers]), samplers)
+            self.token_buf[_take_rows(rows_dev, samplers)] = ids
         prompt = self._prompt_logprobs(batch, logits, prompt_rows)
         host = [t.to("cpu", non_blocking=True) if t is not None else None for t in (ids, lp)]
         top = tuple(t.to("cpu", non_blocking=True) for t in top) if top is not None else None
@@ -205,7 +205,8 @@ class ModelRunner:
         if batch.mode is ForwardMode.DECODE:
             ids = self.token_buf[rows_dev]                                     # [B] last sampled tokens
             if self.graphs is not None and self.graphs.can_run(batch.size):
-                # NOTE: out_slots already live on the device; reading them back would sync and undo the overlap
+                # NOTE: host -> device copies only (pinned, non-blocking): a blocking one would wait for the step
+                # in flight and undo the overlap
                 prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
                 return self.graphs.replay(ids, prefix, to_device(batch.out_slots, self.device), rows_dev,
                                           (prefix + 1).to(torch.int32))
@@ -215,7 +216,7 @@ class ModelRunner:
                             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, out_slots=batch.out_slots,
                             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
                             device=self.device, last_token_logits=False)
-        ctx.logits_indices = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        ctx.logits_indices = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         return self.model(ids, ctx.positions, ctx).logits                    # [len(rows), V] fp32
 
     def _sample(self, batch: Batch, logits: torch.Tensor, samplers: list[int]):
@@ -269,3 +270,10 @@ class ModelRunner:
 
     def eos_ids(self) -> list[int]:
         return [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
+
+
+def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] without a device sync: all rows in order is `t` itself, others are indexed by a device copy."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t[to_device(torch.tensor(rows, dtype=torch.int64), t.device)]

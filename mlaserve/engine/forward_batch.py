@@ -21,13 +21,13 @@ def build_context(mode: ForwardMode, *, req_pool_idx: list[int], prefix_lens: li
     logits_idx = None
     if last_token_logits:
         ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0) - 1
-        logits_idx = ends.to(device)
+        logits_idx = to_device(ends, device)
 
     def dev(x: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=device)
+        return to_device(torch.tensor(x, dtype=dtype), device)
 
     return ForwardContext(
-        mode=mode, positions=positions.to(device), out_slots=to_device(out_slots, device),
+        mode=mode, positions=to_device(positions, device), out_slots=to_device(out_slots, device),
         req_pool_idx=dev(req_pool_idx, torch.int64), seq_lens=dev(seq_lens), seq_lens_cpu=seq_lens,
         extend_lens_cpu=list(extend_lens),
         req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=num_q,

@@ -1,0 +1,101 @@
+"""GPU: the overlap scheduler never waits for the device outside `resolve`'s wait for the step it processes.
+
+Decode steps run under `torch.cuda.set_sync_debug_mode("error")`, which raises on any synchronising CUDA call
+(blocking copies, `.item()`, `.tolist()` of device tensors, stream / device synchronisation). Requests of
+different lengths finish at different steps, so their slots are freed in `drain()` while the next step is
+already queued. `resolve` waits on its step's CUDA event, which the debug mode does not count: that wait is
+the design (step N's tokens are needed to plan step N + 2).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+import mlaserve
+from mlaserve.config import ServerConfig
+from mlaserve.core import ForwardMode, SamplingParams
+from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.scheduler.scheduler import Scheduler
+from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
+LENGTHS = (2, 3, 5, 8, 13, 21)          # max_new_tokens: a request finishes at most steps
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    d = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"first_k_dense_replace": 1}
+    cfg = make_config(d, num_layers=2, shrink=True, fp8=False)
+    return str(write_checkpoint(cfg, tmp_path_factory.mktemp("sync") / "m", progress=False, tokenizer=False))
+
+
+@contextmanager
+def no_sync() -> Iterator[None]:
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def start(ckpt: str, params: list[SamplingParams], **kw) -> Scheduler:
+    server = ServerConfig.from_flat(model_path=ckpt, device="cuda", dtype="bfloat16", max_total_tokens=4096,
+                                    cuda_graph_max_bs=8, log_level="warning", **kw)
+    sched = Scheduler(server, ckpt)
+    assert sched.overlap
+    for i, p in enumerate(params):
+        sched.add_request(GenerateReqMsg(f"r{i}", list(range(3 + i, 20 + 3 * i)), p, seed=i))
+    return sched
+
+
+def run_to_first_decode(sched: Scheduler) -> list:
+    """Steps until every prompt is prefilled and a decode step is in flight (prefill may sync: not checked)."""
+    outputs = []
+    while sched.waiting or sched.chunked or sched.pending is None or sched.pending.batch.mode is not ForwardMode.DECODE:
+        outputs += sched.step()
+    return outputs
+
+
+def finished(outputs: list) -> set[str]:
+    return {o.rid for o in outputs if o.finished is not None}
+
+
+def test_greedy_decode_steps_never_sync(ckpt) -> None:
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in LENGTHS]
+    sched = start(ckpt, params)
+    assert sched.runner.graphs is not None, "decode should run as CUDA graphs here"
+    outputs = run_to_first_decode(sched)
+    steps = 0
+    with no_sync():                               # plan (alloc), launch (graph replay, argmax), drain (free)
+        while sched.has_work:
+            outputs += sched.step()
+            steps += 1
+    assert finished(outputs) == {f"r{i}" for i in range(len(LENGTHS))} and steps >= max(LENGTHS) - 1
+    assert sched.kv.allocator.available + sched.kv.tree.total_size() == sched.kv.num_slots
+
+
+def test_drain_never_syncs_with_sampling_penalties_and_eager_decode(ckpt, monkeypatch) -> None:
+    params = [SamplingParams(max_new_tokens=n, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True,
+                             frequency_penalty=0.5 if n % 2 else 0.0) for n in LENGTHS]
+    sched = start(ckpt, params, disable_cuda_graph=True)
+    drains = []
+    drain = sched.drain
+
+    def checked_drain() -> None:                 # process step N and free finished requests' slots
+        with no_sync():
+            drain()
+        drains.append(1)
+
+    outputs = run_to_first_decode(sched)
+    monkeypatch.setattr(sched, "drain", checked_drain)
+    while sched.has_work:
+        outputs += sched.step()
+    assert finished(outputs) == {f"r{i}" for i in range(len(LENGTHS))} and len(drains) >= max(LENGTHS) - 1
+    assert sched.kv.allocator.available + sched.kv.tree.total_size() == sched.kv.num_slots
