@@ -5,9 +5,9 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:    # NOTE: annotations only: the HTTP process imports this module without torch
+    import torch
 
-if TYPE_CHECKING:
     from mlaserve.attention.base import BaseAttnBackend
     from mlaserve.kvcache.pool import MLAKVPool
 

@@ -13,21 +13,11 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from mlaserve.config import ServerConfig
-from mlaserve.server.launch import SchedulerHandle, demo_model_path, ipc_addresses, start_scheduler
-from mlaserve.server.manager import GenerateInput, TokenizerManager
-from mlaserve.tokenizer import load_tokenizer
+from mlaserve.server.launch import (NO_MAIN_GUARD_MESSAGE, LaunchError, launch_backend,
+                                    refuse_spawned_reimport)
+from mlaserve.server.manager import GenerateInput
 
 logger = logging.getLogger(__name__)
-
-
-def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, TokenizerManager]:
-    """Start the scheduler process and build the tokenizer manager (call from the event loop's thread)."""
-    path = server.load.model_path or str(demo_model_path())
-    tokenizer = load_tokenizer(server.load.tokenizer_path or path)
-    send_addr, recv_addr = ipc_addresses()
-    handle = start_scheduler(server, path, send_addr, recv_addr)
-    manager = TokenizerManager(tokenizer, send_addr, recv_addr, handle.info)
-    return path, handle, manager
 
 
 def split_inputs(prompt: Any, input_ids: Any, sampling_params: Any) -> tuple[list[dict], bool]:
@@ -54,12 +44,23 @@ def split_inputs(prompt: Any, input_ids: Any, sampling_params: Any) -> tuple[lis
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
+        """Start the scheduler process (spawned) and the tokenizer manager; raises `LaunchError` (one line) if
+        they cannot start. A script that creates the Engine at its top level without the `__main__` guard
+        exits with one line saying so (the spawned scheduler would re-run the script)."""
+        refuse_spawned_reimport()
+        self.handle = self.manager = None
         self.server = ServerConfig.from_flat(model_path=model_path, **server_args)
         logging.basicConfig(level=self.server.log_level.upper())
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="mlaserve-engine")
         self._thread.start()
-        self.model_path, self.handle, self.manager = self._call(self._start())
+        try:
+            self.model_path, self.handle, self.manager = self._call(self._start())
+        except LaunchError as e:
+            self.shutdown()
+            if str(e) == NO_MAIN_GUARD_MESSAGE:
+                raise SystemExit(f"mlaserve: {e}") from None
+            raise
 
     async def _start(self):
         path, handle, manager = await asyncio.to_thread(launch_backend, self.server)
@@ -146,14 +147,16 @@ class Engine:
         return {**self.server.flat(), **self.handle.info, **stats, "model_path": self.model_path}
 
     def shutdown(self) -> None:
+        """Stop the scheduler process and the background loop; removes the ipc files. Idempotent."""
         if getattr(self, "handle", None) is not None:
             self.handle.stop()
             self.handle = None
         if getattr(self, "manager", None) is not None and self.loop.is_running():
             self._call(self.manager.aclose())
             self.manager = None
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
+        if getattr(self, "_thread", None) is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
 
     def __enter__(self) -> "Engine":
         return self

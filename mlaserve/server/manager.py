@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +17,6 @@ import zmq.asyncio
 
 from mlaserve.core import SamplingParams
 from mlaserve.ipc import messages as m
-from mlaserve.scheduler.scheduler import new_seed
 from mlaserve.tokenizer import Tokenizer
 from mlaserve.tokenizer.detokenize import IncrementalDetokenizer, find_stop, stop_holdback
 
@@ -122,7 +122,7 @@ class TokenizerManager:
         state = _State(rid, params, ids, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                        asyncio.Queue(), time.monotonic())
         self.states[rid] = state
-        msg = m.GenerateReqMsg(rid, ids, params, params.seed if params.seed is not None else new_seed(),
+        msg = m.GenerateReqMsg(rid, ids, params, params.seed if params.seed is not None else random.getrandbits(63),
                                obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num, obj.stream)
         await self.send.send(m.encode(msg))
         try:

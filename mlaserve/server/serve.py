@@ -12,7 +12,6 @@ import logging
 import signal
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -58,27 +57,38 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def run(cfg: ServerConfig) -> int:
-    """Start the backend, serve until a signal (-> 0) or the scheduler's death (-> 1)."""
-    from mlaserve.server.engine import launch_backend
-    from mlaserve.server.launch import LaunchError
+    """Start the backend, serve until a signal (-> 0) or the scheduler's death (-> 1); a user error found while
+    starting (missing model or template, busy port, scheduler start failure) -> one line and 1."""
+    from mlaserve.server.launch import LaunchError, launch_backend, listen, read_chat_template
 
-    signal.signal(signal.SIGTERM, _interrupt)   # during start-up: unwind, daemon children are reaped at exit
+    signal.signal(signal.SIGTERM, _interrupt)   # during start-up: unwind; launch_backend reaps what it started
+    sock = None
     try:
+        chat_template = read_chat_template(cfg.chat_template)
+        sock = listen(cfg.host, cfg.port)
         path, handle, manager = launch_backend(cfg)
     except LaunchError as e:
         logger.error("%s", e)
-        return 1
+        return _close(sock, 1)
     except KeyboardInterrupt:
-        return 0
+        return _close(sock, 0)
     try:
-        return asyncio.run(_serve(cfg, path, handle, manager))
+        return asyncio.run(_serve(cfg, path, handle, manager, sock, chat_template))
     except KeyboardInterrupt:
         return 0
     finally:
         handle.stop()
+        sock.close()
 
 
-async def _serve(cfg: ServerConfig, path: str, handle: Any, manager: Any) -> int:
+def _close(sock: Any, code: int) -> int:
+    if sock is not None:
+        sock.close()
+    return code
+
+
+async def _serve(cfg: ServerConfig, path: str, handle: Any, manager: Any, sock: Any,
+                 chat_template: str | None) -> int:
     from mlaserve.server.openai import create_app
 
     metrics = None
@@ -86,8 +96,8 @@ async def _serve(cfg: ServerConfig, path: str, handle: Any, manager: Any) -> int
         from mlaserve.server.metrics import ServerMetrics
 
         metrics = manager.metrics = ServerMetrics()
-    if cfg.chat_template:
-        manager.tokenizer.chat_template = Path(cfg.chat_template).read_text(encoding="utf-8")
+    if chat_template is not None:
+        manager.tokenizer.chat_template = chat_template
     if cfg.load.model_path is None:
         logger.warning("serving the built-in demo model from %s: it has RANDOM weights, so its output is "
                        "gibberish; pass --model-path to serve a real checkpoint", path)
@@ -98,14 +108,14 @@ async def _serve(cfg: ServerConfig, path: str, handle: Any, manager: Any) -> int
     died: list[bool] = []
     monitor = asyncio.ensure_future(_monitor(server, handle, died))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         monitor.cancel()
         await manager.aclose()
     if died:
         return 1
     if not server.started:
-        logger.error("the HTTP server did not start (is port %d in use?)", cfg.port)
+        logger.error("the HTTP server did not start on %s:%d", cfg.host, cfg.port)
         return 1
     return 0
 

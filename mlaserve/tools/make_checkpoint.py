@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -121,8 +122,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-size", type=parse_size, default=parse_size("4GB"), help="max bytes per shard")
     args = ap.parse_args(argv)
-    src = json.loads(Path(args.config).read_text())
-    d = make_config(src, num_layers=args.num_layers, shrink=args.shrink, fp8=args.fp8)
+    try:
+        d = make_config(read_config(args.config), num_layers=args.num_layers, shrink=args.shrink, fp8=args.fp8)
+    except KeyError as e:
+        return _fail(f"--config {args.config}: missing key {e}")
+    except (ValueError, TypeError) as e:
+        return _fail(f"--config {args.config}: {e}")
     write_checkpoint(d, Path(args.out), seed=args.seed, shard_bytes=args.shard_size)
     print(f"wrote {args.out}")
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"mlaserve make-checkpoint: {message}", file=sys.stderr)
+    return 1
+
+
+def read_config(path: str) -> dict:
+    """A config.json file as a dict; ValueError (one line) if it cannot be read or is not a JSON object."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(e.strerror or str(e)) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+    return d
