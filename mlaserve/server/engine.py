@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from mlaserve.config import ServerConfig
+from mlaserve.config_resolve import precheck
 from mlaserve.server.launch import SchedulerHandle, demo_model_path, ipc_addresses, start_scheduler
 from mlaserve.server.manager import GenerateInput, TokenizerManager
 from mlaserve.tokenizer import load_tokenizer
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, TokenizerManager]:
     """Start the scheduler process and build the tokenizer manager (call from the event loop's thread)."""
     path = server.load.model_path or str(demo_model_path())
+    precheck(server, path)                   # a bad flag combination: one ConfigError line, no process started
     tokenizer = load_tokenizer(server.load.tokenizer_path or path)
     send_addr, recv_addr = ipc_addresses()
     handle = start_scheduler(server, path, send_addr, recv_addr)

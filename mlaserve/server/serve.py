@@ -59,13 +59,14 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def run(cfg: ServerConfig) -> int:
     """Start the backend, serve until a signal (-> 0) or the scheduler's death (-> 1)."""
+    from mlaserve.config import ConfigError
     from mlaserve.server.engine import launch_backend
     from mlaserve.server.launch import LaunchError
 
     signal.signal(signal.SIGTERM, _interrupt)   # during start-up: unwind, daemon children are reaped at exit
     try:
         path, handle, manager = launch_backend(cfg)
-    except LaunchError as e:
+    except (LaunchError, ConfigError) as e:
         logger.error("%s", e)
         return 1
     except KeyboardInterrupt:
