@@ -258,6 +258,16 @@ def _graph_sizes(s: SchedConfig) -> tuple[list[int], int]:
     return default_batch_sizes(max_bs), max_bs
 
 
+HTTP_ONLY = ("host", "port", "api_key", "chat_template", "tool_call_parser", "reasoning_parser", "enable_metrics",
+             "log_requests")
+
+
+def http_only_flags(server: ServerConfig) -> list[str]:
+    """The HTTP-server flags set away from their defaults (they act in `mlaserve serve`, not in the offline Engine)."""
+    default = ServerConfig()
+    return [_flag(n) for n in HTTP_ONLY if getattr(server, n) != getattr(default, n)]
+
+
 def precheck(server: ServerConfig, model_path: str) -> ServerConfig:
     """Resolve in the main process before any process starts (device details unprobed: no CUDA context here),
     so a bad combination fails in one line. The scheduler process resolves again against the probed device."""

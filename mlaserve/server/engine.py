@@ -12,8 +12,8 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from mlaserve.config import ServerConfig
-from mlaserve.config_resolve import precheck
+from mlaserve.config import ConfigError, ServerConfig
+from mlaserve.config_resolve import http_only_flags, precheck
 from mlaserve.server.launch import SchedulerHandle, demo_model_path, ipc_addresses, start_scheduler
 from mlaserve.server.manager import GenerateInput, TokenizerManager
 from mlaserve.tokenizer import load_tokenizer
@@ -57,6 +57,9 @@ def split_inputs(prompt: Any, input_ids: Any, sampling_params: Any) -> tuple[lis
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         self.server = ServerConfig.from_flat(model_path=model_path, **server_args)
+        if http_only_flags(self.server):
+            raise ConfigError(f"{', '.join(http_only_flags(self.server))}: HTTP server options; the offline Engine "
+                              "serves no HTTP (use `mlaserve serve`)")
         logging.basicConfig(level=self.server.log_level.upper())
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="mlaserve-engine")
