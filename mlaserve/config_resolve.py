@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields, replace
 
-from mlaserve.config import ConfigError, LoadConfig, ModelConfig, SchedConfig, ServerConfig, CacheConfig, \
-    ParallelConfig
+from mlaserve.config import (CacheConfig, ConfigError, LoadConfig, ModelConfig, ParallelConfig, SchedConfig,
+                             ServerConfig)
 
 DEFAULT_MAX_RUNNING = {"cuda": 256, "cpu": 64}
 CPU_DEFAULT_TOKENS = 32768                 # KV-pool size on the CPU (no device memory to size it from)

@@ -134,14 +134,18 @@ def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     o = acc / l_safe[:, None] * v_scale
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
     mid = (t * H + h) * num_splits + split           # [BLOCK_H] row of MidO [T*H*S, L] / MidLse [T*H*S]
-    tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None] & (offs_l < L)[None, :])
+    if L == BLOCK_L:
+        tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None])
+    else:
+        tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None] & (offs_l < L)[None, :])
     tl.store(MidLse + mid, lse, mask=row_ok)
 
 
 @triton.jit
 def _mla_decode_reduce_kernel(MidO, MidLse, Out, stride_ot, stride_oh, H, num_splits,
                               L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Stage 2: merge the S partial outputs of one (token, head) by their log-sum-exp, one L chunk each."""
+    """Stage 2: merge the S partial outputs of one (token, head) by their log-sum-exp, one L chunk each
+    (L need not be a multiple of BLOCK_L: the last chunk is masked)."""
     th = tl.program_id(0).to(tl.int64)               # t * H + h
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     l_ok = offs_l < L
