@@ -13,7 +13,7 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
-    """A config.json key has a value mlaserve cannot serve (the message names key and value)."""
+    """A config.json key or a server flag has a value mlaserve cannot serve (one line naming key or flag)."""
 
 
 @dataclass(frozen=True)
@@ -249,12 +249,13 @@ class LoadConfig:
     tokenizer_path: str | None = opt(None, "tokenizer directory (default: --model-path)")
     load_format: str = opt("auto", "how to load weights", choices=("auto", "safetensors", "dummy"))
     dtype: str = opt("auto", "activation / weight dtype", choices=("auto", "bfloat16", "float16", "float32"))
-    device: str = opt("auto", "cuda, cpu, or auto (cuda when available)")
+    device: str = opt("auto", "cuda, cuda:N, cpu, or auto (cuda when available)")
     context_length: int | None = opt(None, "max tokens per request (default: the model's max_position_embeddings)")
-    attention_backend: str = opt("auto", "MLA kernels: triton (GPU default) or torch (reference, CPU default)",
+    attention_backend: str = opt("auto", "kernels for the whole model: triton (GPU default) or torch (the PyTorch "
+                                 "reference of every op: attention, MoE, norms, FP8 GEMMs, sampling; CPU default)",
                                  choices=("auto", "triton", "torch"))
-    disable_mla: bool = opt(False, "run decode in the non-absorbed MLA form too (ablation)")
-    dequant_fp8: bool = opt(False, "dequantise block-FP8 checkpoints to --dtype at load time")
+    disable_mla: bool = opt(False, "run decode in the non-absorbed MLA form too (ablation; no CUDA graphs)")
+    dequant_fp8: bool = opt(False, "dequantise a block-FP8 checkpoint to --dtype at load time")
     seed: int = opt(0, "random seed (dummy weights, default sampling seeds)")
     served_model_name: str | None = opt(None, "model name reported by the API (default: the path)")
 
@@ -268,26 +269,32 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    mem_fraction_static: float = opt(0.85, "fraction of GPU memory for weights + KV pool")
-    max_total_tokens: int | None = opt(None, "KV-pool size in tokens (overrides --mem-fraction-static)")
-    kv_cache_dtype: str = opt("auto", "latent KV-cache dtype", choices=("auto", "bf16", "fp8_e4m3", "fp8_e5m2"))
+    mem_fraction_static: float | None = opt(None, "fraction of GPU memory for weights + KV pool (default: 0.85)")
+    max_total_tokens: int | None = opt(None, "KV-pool size in tokens (overrides --mem-fraction-static; "
+                                       "default on the CPU: 32768)")
+    kv_cache_dtype: str = opt("auto", "latent KV-cache dtype (auto: --dtype); fp8 halves the bytes per token, so "
+                              "the same memory holds twice the tokens",
+                              choices=("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"))
     disable_radix_cache: bool = opt(False, "turn off prefix caching")
 
 
 @dataclass(frozen=True)
 class SchedConfig:
-    max_running_requests: int | None = opt(None, "max requests decoding at once")
+    max_running_requests: int | None = opt(None, "max requests decoding at once (default: 256 on a GPU, 64 on the CPU)")
     max_prefill_tokens: int = opt(16384, "max new tokens in one prefill batch")
     chunked_prefill_size: int = opt(8192, "split prompts longer than this across steps (-1: off)")
     schedule_policy: str = opt("fcfs", "waiting-queue order", choices=("fcfs", "lpm"))
     init_new_token_ratio: float = opt(0.7, "share of max_new_tokens reserved for running requests at first")
     min_new_token_ratio: float = opt(0.1, "floor of that share as it decays")
     disable_overlap_schedule: bool = opt(False, "do CPU scheduling after, not during, the GPU step")
-    disable_cuda_graph: bool = opt(False, "run decode eagerly (no CUDA graphs)")
-    cuda_graph_max_bs: int = opt(160, "largest decode batch captured in a CUDA graph")
-    cuda_graph_bs: list[int] | None = opt(None, "decode batch sizes to capture (default: a ladder)", nargs="+")
-    enable_torch_compile: bool = opt(False, "torch.compile the decode step")
-    torch_compile_max_bs: int = opt(32, "largest decode batch run through torch.compile")
+    disable_cuda_graph: bool = opt(False, "run decode eagerly (no CUDA graphs; always so on the CPU, with "
+                                   "--attention-backend torch and with --disable-mla)")
+    cuda_graph_max_bs: int | None = opt(None, "largest decode batch captured in a CUDA graph "
+                                        "(default: 160, at most --max-running-requests)")
+    cuda_graph_bs: list[int] | None = opt(None, "decode batch sizes to capture (default: a ladder up to "
+                                          "--cuda-graph-max-bs)", nargs="+")
+    enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs)")
+    torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)")
     watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")
 
 

@@ -14,6 +14,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from mlaserve.bench.floor import decode_step_bytes, prefill_flops
 from mlaserve.config import ServerConfig
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
-from mlaserve.engine.engine import ModelRunner
+from mlaserve.engine.engine import ModelRunner, resolve_for_device
 from mlaserve.kvcache.allocator import ReqToTokenPool, TokenSlotAllocator
 
 
@@ -43,9 +44,14 @@ def build_runner(args: argparse.Namespace, path: str) -> tuple[ModelRunner, ReqT
     tokens = max_bs * (args.input_len + args.output_len) + 64
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
                                     device=args.device, max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
-                                    cuda_graph_max_bs=max_bs, attention_backend=args.attention_backend,
+                                    attention_backend=args.attention_backend,
                                     context_length=args.input_len + args.output_len + 8,
-                                    enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=max_bs)
+                                    enable_torch_compile=args.enable_torch_compile)
+    server = resolve_for_device(server, path)
+    if not server.sched.disable_cuda_graph:           # capture (and compile) every batch size the bench runs
+        sched = replace(server.sched, cuda_graph_bs=None, cuda_graph_max_bs=max_bs,
+                        torch_compile_max_bs=max_bs if args.enable_torch_compile else 0)
+        server = resolve_for_device(replace(server, sched=sched), path)
     runner = ModelRunner(server, path)
     pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8, runner.device)
     runner.attach(pool.table)

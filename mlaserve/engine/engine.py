@@ -11,17 +11,17 @@ import torch
 
 from mlaserve.attention import create_attn_backend
 from mlaserve.config import ModelConfig, ServerConfig
+from mlaserve.config_resolve import describe_changes, probe_device, require_resolved, resolve_config
 from mlaserve.core import Batch, ForwardMode
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.kvcache.allocator import to_device
-from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool
+from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
 from mlaserve.models.deepseek import DeepseekForCausalLM
 from mlaserve.models.weights import load_weights
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_TOKENS = 32768
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -47,87 +47,81 @@ class PendingStep(NamedTuple):
     event: "torch.cuda.Event | None"
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def resolve_for_device(server: ServerConfig, model_path: str) -> ServerConfig:
+    """`resolve_config` against the checkpoint at `model_path` and the device this process runs on (logged)."""
+    resolved = resolve_config(server, ModelConfig.from_hf(model_path), probe_device(server.load.device))
+    changes = describe_changes(server, resolved)
+    if changes:
+        logger.info("resolved: %s", changes)
+    return resolved
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+def kv_pool_tokens(budget_bytes: float, bytes_per_token: int, min_tokens: int = 256) -> int:
+    """Token slots a KV budget holds; raises when it holds fewer than `min_tokens`."""
+    if budget_bytes < bytes_per_token * min_tokens:
+        raise RuntimeError(f"not enough GPU memory for the KV pool ({budget_bytes / 2**30:.2f} GiB left after "
+                           "weights); raise --mem-fraction-static, use --kv-cache-dtype fp8_e4m3, or a smaller model")
+    return int(budget_bytes // bytes_per_token)
 
 
 class ModelRunner:
+    """Builds and runs the model for a config already through `resolve_config` (no automatic choice here)."""
+
     def __init__(self, server: ServerConfig, model_path: str | None):
+        require_resolved(server)
         load = server.load
         self.server = server
-        self.device = resolve_device(load.device)
-        self.dtype = resolve_dtype(load.dtype, self.device)
+        self.device = torch.device(load.device)
+        self.dtype = DTYPES[load.dtype]
         self.cfg = ModelConfig.from_hf(model_path) if model_path else None
         if self.cfg is None:
             raise ValueError("no model path")
-        self.context_len = load.context_length or self.cfg.max_position_embeddings
-        self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device,
+        self.context_len = load.context_length
+        kernels = load.attention_backend
+        self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device, kernels=kernels,
                                          absorb=not load.disable_mla, dequant_fp8=load.dequant_fp8,
                                          max_pos=self.context_len)
         load_weights(self.model, self.cfg, model_path, load_format=load.load_format,
                      dequant_fp8=load.dequant_fp8, seed=load.seed)
-        self.num_slots = self._pool_size()
-        kv_dtype = KV_CACHE_DTYPES[server.cache.kv_cache_dtype] or self.dtype
+        kv_dtype = KV_CACHE_DTYPES[server.cache.kv_cache_dtype]
+        self.num_slots = self._pool_size(kv_dtype)
         self.pool = MLAKVPool(self.num_slots, self.model.num_kv_layers, self.cfg.kv_lora_rank,
                               self.cfg.qk_rope_head_dim, kv_dtype, self.device)
-        backend = load.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.attn_backend = create_attn_backend(backend, self.cfg.softmax_scale, self.cfg.kv_lora_rank,
+        self.attn_backend = create_attn_backend(kernels, self.cfg.softmax_scale, self.cfg.kv_lora_rank,
                                                 self.cfg.qk_rope_head_dim)
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_triton=kernels == "triton")
         self.req_to_token: torch.Tensor | None = None      # set by attach() (the scheduler's table)
         self.token_buf: torch.Tensor | None = None
         self.graphs = None
         logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,
                     self.pool.bytes_per_token() * self.num_slots / 2**20, kv_dtype)
 
-    def _pool_size(self) -> int:
+    def _pool_size(self, kv_dtype: torch.dtype) -> int:
         cache = self.server.cache
-        if cache.max_total_tokens:
+        if cache.max_total_tokens:                    # given, or the CPU default (resolve_config)
             return cache.max_total_tokens
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_allocated(self.device)
         budget = (total * cache.mem_fraction_static - torch.cuda.memory_allocated(self.device) - used_by_others
                   - self._graph_reserve())
-        per_token = self.model.num_kv_layers * self.cfg.kv_cache_dim * torch.empty((), dtype=self.dtype).element_size()
-        if budget < per_token * 256:
-            raise RuntimeError(f"not enough GPU memory for the KV pool ({budget / 2**30:.2f} GiB left after weights); "
-                               "raise --mem-fraction-static or use a smaller model")
-        return int(budget // per_token)
+        return kv_pool_tokens(budget, kv_bytes_per_token(self.model.num_kv_layers, self.cfg.kv_cache_dim, kv_dtype))
 
     def _graph_reserve(self) -> int:
         """Memory kept out of the KV pool for decode activations and CUDA-graph buffers (logits dominate)."""
         sched = self.server.sched
-        if sched.disable_cuda_graph:
-            return 512 * 2**20
         return 512 * 2**20 + 3 * sched.cuda_graph_max_bs * self.cfg.vocab_size * 4
 
     def init_cuda_graphs(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
-        """Capture decode graphs (GPU, Triton backend, unless --disable-cuda-graph)."""
-        from mlaserve.attention.triton import TritonMLABackend
-        from mlaserve.engine.graph import DecodeGraphRunner, default_batch_sizes
+        """Capture decode graphs unless the resolved config turned them off (CPU, torch kernels, --disable-mla,
+        --disable-cuda-graph)."""
+        from mlaserve.engine.graph import DecodeGraphRunner
 
         sched = self.server.sched
-        if self.device.type != "cuda" or sched.disable_cuda_graph or not isinstance(self.attn_backend, TritonMLABackend):
+        if sched.disable_cuda_graph:
             return
-        if self.server.load.disable_mla:
-            logger.info("--disable-mla: decode runs the non-absorbed form eagerly (no CUDA graphs)")
-            return
-        sizes = sched.cuda_graph_bs or default_batch_sizes(sched.cuda_graph_max_bs)
-        compile_bs = sched.torch_compile_max_bs if sched.enable_torch_compile else 0
-        self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req, sizes,
-                                        min(self.context_len, self.num_slots), self.device, compile_max_bs=compile_bs)
+        self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
+                                        sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,
+                                        compile_max_bs=sched.torch_compile_max_bs)
 
     # --- one step ----------------------------------------------------------------------------
     def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:

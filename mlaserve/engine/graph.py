@@ -17,12 +17,6 @@ from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 logger = logging.getLogger(__name__)
 
 
-def default_batch_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to max_bs (the ladder users know)."""
-    ladder = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
-    return sorted({b for b in ladder if b <= max_bs} | {max_bs})
-
-
 class DecodeGraphRunner:
     """Captures `model` decode forwards; `replay(...)` returns the logits [bs, V] of a real batch."""
 

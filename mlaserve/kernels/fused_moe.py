@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import quant
+from mlaserve.kernels.precision import dot_precision
 from mlaserve.kernels.quant import round_to_fp8_grid
 
 logger = logging.getLogger(__name__)
@@ -177,7 +178,8 @@ def _quant_rows(a, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+         DOT_PREC: tl.constexpr):
     # acc [BM, TN] += a [BM, BK] @ b [BK, TN] (times a_s [BM] * b_s [TN] in fp8 mode)
     b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     if FP8:
@@ -187,7 +189,7 @@ def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET:
         # NOTE: the interpreter multiplies bf16 dot operands as raw bits; fp32 is exact there.
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     return acc
 
 
@@ -206,6 +208,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                       QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
+                      DOT_PREC: tl.constexpr,
                       GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
                       BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
@@ -234,9 +237,10 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
         elif FP8:
             a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
         k_blk = k0 // GROUP_K
-        acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET)
+        acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC)
         if GATED:
-            acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8, INTERPRET)
+            acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8, INTERPRET,
+                          DOT_PREC)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up                                  # silu(gate) * up
     if MUL_WEIGHT:
@@ -273,6 +277,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         a_scale.stride(0), bs.stride(0), bs.stride(1),
         A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
+        DOT_PREC=dot_precision(a.dtype),
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -366,9 +371,11 @@ def _expert_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] = (128, 128),
+                  num_routed_experts: int | None = None) -> torch.Tensor:
     """The spec of `fused_moe`: per expert in fp32, with the kernel's roundings (fp8 activation quantisation,
-    h = silu(gate) * up stored in x.dtype). Returns [T, K] in x.dtype."""
+    h = silu(gate) * up stored in x.dtype). Returns [T, K] in x.dtype. `num_routed_experts` is the launcher's
+    tile-table key; the reference has no tiles, so it takes the argument for a common signature only."""
     i = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.precision import dot_precision
+
 LOG2E = 1.4426950408889634
 NUM_SMS = 132              # H100 SXM; the split heuristic aims for ~WAVES programs per SM
 WAVES = 1                  # on the H100 sweep a second wave only added reduce work
@@ -60,12 +62,24 @@ def choose_num_kv_splits(programs: int, max_len: int, num_sms: int = NUM_SMS) ->
     return max(1, min(want, most, MAX_SPLITS))
 
 
+@triton.jit
+def _load_cols(ptrs, rows_ok, offs, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    # [rows, BLOCK_D] tile of D real columns; the padding columns (BLOCK_D > D) read as 0
+    if D == BLOCK_D:
+        x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=rows_ok[:, None] & (offs < D)[None, :], other=0.0)
+    return x
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
                        qk_scale, v_scale, stride_qt, stride_qh, stride_kv, stride_rtt, H, num_q, num_splits,
-                       L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp."""
+                       L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
+    """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp.
+    L / R that are not powers of two >= 16 run padded to BLOCK_L / BLOCK_R (zero columns add nothing)."""
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -84,22 +98,22 @@ def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    offs_l = tl.arange(0, L)
-    offs_r = tl.arange(0, R)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
     q_row = Q + t * stride_qt + h * stride_qh
-    q_nope = tl.load(q_row[:, None] + offs_l[None, :], mask=row_ok[:, None], other=0.0)     # [BLOCK_H, L]
-    q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)   # [BLOCK_H, R]
+    q_nope = _load_cols(q_row[:, None] + offs_l[None, :], row_ok, offs_l, L, BLOCK_L)      # [BLOCK_H, BL]
+    q_pe = _load_cols(q_row[:, None] + L + offs_r[None, :], row_ok, offs_r, R, BLOCK_R)    # [BLOCK_H, BR]
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, L], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         slot = tl.load(ReqToToken + pool_row * stride_rtt + pos, mask=pos_ok, other=0).to(tl.int64)
         kv_row = KV + slot * stride_kv
-        kv_nope = tl.load(kv_row[:, None] + offs_l[None, :], mask=pos_ok[:, None], other=0.0)  # [BLOCK_N, L]
-        kv_pe = tl.load(kv_row[:, None] + L + offs_r[None, :], mask=pos_ok[:, None], other=0.0)  # [BLOCK_N, R]
+        kv_nope = _load_cols(kv_row[:, None] + offs_l[None, :], pos_ok, offs_l, L, BLOCK_L)     # [BLOCK_N, BL]
+        kv_pe = _load_cols(kv_row[:, None] + L + offs_r[None, :], pos_ok, offs_r, R, BLOCK_R)   # [BLOCK_N, BR]
         kv_nope = kv_nope.to(DOT_DTYPE)
         # s: [BLOCK_H, BLOCK_N] = q . K^T, the 576-wide dot split as 512 latent + 64 rope
         s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
@@ -120,29 +134,35 @@ def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     o = acc / l_safe[:, None] * v_scale
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
     mid = (t * H + h) * num_splits + split           # [BLOCK_H] row of MidO [T*H*S, L] / MidLse [T*H*S]
-    tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None])
+    if L == BLOCK_L:
+        tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None])
+    else:
+        tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None] & (offs_l < L)[None, :])
     tl.store(MidLse + mid, lse, mask=row_ok)
 
 
 @triton.jit
 def _mla_decode_reduce_kernel(MidO, MidLse, Out, stride_ot, stride_oh, H, num_splits,
                               L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Stage 2: merge the S partial outputs of one (token, head) by their log-sum-exp, one L chunk each."""
+    """Stage 2: merge the S partial outputs of one (token, head) by their log-sum-exp, one L chunk each
+    (L need not be a multiple of BLOCK_L: the last chunk is masked)."""
     th = tl.program_id(0).to(tl.int64)               # t * H + h
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = offs_l < L
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < num_splits
     lse = tl.load(MidLse + th * num_splits + offs_s, mask=s_ok, other=float("-inf"))     # [BLOCK_S]
     w = tl.exp2(lse - tl.max(lse, axis=0))           # empty splits weigh 0
     mid = (th * num_splits + offs_s)[:, None] * L + offs_l[None, :]
-    o = tl.load(MidO + mid, mask=s_ok[:, None], other=0.0)                              # [BLOCK_S, BLOCK_L]
+    o = tl.load(MidO + mid, mask=s_ok[:, None] & l_ok[None, :], other=0.0)             # [BLOCK_S, BLOCK_L]
     res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     out = Out + (th // H) * stride_ot + (th % H) * stride_oh + offs_l
-    tl.store(out, res.to(Out.dtype.element_ty))
+    tl.store(out, res.to(Out.dtype.element_ty), mask=l_ok)
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
+def _padded(n: int) -> int:
+    """Columns a tile of n values takes: tl.arange and tl.dot need a power of two >= 16."""
+    return max(16, triton.next_power_of_2(n))
 
 
 def _check_args(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor,
@@ -150,9 +170,7 @@ def _check_args(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Ten
                 out: torch.Tensor | None) -> None:
     assert q.dim() == 3, f"q must be [T, H, D], got {tuple(q.shape)}"
     t, h, d = q.shape
-    r = d - kv_lora_rank
-    assert _is_pow2(kv_lora_rank) and _is_pow2(r), \
-        f"kv_lora_rank ({kv_lora_rank}) and rope dim D - kv_lora_rank ({r}) must be powers of two >= 16"
+    assert 0 < kv_lora_rank < d, f"kv_lora_rank ({kv_lora_rank}) must be in (0, D={d})"
     assert q.dtype in _FLOAT, f"q dtype must be fp16/bf16/fp32, got {q.dtype}"
     assert q.stride(2) == 1, "q must be contiguous in its last dim"
     assert kv_cache.dim() == 2 and kv_cache.shape[1] == d, \
@@ -207,12 +225,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     _mla_decode_kernel[(b, head_blocks, splits)](
         q, kv_cache, req_to_token, req_pool_idx, seq_lens, mid_o, mid_lse,
         sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
-        h, num_q, splits, L=big_l, R=d - big_l, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC="ieee" if q.dtype == torch.float32 else None,
+        h, num_q, splits, L=big_l, R=d - big_l, BLOCK_L=_padded(big_l), BLOCK_R=_padded(d - big_l),
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     block_s = triton.next_power_of_2(splits)
-    block_l = max(16, min(big_l, REDUCE_TILE // block_s))
-    _mla_decode_reduce_kernel[(t * h, big_l // block_l)](
+    block_l = max(16, min(_padded(big_l), REDUCE_TILE // block_s))
+    _mla_decode_reduce_kernel[(t * h, triton.cdiv(big_l, block_l))](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), h, splits,
         L=big_l, BLOCK_S=block_s, BLOCK_L=block_l, num_warps=4)
     return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.precision import dot_precision
+
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the flash kernel on the GPU (benchmarks/sweep_mla_prefill.py)
@@ -42,7 +44,7 @@ def _attn_tiles(acc, l_i, m_i, q_nope, q_pe, k_ptr, pe_ptr, v_ptr, stride_kt, st
                 lo, hi, offs_m, len_k, diag, qk_scale,
                 D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_DN: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-                HAS_ROPE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+                HAS_ROPE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     # online softmax over key blocks [lo, hi); scores kept in log2 units (exp2)
     offs_n = tl.arange(0, BLOCK_N)
     offs_dn, offs_dr, offs_dv = tl.arange(0, BLOCK_DN), tl.arange(0, BLOCK_DR), tl.arange(0, BLOCK_DV)
@@ -54,10 +56,10 @@ def _attn_tiles(acc, l_i, m_i, q_nope, q_pe, k_ptr, pe_ptr, v_ptr, stride_kt, st
         cols = start_n + offs_n                                            # key index in the request
         n_ok = cols < len_k
         k = _load_tile(k_ptr + k_offs, n_ok, offs_dn, D_NOPE, BLOCK_DN, MASKED)
-        qk = tl.dot(q_nope, tl.trans(k))                                   # [BM, BN] fp32
+        qk = tl.dot(q_nope, tl.trans(k), input_precision=DOT_PREC)          # [BM, BN] fp32
         if HAS_ROPE:
             kp = _load_tile(pe_ptr + pe_offs, n_ok, offs_dr, D_ROPE, BLOCK_DR, MASKED)
-            qk = tl.dot(q_pe, tl.trans(kp), qk)
+            qk = tl.dot(q_pe, tl.trans(kp), qk, input_precision=DOT_PREC)
         qk = qk * qk_scale
         if MASKED:
             ok = n_ok[None, :]
@@ -71,7 +73,7 @@ def _attn_tiles(acc, l_i, m_i, q_nope, q_pe, k_ptr, pe_ptr, v_ptr, stride_kt, st
         alpha = tl.math.exp2(m_i - m_use)
         v = _load_tile(v_ptr + v_offs, n_ok, offs_dv, D_V, BLOCK_DV, MASKED)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
         k_ptr += BLOCK_N * stride_kt
         pe_ptr += BLOCK_N * stride_pt
@@ -86,7 +88,7 @@ def _flash_attn_varlen_kernel(Q, K, KPE, V, Out, Lse, CuQ, CuK, Table, qk_scale,
                               D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, D_V: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr,
                               BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-                              HAS_ROPE: tl.constexpr, CAUSAL: tl.constexpr):
+                              HAS_ROPE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     # one program = BLOCK_M queries of one request x one head; Table[pid] = (request, q block)
     pid, h = tl.program_id(0), tl.program_id(1)
     req, m_start = tl.load(Table + 2 * pid), tl.load(Table + 2 * pid + 1) * BLOCK_M
@@ -119,12 +121,12 @@ def _flash_attn_varlen_kernel(Q, K, KPE, V, Out, Lse, CuQ, CuK, Table, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_nope, q_pe, k_ptr, pe_ptr, v_ptr, stride_kt, stride_pt,
                                 stride_vt, 0, full, offs_m, len_k, diag, qk_scale, D_NOPE, D_ROPE, D_V,
-                                BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV, HAS_ROPE, False, CAUSAL)
+                                BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV, HAS_ROPE, False, CAUSAL, DOT_PREC)
     skip = full.to(tl.int64)
     acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q_nope, q_pe, k_ptr + skip * stride_kt, pe_ptr + skip * stride_pt,
                                 v_ptr + skip * stride_vt, stride_kt, stride_pt, stride_vt, full, hi, offs_m,
                                 len_k, diag, qk_scale, D_NOPE, D_ROPE, D_V,
-                                BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV, HAS_ROPE, True, CAUSAL)
+                                BLOCK_N, BLOCK_DN, BLOCK_DR, BLOCK_DV, HAS_ROPE, True, CAUSAL, DOT_PREC)
     l_ok = l_i > 0.0                                           # False only for a query with no keys
     l_safe = tl.where(l_ok, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -197,7 +199,7 @@ def _flash_attn(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
         D_NOPE=d_nope, D_ROPE=d_rope, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_DN=max(triton.next_power_of_2(d_nope), 16), BLOCK_DR=max(triton.next_power_of_2(d_rope), 16),
         BLOCK_DV=max(triton.next_power_of_2(d_v), 16), HAS_ROPE=d_rope > 0, CAUSAL=causal,
-        num_warps=warps, num_stages=stages)
+        DOT_PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
     return out, lse
 
 

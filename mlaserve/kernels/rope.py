@@ -40,45 +40,47 @@ def _store_cache(ptrs, v, mask, scale_ptr, HAS_SCALE: tl.constexpr, IS_FP8: tl.c
 @triton.jit
 def _mla_rope_kv_store_kernel(q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr, slot_ptr, scale_ptr,
                               H, L, stride_qt, stride_qh, stride_kt, stride_ct, stride_pos, stride_cache,
-                              stride_slot, R_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
+                              stride_slot, R_HALF: tl.constexpr, BLOCK_RH: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_L: tl.constexpr,
                               HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                               MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
     # Program (t, hb) rotates heads [hb * BLOCK_H, (hb + 1) * BLOCK_H) of token t; hb == 0 also handles k / kv.
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    i = tl.arange(0, R_HALF)                                                  # pair index
+    i = tl.arange(0, BLOCK_RH)                                                # pair index (padded to a power of 2)
+    i_ok = i < R_HALF
     pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * (2 * R_HALF) + i)                            # [R/2] (mscale folded in)
-    sin = tl.load(cs_ptr + pos * (2 * R_HALF) + R_HALF + i)
+    cos = tl.load(cs_ptr + pos * (2 * R_HALF) + i, mask=i_ok, other=0.0)      # [R/2] (mscale folded in)
+    sin = tl.load(cs_ptr + pos * (2 * R_HALF) + R_HALF + i, mask=i_ok, other=0.0)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = (heads < H)[:, None]
+    hmask = (heads < H)[:, None] & i_ok[None, :]
     q_row = q_ptr + t * stride_qt + heads[:, None].to(tl.int64) * stride_qh    # [BH, 1]
     q_lo, q_hi = _rotate(q_row + 2 * i[None, :], hmask, cos[None, :], sin[None, :])
     k_row = k_ptr + t * stride_kt
-    k_lo, k_hi = _rotate(k_row + 2 * i, i < R_HALF, cos, sin)
+    k_lo, k_hi = _rotate(k_row + 2 * i, i_ok, cos, sin)
     # NOTE: rows are rotated in place and one thread's store can hit another thread's load: all loads first.
     tl.debug_barrier()
     tl.store(q_row + i[None, :], q_lo, mask=hmask)
     tl.store(q_row + R_HALF + i[None, :], q_hi, mask=hmask)
     if hb == 0:
-        tl.store(k_row + i, k_lo)
-        tl.store(k_row + R_HALF + i, k_hi)
+        tl.store(k_row + i, k_lo, mask=i_ok)
+        tl.store(k_row + R_HALF + i, k_hi, mask=i_ok)
         # cache row: [ kv_c (L) | rot(k_pe) (R) ]
         c_row = cache_ptr + tl.load(slot_ptr + t * stride_slot).to(tl.int64) * stride_cache
         lo = tl.arange(0, BLOCK_L)
         kv = tl.load(kvc_ptr + t * stride_ct + lo, mask=lo < L, other=0.0)
         _store_cache(c_row + lo, kv, lo < L, scale_ptr, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
-        _store_cache(c_row + L + i, k_lo, i < R_HALF, scale_ptr, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP,
+        _store_cache(c_row + L + i, k_lo, i_ok, scale_ptr, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP,
                      SOFT_ROUND)
-        _store_cache(c_row + L + R_HALF + i, k_hi, i < R_HALF, scale_ptr, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS,
+        _store_cache(c_row + L + R_HALF + i, k_hi, i_ok, scale_ptr, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS,
                      MIN_EXP, SOFT_ROUND)
 
 
 def _check(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, positions: torch.Tensor,
            cos_sin_cache: torch.Tensor) -> None:
     t, _, r = q_pe.shape
-    assert r % 2 == 0 and triton.next_power_of_2(r // 2) == r // 2, f"rope dim must be 2 * a power of two, got {r}"
+    assert r % 2 == 0 and r > 0, f"rope dim must be even, got {r}"
     assert q_pe.stride(2) == 1, f"q_pe last dim must be contiguous, strides {q_pe.stride()}"
     assert k_pe.shape == (t, r) and k_pe.stride(1) == 1, \
         f"k_pe must be [{t}, {r}] with contiguous last dim, got {tuple(k_pe.shape)} strides {k_pe.stride()}"
@@ -124,7 +126,8 @@ def mla_rope_kv_store(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor
     _mla_rope_kv_store_kernel[grid](
         q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache, out_slots, scale if scale is not None else kv_cache,
         h, l, q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), kv_c.stride(0), positions.stride(0),
-        kv_cache.stride(0), out_slots.stride(0), R_HALF=r // 2, BLOCK_H=block_h,
+        kv_cache.stride(0), out_slots.stride(0), R_HALF=r // 2, BLOCK_RH=triton.next_power_of_2(r // 2),
+        BLOCK_H=block_h,
         BLOCK_L=triton.next_power_of_2(l), HAS_SCALE=scale is not None, **fp8_consts(kv_cache.dtype, kv_cache.device),
         num_warps=4)
 

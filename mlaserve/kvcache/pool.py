@@ -1,14 +1,20 @@
 """The MLA latent KV pool: per layer one row of kv_lora_rank + qk_rope_head_dim values per token slot.
 
 Slot 0 is the padding slot (dummy writes of padded batches land there); usable slots are 1..size.
-An FP8 pool stores value / kv_scale as e4m3 or e5m2.
+An FP8 pool stores value / kv_scale as e4m3 or e5m2 (written by `ops.mla_rope_kv_store`).
 """
 from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
-                   "fp8_e5m2": torch.float8_e5m2}
+# resolved --kv-cache-dtype names (config_resolve.py) -> storage dtype
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_bytes_per_token(num_layers: int, row_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one token occupies in the pool: one row of L + R values per layer, in the cache dtype."""
+    return num_layers * row_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class MLAKVPool:
@@ -27,18 +33,11 @@ class MLAKVPool:
         return self.kv_lora_rank + self.rope_dim
 
     def bytes_per_token(self) -> int:
-        return self.num_layers * self.row_dim * self.buffers[0].element_size()
+        return kv_bytes_per_token(self.num_layers, self.row_dim, self.dtype)
 
     def kv_buffer(self, layer: int) -> torch.Tensor:
         """[size + 1, L + R] storage of one layer (FP8 rows need `* kv_scale`)."""
         return self.buffers[layer]
-
-    def store(self, layer: int, slots: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
-        # kv_c: [T, L] normalised latent, k_pe: [T, R] roped key -> rows [T, L + R]
-        row = torch.cat([kv_c, k_pe], dim=-1)
-        if self.is_fp8:
-            row = (row.float() / self.kv_scale).to(self.dtype)
-        self.buffers[layer][slots] = row.to(self.dtype)
 
     def load(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows of `slots` as `dtype` ([n, L + R]), dequantised for an FP8 pool."""

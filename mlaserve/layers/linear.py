@@ -9,10 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.config import QuantConfig
-from mlaserve.kernels import fp8_gemm as fp8_kernels
-
-
-_fp8_linear = torch.compiler.disable(fp8_kernels.fp8_linear)   # opaque to torch.compile
+from mlaserve.layers.ops import Ops
 
 
 class ShapeError(ValueError):
@@ -41,13 +38,15 @@ def shard(t: torch.Tensor, dim: int | None, rank: int, size: int, unit: int = 1)
 
 
 class Linear(torch.nn.Module):
-    """y = x @ W^T (+ b). With `quant`, W is block-FP8 and activations are quantised per token per 128."""
+    """y = x @ W^T (+ b). With `quant`, W is block-FP8 and activations are quantised per token per 128
+    (`ops.fp8_linear`)."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+    def __init__(self, in_features: int, out_features: int, *, ops: Ops, bias: bool = False,
                  quant: QuantConfig | None = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", tp_dim: int | None = None, tp_rank: int = 0,
                  tp_size: int = 1):
         super().__init__()
+        self.ops = ops
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
         out_local = out_features // tp_size if tp_dim == 0 else out_features
         in_local = in_features // tp_size if tp_dim == 1 else in_features
@@ -80,17 +79,11 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
             return F.linear(x, self.weight, self.bias)
-        y = fp8_linear(x, self.weight, self.weight_scale_inv)
+        y = self.ops.fp8_linear(x, self.weight, self.weight_scale_inv)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.quant is not None}"
-
-
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
-    """Block-FP8 linear: the Triton kernels on GPU, the PyTorch references on the CPU."""
-    fn = _fp8_linear if x.is_cuda else fp8_kernels.fp8_linear_ref
-    return fn(x, w_q, w_scale_inv)
 
 
 class MergedLinear(Linear):

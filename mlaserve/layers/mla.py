@@ -12,33 +12,31 @@ import torch
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode
 from mlaserve.kernels.quant import block_dequant_ref
-from mlaserve.kernels import rope as rope_kernels
 from mlaserve.layers.linear import Linear
+from mlaserve.layers.ops import Ops
 from mlaserve.layers.rmsnorm import RMSNorm
 from mlaserve.layers.rope import RotaryEmbedding
 
 
-mla_rope_kv_store = torch.compiler.disable(rope_kernels.mla_rope_kv_store)   # opaque to torch.compile
-
-
 class MLAAttention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *,
-                 dtype: torch.dtype, device: torch.device | str, absorb: bool = True, dequant_fp8: bool = False):
+                 dtype: torch.dtype, device: torch.device | str, ops: Ops, absorb: bool = True,
+                 dequant_fp8: bool = False):
         super().__init__()
-        self.layer_id, self.rotary, self.absorb = layer_id, rotary, absorb
+        self.layer_id, self.rotary, self.absorb, self.ops = layer_id, rotary, absorb, ops
         self.h = cfg.num_attention_heads
         self.dn, self.r, self.dv, self.l = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         quant = None if dequant_fp8 else cfg.quant
-        kw = dict(dtype=dtype, device=device, quant=quant)
+        kw = dict(dtype=dtype, device=device, quant=quant, ops=ops)
         hid, qk = cfg.hidden_size, cfg.qk_head_dim
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(hid, self.h * qk, **kw)
         else:
             self.q_a_proj = Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device, ops=ops)
             self.q_b_proj = Linear(cfg.q_lora_rank, self.h * qk, **kw)
         self.kv_a_proj_with_mqa = Linear(hid, self.l + self.r, bias=cfg.attention_bias, **kw)
-        self.kv_a_layernorm = RMSNorm(self.l, cfg.rms_norm_eps, dtype, device)
+        self.kv_a_layernorm = RMSNorm(self.l, cfg.rms_norm_eps, dtype, device, ops=ops)
         self.kv_b_proj = Linear(self.l, self.h * (self.dn + self.dv), **kw)
         self.o_proj = Linear(self.h * self.dv, hid, bias=cfg.attention_bias, **kw)
         self.q_lora = cfg.q_lora_rank is not None
@@ -70,21 +68,17 @@ class MLAAttention(torch.nn.Module):
         q = q.view(t, self.h, self.dn + self.r)                               # [T, H, Dn + R]
         latent = self.kv_a_proj_with_mqa(x)                                   # [T, L + R]
         kv_c = self.kv_a_layernorm(latent[:, : self.l])                       # [T, L]
-        if x.is_cuda:   # one kernel: rotate q_pe and k_pe in place, write [kv_c, k_pe] rows to the cache
-            pool = ctx.kv_pool
-            mla_rope_kv_store(q[..., self.dn:], latent[:, self.l:], kv_c, positions, self.rotary.cos_sin_cache,
-                              pool.kv_buffer(self.layer_id), ctx.out_slots, kv_scale=pool.kv_scale)
-            q_pe, k_pe = q[..., self.dn:], latent[:, self.l:]
-        else:
-            q_pe, k_pe = self.rotary(q[..., self.dn:], latent[:, self.l:], positions)
-            ctx.kv_pool.store(self.layer_id, ctx.out_slots, kv_c, k_pe)
+        # rotate q_pe and k_pe in place and write the [kv_c, k_pe] rows to the cache (one kernel on Triton)
+        pool = ctx.kv_pool
+        self.ops.mla_rope_kv_store(q[..., self.dn:], latent[:, self.l:], kv_c, positions, self.rotary.cos_sin_cache,
+                                   pool.kv_buffer(self.layer_id), ctx.out_slots, kv_scale=pool.kv_scale)
+        q_pe, k_pe = q[..., self.dn:], latent[:, self.l:]                     # [T, H, R], [T, R] (roped)
         backend = ctx.attn_backend
         if ctx.mode is ForwardMode.DECODE and self.absorb:
             q_lat = torch.einsum("thd,hdl->thl", q[..., : self.dn], self.w_kc)   # absorb W_UK: [T, H, L]
             o_lat = _decode(backend, self.layer_id, torch.cat([q_lat, q_pe], dim=-1), ctx)  # [T, H, L]
             o = torch.einsum("thl,hvl->thv", o_lat, self.w_vc)                 # apply W_UV: [T, H, Dv]
         else:
-            q = q if x.is_cuda else torch.cat([q[..., : self.dn], q_pe], dim=-1)
             o = _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
         return self.o_proj(o.reshape(t, self.h * self.dv))
 

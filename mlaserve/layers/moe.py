@@ -9,45 +9,36 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.config import ModelConfig, QuantConfig
-from mlaserve.kernels import fused_moe as moe_kernels
-from mlaserve.kernels import moe_topk as topk_kernels
-from mlaserve.kernels import activation as act_kernels
-from mlaserve.layers.linear import Linear, MergedLinear, ShapeError, cdiv, copy_checked, fp8_linear
+from mlaserve.layers.linear import Linear, MergedLinear, ShapeError, cdiv, copy_checked
+from mlaserve.layers.ops import Ops
 
 # Up to this many tokens the shared experts run inside the fused-MoE call (decode: fewer, fuller launches);
 # above it, as dense GEMMs (prefill: the grouped GEMM is slower than a plain one for an expert every token uses).
 FUSE_SHARED_MAX_TOKENS = 256
 
 
-# NOTE: Triton launchers stay opaque to torch.compile (it compiles the torch code between them)
-silu_and_mul = torch.compiler.disable(act_kernels.silu_and_mul)
-_fused_moe = torch.compiler.disable(moe_kernels.fused_moe)
-_moe_topk = torch.compiler.disable(topk_kernels.moe_topk)
-
-
 class DenseMLP(torch.nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one stacked GEMM (checkpoint gate_proj / up_proj)."""
 
     def __init__(self, hidden: int, intermediate: int, *, quant: QuantConfig | None,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, ops: Ops):
         super().__init__()
-        kw = dict(quant=quant, dtype=dtype, device=device)
+        kw = dict(quant=quant, dtype=dtype, device=device, ops=ops)
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], **kw)
         self.down_proj = Linear(intermediate, hidden, **kw)
-        self.i = intermediate
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)                                                 # [T, 2I]
-        h = silu_and_mul(gu) if x.is_cuda else F.silu(gu[:, : self.i]) * gu[:, self.i:]
-        return self.down_proj(h)
+        return self.down_proj(self.ops.silu_and_mul(gu))
 
 
 class Router(torch.nn.Module):
     """`mlp.gate`: fp32 logits over E experts; softmax or sigmoid (+ e_score_correction_bias) routing."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, *, ops: Ops):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         e, h = cfg.n_routed_experts, cfg.hidden_size
         self.weight = torch.nn.Parameter(torch.empty(e, h, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = lambda name, p, t: copy_checked(name, p, t)
@@ -64,8 +55,7 @@ class Router(torch.nn.Module):
         w = getattr(self, "weight_f32", None)
         logits = F.linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
         c = self.cfg
-        topk = _moe_topk if x.is_cuda else topk_kernels.moe_topk_ref
-        return topk(logits, c.num_experts_per_tok, topk_method=c.topk_method, scoring_func=c.scoring_func,
+        return self.ops.moe_topk(logits, c.num_experts_per_tok, topk_method=c.topk_method, scoring_func=c.scoring_func,
                     n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                     routed_scaling_factor=c.routed_scaling_factor,
                     e_score_correction_bias=self.e_score_correction_bias)  # weights [T, K] f32, ids [T, K]
@@ -81,12 +71,12 @@ class RoutedExperts(torch.nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, ops: Ops):
         super().__init__()
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         self.n_routed, self.n_shared = cfg.n_routed_experts, cfg.n_shared_experts
         e = self.n_routed + self.n_shared
-        self.i, self.quant = i, quant
+        self.i, self.quant, self.ops = i, quant, ops
         wdtype = torch.float8_e4m3fn if quant else dtype
         self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, h, dtype=wdtype, device=device), requires_grad=False)
         self.w2 = torch.nn.Parameter(torch.empty(e, h, i, dtype=wdtype, device=device), requires_grad=False)
@@ -123,29 +113,26 @@ class RoutedExperts(torch.nn.Module):
         out = None
         for s in range(self.n_routed, self.n_routed + self.n_shared):
             gu = self._linear(x, self.w13[s], None if self.w13_scale is None else self.w13_scale[s])    # [T, 2I]
-            h = silu_and_mul(gu) if x.is_cuda else F.silu(gu[:, : self.i]) * gu[:, self.i:]
+            h = self.ops.silu_and_mul(gu)                                                                # [T, I]
             y = self._linear(h, self.w2[s], None if self.w2_scale is None else self.w2_scale[s])         # [T, h]
             out = y if out is None else out + y
         return out
 
-    @staticmethod
-    def _linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, w) if scale is None else fp8_linear(x, w, scale)
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, w) if scale is None else self.ops.fp8_linear(x, w, scale)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:      # tuned tiles are keyed by the routed experts; the shared slots ride along
-            return _fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
-                              w2_scale=self.w2_scale, num_routed_experts=self.n_routed)
-        return moe_kernels.fused_moe_ref(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
-                                         w2_scale=self.w2_scale)
+        # tuned tiles are keyed by the routed experts; the shared slots ride along
+        return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
+                                  w2_scale=self.w2_scale, num_routed_experts=self.n_routed)
 
 
 class MoE(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, ops: Ops):
         super().__init__()
-        self.gate = Router(cfg, dtype, device)
-        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device)
+        self.gate = Router(cfg, dtype, device, ops=ops)
+        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops)
         e, ns = cfg.n_routed_experts, cfg.n_shared_experts
         self.register_buffer("shared_ids", torch.arange(e, e + ns, dtype=torch.int32, device=device)[None], persistent=False)
         self.register_buffer("shared_weights", torch.ones(1, ns, dtype=torch.float32, device=device), persistent=False)

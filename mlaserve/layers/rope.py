@@ -1,8 +1,8 @@
 """Rotary embedding for MLA's decoupled rope dims, with YaRN (DeepSeek-V2 sec. 2.1; YaRN paper).
 
 Legend: `T` tokens, `H` heads, `R` qk_rope_head_dim. The checkpoint's rope dims are interleaved pairs;
-`rope()` returns them de-interleaved (evens then odds, each rotated), the same for q and k, so q.k is
-unchanged and the latent KV cache stores k_pe in that layout.
+`kernels/rope.py` returns them de-interleaved (evens then odds, each rotated), the same for q and k, so q.k
+is unchanged and the latent KV cache stores k_pe in that layout.
 """
 from __future__ import annotations
 
@@ -46,26 +46,10 @@ def build_cos_sin_cache(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
     return torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """x: [T, ..., R] interleaved pairs -> rotated, de-interleaved halves, in x.dtype."""
-    half = x.shape[-1] // 2
-    cs = cos_sin_cache[positions]                                # [T, R]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = cs[:, :half].view(shape), cs[:, half:].view(shape)
-    xf = x.float()
-    even, odd = xf[..., 0::2], xf[..., 1::2]
-    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1).to(x.dtype)
-
-
 class RotaryEmbedding(torch.nn.Module):
-    """Holds the cos/sin table; `forward(q_pe, k_pe, positions)` rotates both (torch reference path)."""
+    """Holds the cos/sin table [max_pos, R] the model's `ops.mla_rope_kv_store` rotates q_pe and k_pe with."""
 
     def __init__(self, cfg: ModelConfig, max_pos: int | None = None, device: torch.device | str = "cpu"):
         super().__init__()
         max_pos = max_pos or cfg.max_position_embeddings
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(cfg, max_pos).to(device), persistent=False)
-
-    def forward(self, q_pe: torch.Tensor, k_pe: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q_pe: [T, H, R], k_pe: [T, R]
-        return rope(q_pe, positions, self.cos_sin_cache), rope(k_pe, positions, self.cos_sin_cache)

@@ -199,8 +199,8 @@ class Sampler:
     Returned log-probs are of the RAW model distribution, log_softmax(logits), before any of the above.
     """
 
-    def __init__(self, use_triton: bool | None = None) -> None:
-        self.use_triton = use_triton      # None: the Triton kernel on CUDA, the torch reference elsewhere
+    def __init__(self, use_triton: bool = False) -> None:
+        self.use_triton = use_triton      # the Triton draw kernel, else its torch reference (the model's kernel set)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch, *, return_logprob: bool = False,
                  top_logprobs_num: int = 0) -> SampleOutput:
@@ -227,7 +227,6 @@ class Sampler:
         scaled = x / temps[:, None]
         if batch.need_top_p_k_min_p:
             scaled = apply_top_k_top_p_min_p(scaled, batch.top_ks, batch.top_ps, batch.min_ps)
-        use_triton = x.is_cuda if self.use_triton is None else self.use_triton
-        draw = gumbel_argmax if use_triton else gumbel_argmax_ref
+        draw = gumbel_argmax if self.use_triton else gumbel_argmax_ref
         sampled = draw(scaled.contiguous(), batch.seeds, batch.steps)
         return torch.where(batch.greedy, x.argmax(dim=-1), sampled)

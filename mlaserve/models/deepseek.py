@@ -14,6 +14,7 @@ from mlaserve.layers.embedding import LMHead, VocabEmbedding
 from mlaserve.layers.linear import Linear
 from mlaserve.layers.mla import MLAAttention
 from mlaserve.layers.moe import MoE, DenseMLP
+from mlaserve.layers.ops import Ops, get_ops
 from mlaserve.layers.rmsnorm import RMSNorm
 from mlaserve.layers.rope import RotaryEmbedding
 
@@ -25,17 +26,18 @@ class ModelOutput(NamedTuple):
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *, dtype: torch.dtype,
-                 device: torch.device | str, absorb: bool, dequant_fp8: bool):
+                 device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool):
         super().__init__()
         quant = None if dequant_fp8 else cfg.quant
-        self.self_attn = MLAAttention(cfg, layer_id, rotary, dtype=dtype, device=device, absorb=absorb,
+        self.self_attn = MLAAttention(cfg, layer_id, rotary, dtype=dtype, device=device, ops=ops, absorb=absorb,
                                       dequant_fp8=dequant_fp8)
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device)
+            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device,
+                                ops=ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +58,7 @@ class DeepseekModel(torch.nn.Module):
         dtype, device = kw["dtype"], kw["device"]
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, rotary, **kw) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=kw["ops"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None                     # [T, h]
@@ -66,9 +68,9 @@ class DeepseekModel(torch.nn.Module):
 
 
 class SharedHead(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: Ops):
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
         self.head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
 
 
@@ -81,13 +83,13 @@ class NextNLayer(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, embed: VocabEmbedding, rotary: RotaryEmbedding, **kw):
         super().__init__()
-        dtype, device = kw["dtype"], kw["device"]
+        dtype, device, ops = kw["dtype"], kw["device"], kw["ops"]
         self.embed = embed
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype, device=device, ops=ops)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, rotary, **kw)
-        self.shared_head = SharedHead(cfg, dtype, device)
+        self.shared_head = SharedHead(cfg, dtype, device, ops)
 
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> ModelOutput:
@@ -98,16 +100,19 @@ class NextNLayer(torch.nn.Module):
 
 
 class DeepseekForCausalLM(torch.nn.Module):
-    """The whole model. `absorb=False` runs decode non-absorbed too (`--disable-mla`);
-    `dequant_fp8=True` keeps an FP8 checkpoint's weights as `dtype`; `load_mtp` builds the NextN layer."""
+    """The whole model. `kernels` picks every op's implementation once: "triton" (the GPU fast path) or
+    "torch" (the PyTorch references, any device; `--attention-backend torch`). `absorb=False` runs decode
+    non-absorbed too (`--disable-mla`); `dequant_fp8=True` keeps an FP8 checkpoint's weights as `dtype`;
+    `load_mtp` builds the NextN layer."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", absorb: bool = True, dequant_fp8: bool = False,
-                 load_mtp: bool = False, max_pos: int | None = None):
+                 device: torch.device | str = "cpu", kernels: str = "torch", absorb: bool = True,
+                 dequant_fp8: bool = False, load_mtp: bool = False, max_pos: int | None = None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        self.ops = get_ops(kernels)
         self.rotary = RotaryEmbedding(cfg, max_pos, device)
-        kw = dict(dtype=dtype, device=device, absorb=absorb, dequant_fp8=dequant_fp8)
+        kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8)
         self.model = DeepseekModel(cfg, self.rotary, **kw)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.mtp = None

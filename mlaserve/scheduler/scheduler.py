@@ -12,8 +12,9 @@ import time
 import traceback
 
 from mlaserve.config import ServerConfig
+from mlaserve.config_resolve import resolved_args
 from mlaserve.core import Batch, ForwardMode, Req
-from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput
+from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve_for_device
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
 from mlaserve.scheduler.decode import plan_decode
@@ -21,15 +22,14 @@ from mlaserve.scheduler.prefill import plan_prefill
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_RUNNING = {"cuda": 256, "cpu": 64}
-
 
 class Scheduler:
     def __init__(self, server: ServerConfig, model_path: str, runner: ModelRunner | None = None):
+        server = resolve_for_device(server, model_path)        # NOTE: idempotent for a resolved config
         self.server, self.cfg = server, server.sched
         self.runner = runner or ModelRunner(server, model_path)
         self.context_len = self.runner.context_len
-        self.max_running = self.cfg.max_running_requests or DEFAULT_MAX_RUNNING[self.runner.device.type]
+        self.max_running = self.cfg.max_running_requests
         self.kv = KVCacheManager(self.runner.num_slots, self.max_running + 8,
                                  min(self.context_len, self.runner.num_slots) + 1,
                                  disable_radix=server.cache.disable_radix_cache, device=self.runner.device)
@@ -231,10 +231,10 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
     recv.connect(in_addr)
     send.connect(out_addr)
     cfg = sched.runner.cfg
-    ready.send({"ok": True, "max_total_tokens": sched.kv.num_slots, "context_length": sched.context_len,
-                "max_running_requests": sched.max_running, "vocab_size": cfg.vocab_size,
-                "architecture": cfg.architecture, "device": str(sched.runner.device),
-                "dtype": str(sched.runner.dtype).removeprefix("torch.")})
+    # the resolved flags (no "auto" left), then what was measured at start
+    ready.send({"ok": True, **resolved_args(sched.server), "max_total_tokens": sched.kv.num_slots,
+                "context_length": sched.context_len, "max_running_requests": sched.max_running,
+                "vocab_size": cfg.vocab_size, "architecture": cfg.architecture})
     watchdog = Watchdog(server.sched.watchdog_timeout)
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)

@@ -12,7 +12,8 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from mlaserve.config import ServerConfig
+from mlaserve.config import ConfigError, ServerConfig
+from mlaserve.config_resolve import http_only_flags
 from mlaserve.server.launch import (NO_MAIN_GUARD_MESSAGE, LaunchError, launch_backend,
                                     refuse_spawned_reimport)
 from mlaserve.server.manager import GenerateInput
@@ -50,6 +51,9 @@ class Engine:
         refuse_spawned_reimport()
         self.handle = self.manager = None
         self.server = ServerConfig.from_flat(model_path=model_path, **server_args)
+        if http_only_flags(self.server):
+            raise ConfigError(f"{', '.join(http_only_flags(self.server))}: HTTP server options; the offline Engine "
+                              "serves no HTTP (use `mlaserve serve`)")
         logging.basicConfig(level=self.server.log_level.upper())
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="mlaserve-engine")

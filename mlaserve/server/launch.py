@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlaserve.config import ModelConfig, ServerConfig
+from mlaserve.config_resolve import precheck
 from mlaserve.scheduler.entry import run_scheduler
 from mlaserve.server.manager import TokenizerManager
 from mlaserve.tokenizer import Tokenizer, load_tokenizer
@@ -188,6 +189,7 @@ def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, Tokenize
     if server.load.model_path is not None:
         check_model_path(server.load.model_path)
     path = server.load.model_path or str(demo_model_path())
+    precheck(server, path)                   # a bad flag combination: one ConfigError line, no process started
     tokenizer = _load_tokenizer(server.load.tokenizer_path or path)
     send_addr, recv_addr = ipc_addresses()
     handle = None

@@ -60,6 +60,7 @@ def run(cfg: ServerConfig) -> int:
     """Start the backend, serve until a signal (-> 0) or the scheduler's death (-> 1); a user error found while
     starting (missing model or template, busy port, scheduler start failure) -> one line and 1."""
     from mlaserve.server.launch import LaunchError, launch_backend, listen, read_chat_template
+    from mlaserve.config import ConfigError
 
     signal.signal(signal.SIGTERM, _interrupt)   # during start-up: unwind; launch_backend reaps what it started
     sock = None
@@ -67,7 +68,7 @@ def run(cfg: ServerConfig) -> int:
         chat_template = read_chat_template(cfg.chat_template)
         sock = listen(cfg.host, cfg.port)
         path, handle, manager = launch_backend(cfg)
-    except LaunchError as e:
+    except (LaunchError, ConfigError) as e:
         logger.error("%s", e)
         return _close(sock, 1)
     except KeyboardInterrupt:

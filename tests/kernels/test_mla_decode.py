@@ -92,6 +92,15 @@ def test_real_deepseek_dims_tiny_context(device: str) -> None:
                     kv_dtype=torch.float16), TOL[torch.float16])
 
 
+@pytest.mark.parametrize("big_l,rope", [(32, 8), (48, 24), (24, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dims_that_are_not_powers_of_two_run_padded(device: str, big_l: int, rope: int, dtype: torch.dtype) -> None:
+    # Small test configs (kv_lora_rank 32, rope 8) and odd widths: the tiles pad to powers of two >= 16.
+    lens = [2, random.randint(20, 90), random.randint(130, 200)]
+    check(make_case(device, lens, heads=5, big_l=big_l, rope=rope, num_q=2, dtype=dtype, kv_dtype=dtype),
+          TOL[dtype], num_kv_splits=3)
+
+
 def test_strided_q_and_out_buffer(device: str) -> None:
     args = make_case(device, [5, 90], heads=4, big_l=64, rope=16, num_q=1, dtype=torch.float32,
                      kv_dtype=torch.float32)

@@ -104,6 +104,24 @@ def test_mla_rope_kv_store_matches_ref(t: int, h: int, pos_dtype: torch.dtype, d
     assert (kv_cache[untouched].float() == 7.0).all(), "rows outside out_slots must not change"
 
 
+@pytest.mark.parametrize("r", [8, 24])
+def test_rope_dims_that_are_not_twice_a_power_of_two(r: int, device: str) -> None:
+    # rope 8 (the small test configs) and 24 (12 pairs: the pair tile is padded to 16 and masked)
+    t, h, nope, big_l = 9, 3, 16, 32
+    q = torch.randn(t, h, nope + r, device=device)
+    kv_a = torch.randn(t, big_l + r, device=device)
+    cache_tab, _ = _cos_sin(64, r, mscale=1.1, device=device)
+    pos = torch.randint(0, 64, (t,), device=device)
+    slots = torch.randperm(t + 4, device=device)[:t]
+    caches = [torch.full((t + 4, big_l + r), 7.0, device=device) for _ in range(2)]
+    qs, kvs = [q, q.clone()], [kv_a, kv_a.clone()]
+    for fn, qq, kv, cache in zip((mla_rope_kv_store, mla_rope_kv_store_ref), qs, kvs, caches):
+        fn(qq[..., nope:], kv[:, big_l:], kv[:, :big_l], pos, cache_tab, cache, slots)
+    tol = TOL[torch.float32]
+    for got, want in zip((qs[0], kvs[0], caches[0]), (qs[1], kvs[1], caches[1])):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 def test_launcher_rejects_bad_inputs() -> None:
     q, kv_a, pos, cache_tab, slots, kv_cache = _setup(3, 2, torch.float16, torch.float16, torch.int64, "cpu")
     with pytest.raises(AssertionError, match="only to an fp8 cache"):

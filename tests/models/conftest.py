@@ -22,13 +22,17 @@ VARIANTS = {
     # V3: q_lora, sigmoid + noaux_tc, norm_topk_prob, 3 dense-first layers, MTP layer
     "v3": ("deepseek-v3.json", {"first_k_dense_replace": 1}, 3, False),
     "v3-fp8": ("deepseek-v3.json", {"first_k_dense_replace": 1}, 3, True),
+    # V3 with MLA widths the Triton tiles must pad (kv_lora_rank 32, rope dim 8: not powers of two >= 16)
+    "v3-odd-dims": ("deepseek-v3.json", {"first_k_dense_replace": 1}, 2, False),
 }
+# widths set after shrinking (shrink_config sets every width)
+AFTER_SHRINK = {"v3-odd-dims": {"kv_lora_rank": 32, "qk_rope_head_dim": 8}}
 
 
 def build(tmp_root: Path, name: str, seed: int = 0) -> Path:
     src, overrides, layers, fp8 = VARIANTS[name]
     d = json.loads((DATA / src).read_text()) | overrides
-    cfg = make_config(d, num_layers=layers, shrink=True, fp8=fp8)
+    cfg = make_config(d, num_layers=layers, shrink=True, fp8=fp8) | AFTER_SHRINK.get(name, {})
     return write_checkpoint(cfg, tmp_root / name, seed=seed, progress=False, tokenizer=False)
 
 

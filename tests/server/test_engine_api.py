@@ -99,6 +99,22 @@ def test_bad_request_raises_clear_error(engine):
     assert engine.generate(prompt="still serving", sampling_params={"max_new_tokens": 1})["output_ids"]
 
 
+def test_server_info_reports_resolved_values(engine):
+    info = engine.get_server_info()
+    assert (info["device"], info["dtype"], info["attention_backend"], info["kv_cache_dtype"]) == \
+        ("cpu", "float32", "torch", "float32")
+    assert (info["max_total_tokens"], info["max_running_requests"], info["disable_cuda_graph"]) == (2048, 64, True)
+    assert info["context_length"] > 0 and info["load_format"] == "safetensors" and info["cuda_graph_bs"] == []
+
+
+def test_parallel_engine_is_rejected_not_ignored(ckpt):
+    from mlaserve.config import ConfigError
+    with pytest.raises(ConfigError, match="--tp-size 8"):
+        mlaserve.Engine(model_path=ckpt, device="cpu", tp_size=8)
+    with pytest.raises(ConfigError, match="--port, --enable-metrics: HTTP server options"):
+        mlaserve.Engine(model_path=ckpt, device="cpu", port=8000, enable_metrics=True)
+
+
 def test_issue_one_liner(ckpt):
     code = ("import mlaserve; e = mlaserve.Engine(model_path=%r, device='cpu'); "
             "print(e.generate(prompt='Hi', sampling_params={'max_new_tokens': 8})); e.shutdown()" % ckpt)

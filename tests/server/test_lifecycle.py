@@ -123,9 +123,9 @@ def test_serve_flags_are_generated_from_the_config(capsys):
     for flag in ("--model-path", "--tp-size", "--max-total-tokens", "--tool-call-parser", "--enable-metrics",
                  "--watchdog-timeout", "--served-model-name", "--chunked-prefill-size"):
         assert flag in out
-    cfg = parse_args(["--model-path", "/m", "--tp-size", "2", "--disable-radix-cache", "--cuda-graph-bs", "1", "4",
+    cfg = parse_args(["--model-path", "/m", "--tp-size", "1", "--disable-radix-cache", "--cuda-graph-bs", "1", "4",
                       "--reasoning-parser", "deepseek-r1", "--port", "8000"])
-    assert (cfg.load.model_path, cfg.parallel.tp_size, cfg.cache.disable_radix_cache) == ("/m", 2, True)
+    assert (cfg.load.model_path, cfg.parallel.tp_size, cfg.cache.disable_radix_cache) == ("/m", 1, True)
     assert (cfg.sched.cuda_graph_bs, cfg.reasoning_parser, cfg.port, cfg.host) == ([1, 4], "deepseek-r1", 8000,
                                                                                    "127.0.0.1")
     parser = argparse.ArgumentParser()
@@ -133,3 +133,25 @@ def test_serve_flags_are_generated_from_the_config(capsys):
     assert config_from_args(parser.parse_args([])) == ServerConfig()   # no flags: the dataclass defaults
     with pytest.raises(SystemExit):
         parser.parse_args(["--tool-call-parser", "nope"])
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--tp-size", "2"], "--tp-size 2"),
+    (["--dp-size", "2", "--enable-dp-attention"], "--dp-size 2"),
+    (["--device", "cpu", "--enable-torch-compile"], "--enable-torch-compile"),
+])
+def test_unsupported_flags_exit_in_one_line_before_any_process_starts(tmp_path, flags, words):
+    """Rejected in the main process from config.json alone (no weights, no tokenizer, no scheduler spawned)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlaserve
+
+    src = Path(mlaserve.__file__).parent / "tools" / "configs" / "deepseek-v2-lite.json"
+    (tmp_path / "config.json").write_text(json.dumps(json.loads(src.read_text())))
+    out = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--model-path", str(tmp_path), *flags],
+                         capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    assert out.returncode != 0 and len(lines) == 1 and words in lines[0], lines

@@ -122,6 +122,8 @@ def test_info_health_and_cache_endpoints(http, server):
     got = http.get("/get_server_info").json()
     assert got["max_total_tokens"] == 4096 and got["context_length"] == server.context_len
     assert got["scheduler_pid"] > 0 and "num_running_reqs" in got and got["api_key"] == "<set>"
+    resolved = [got[k] for k in ("device", "dtype", "attention_backend", "kv_cache_dtype", "load_format")]
+    assert "auto" not in resolved and got["max_running_requests"] >= 1, resolved     # what runs, not "auto"
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
     assert http.post("/flush_cache").json()["success"] is True

@@ -1,0 +1,274 @@
+"""Config resolution: a `ServerConfig` + the checkpoint's `ModelConfig` + the device -> the config that runs.
+
+`resolve_config` is pure: every "auto" (or unset default) becomes a value, and every flag either acts or is
+rejected with one line naming it (`ConfigError`). The scheduler process resolves once against the probed device
+and reports the result; the main process resolves once before spawning (device details not probed) so a bad
+combination fails before any process starts. Resolving a resolved config returns it unchanged.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+from mlaserve.config import (CacheConfig, ConfigError, LoadConfig, ModelConfig, ParallelConfig, SchedConfig,
+                             ServerConfig)
+
+DEFAULT_MAX_RUNNING = {"cuda": 256, "cpu": 64}
+CPU_DEFAULT_TOKENS = 32768                 # KV-pool size on the CPU (no device memory to size it from)
+DEFAULT_MEM_FRACTION = 0.85
+DEFAULT_CUDA_GRAPH_MAX_BS = 160
+DEFAULT_TORCH_COMPILE_MAX_BS = 32
+FP8_E4M3_MIN_CAPABILITY = (8, 9)           # Triton's e4m3 (fp8e4nv) needs Ada / Hopper or newer
+FP8_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The device a scheduler runs on. Unprobed details (main process) are "" / 0 / None."""
+
+    type: str                                  # "cuda" or "cpu"
+    index: int | None = None
+    name: str = ""                             # e.g. "NVIDIA H100 80GB HBM3"
+    total_memory: int = 0                      # bytes
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+    triton: bool = False                       # Triton kernels run here (a GPU, or the CPU under TRITON_INTERPRET=1)
+
+    @property
+    def torch_name(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+def probe_device(name: str, details: bool = True) -> DeviceInfo:
+    """The device `--device name` means here. `details=False` reads no device properties (no CUDA context)."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return DeviceInfo("cpu", triton=os.environ.get("TRITON_INTERPRET") == "1")
+    kind, _, idx = name.partition(":")
+    if kind != "cuda" or (idx and not idx.isdigit()):
+        raise ConfigError(f"--device {name}: expected auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device is available here")
+    index = int(idx or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if not details:
+        return DeviceInfo("cuda", index, triton=True)
+    p = torch.cuda.get_device_properties(index)
+    return DeviceInfo("cuda", index, p.name, p.total_memory, (p.major, p.minor), triton=True)
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    """CUDA-graph batch sizes: 1, 2, 4, 8, then every 8 up to max_bs (the ladder users know)."""
+    ladder = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
+    return sorted({b for b in ladder if b <= max_bs} | {max_bs})
+
+
+def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo) -> ServerConfig:
+    """The config with every automatic choice made for `model` on `device`; raises `ConfigError` (one line
+    naming the flags) for a combination that cannot run. Pure and idempotent."""
+    _check_choices(server)
+    _check_parallel(server.parallel)
+    load = _resolve_load(server.load, model, device)
+    cache = _resolve_cache(server.cache, load, device)
+    sched = _resolve_sched(server.sched, load, device)
+    return replace(server, load=load, cache=cache, sched=sched)
+
+
+def require_resolved(server: ServerConfig) -> None:
+    """Raise ValueError when `server` still holds automatic values (a caller skipped `resolve_config`)."""
+    load, sched = server.load, server.sched
+    auto = [n for n, v in (("device", load.device), ("dtype", load.dtype), ("load_format", load.load_format),
+                           ("attention_backend", load.attention_backend),
+                           ("kv_cache_dtype", server.cache.kv_cache_dtype)) if v == "auto"]
+    auto += [n for n, v in (("context_length", load.context_length), ("cuda_graph_max_bs", sched.cuda_graph_max_bs),
+                            ("max_running_requests", sched.max_running_requests),
+                            ("torch_compile_max_bs", sched.torch_compile_max_bs)) if v is None]
+    if auto:
+        raise ValueError(f"unresolved config ({', '.join(auto)}): pass it through resolve_config first")
+
+
+def resolved_args(server: ServerConfig) -> dict:
+    """The resolved load / parallel / cache / sched values, flat (what the scheduler reports as ready)."""
+    return {f.name: getattr(getattr(server, s), f.name) for s in server.SECTIONS for f in fields(getattr(server, s))}
+
+
+def describe_changes(before: ServerConfig, after: ServerConfig) -> str:
+    """`flag=value` for every value resolution chose (for the log)."""
+    a, b = resolved_args(before), resolved_args(after)
+    return ", ".join(f"{k}={b[k]}" for k in b if a[k] != b[k])
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _reject(msg: str) -> None:
+    raise ConfigError(msg)
+
+
+def _check_choices(server: ServerConfig) -> None:
+    # argparse checks `choices` on the command line; the Engine API's keyword arguments arrive unchecked.
+    for section in (server.load, server.cache, server.sched):
+        for f in fields(section):
+            value, choices = getattr(section, f.name), f.metadata.get("choices")
+            ok = choices is None or value in choices or (f.name == "kv_cache_dtype" and value == server.load.dtype)
+            if not ok:
+                _reject(f"{_flag(f.name)} {value}: choose one of {', '.join(choices)}")
+
+
+def _check_parallel(p: ParallelConfig) -> None:
+    # NOTE: the one place that refuses parallelism until the parallel paths exist (DESIGN.md sec. 6).
+    for name in ("tp_size", "dp_size"):
+        n = getattr(p, name)
+        if n < 1:
+            _reject(f"{_flag(name)} {n}: must be >= 1")
+        if n > 1:
+            _reject(f"{_flag(name)} {n}: this build runs on one GPU only (parallelism is not implemented yet)")
+    if p.enable_dp_attention:
+        _reject("--enable-dp-attention: data-parallel attention is not implemented yet")
+
+
+def _below(device: DeviceInfo, capability: tuple[int, int]) -> bool:
+    return device.capability is not None and device.capability < capability
+
+
+def _auto_dtype(device: DeviceInfo) -> str:
+    if device.type != "cuda":
+        return "float32"
+    return "float16" if _below(device, (8, 0)) else "bfloat16"
+
+
+def _resolve_load(load: LoadConfig, model: ModelConfig, device: DeviceInfo) -> LoadConfig:
+    if load.device not in ("auto", device.torch_name, device.type):
+        raise ValueError(f"device {device.torch_name} was probed for --device {load.device}")
+    kernels = load.attention_backend
+    if kernels == "auto":
+        kernels = "triton" if device.type == "cuda" else "torch"
+    if kernels == "triton" and not device.triton:
+        _reject("--attention-backend triton: the Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)")
+    ctx = load.context_length or model.max_position_embeddings
+    if not 2 <= ctx <= model.max_position_embeddings:
+        _reject(f"--context-length {ctx}: must be in [2, {model.max_position_embeddings}] "
+                "(the checkpoint's max_position_embeddings)")
+    if load.dequant_fp8 and not model.is_fp8:
+        _reject("--dequant-fp8: the checkpoint is not block-FP8 (it has no quantization_config)")
+    if model.is_fp8 and not load.dequant_fp8 and kernels == "triton" and _below(device, FP8_E4M3_MIN_CAPABILITY):
+        _reject(f"FP8 checkpoint on {device.name} (compute capability {device.capability}): the FP8 kernels "
+                "need 8.9 or newer; pass --dequant-fp8 or --attention-backend torch")
+    return replace(load, device=device.torch_name, dtype=load.dtype if load.dtype != "auto" else _auto_dtype(device),
+                   attention_backend=kernels, context_length=ctx,
+                   load_format="safetensors" if load.load_format == "auto" else load.load_format)
+
+
+def _resolve_kv_dtype(name: str, load: LoadConfig, device: DeviceInfo) -> str:
+    if name == "auto":
+        return load.dtype
+    name = "bfloat16" if name == "bf16" else name
+    triton = load.attention_backend == "triton"
+    if name == "fp8_e4m3" and triton and _below(device, FP8_E4M3_MIN_CAPABILITY):
+        _reject(f"--kv-cache-dtype fp8_e4m3 on compute capability {device.capability}: needs 8.9 or newer "
+                "(fp8_e5m2 works)")
+    if name not in FP8_KV_DTYPES and name != load.dtype and triton:
+        _reject(f"--kv-cache-dtype {name} with --dtype {load.dtype}: the Triton kernels keep the cache in the "
+                "activation dtype or FP8 (use auto or fp8_*, or --attention-backend torch)")
+    return name
+
+
+def _resolve_cache(cache: CacheConfig, load: LoadConfig, device: DeviceInfo) -> CacheConfig:
+    frac, tokens = cache.mem_fraction_static, cache.max_total_tokens
+    if frac is not None and not 0 < frac < 1:
+        _reject(f"--mem-fraction-static {frac}: must be in (0, 1)")
+    if tokens is not None and tokens < 1:
+        _reject(f"--max-total-tokens {tokens}: must be >= 1")
+    if device.type != "cuda":
+        if frac is not None:
+            _reject("--mem-fraction-static sizes the KV pool from GPU memory; on the CPU give --max-total-tokens")
+        tokens = tokens or CPU_DEFAULT_TOKENS
+    else:
+        frac = DEFAULT_MEM_FRACTION if frac is None else frac
+    return replace(cache, mem_fraction_static=frac, max_total_tokens=tokens,
+                   kv_cache_dtype=_resolve_kv_dtype(cache.kv_cache_dtype, load, device))
+
+
+def _check_sched_ranges(s: SchedConfig) -> None:
+    for name in ("max_running_requests", "max_prefill_tokens"):
+        v = getattr(s, name)
+        if v is not None and v < 1:
+            _reject(f"{_flag(name)} {v}: must be >= 1")
+    if s.chunked_prefill_size == 0 or s.chunked_prefill_size < -1:
+        _reject(f"--chunked-prefill-size {s.chunked_prefill_size}: must be >= 1, or -1 to turn chunking off")
+    if not 0 <= s.min_new_token_ratio <= s.init_new_token_ratio <= 1:
+        _reject(f"--min-new-token-ratio {s.min_new_token_ratio} / --init-new-token-ratio {s.init_new_token_ratio}: "
+                "need 0 <= min <= init <= 1")
+    if s.watchdog_timeout <= 0:
+        _reject(f"--watchdog-timeout {s.watchdog_timeout}: must be > 0")
+
+
+def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> str | None:
+    if s.disable_cuda_graph:
+        return "--disable-cuda-graph"
+    if device.type != "cuda":
+        return f"--device {device.type}"
+    if load.attention_backend == "torch":
+        return "--attention-backend torch"       # the reference attention loops over requests on the host
+    if load.disable_mla:
+        return "--disable-mla"                   # non-absorbed decode reads lengths on the host
+    return None
+
+
+def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> SchedConfig:
+    _check_sched_ranges(s)
+    s = replace(s, max_running_requests=s.max_running_requests or DEFAULT_MAX_RUNNING[device.type])
+    why_off = _graphs_off_reason(s, load, device)
+    if why_off is not None:
+        # NOTE: 0 / [] are the resolved "no graphs" values, so resolving twice accepts them
+        given = [_flag(n) for n, v in (("cuda_graph_bs", s.cuda_graph_bs), ("cuda_graph_max_bs", s.cuda_graph_max_bs),
+                                       ("enable_torch_compile", s.enable_torch_compile),
+                                       ("torch_compile_max_bs", s.torch_compile_max_bs)) if v]
+        if given:
+            _reject(f"{' '.join(given)}: these act on decode CUDA graphs, which are off with {why_off}")
+        return replace(s, disable_cuda_graph=True, cuda_graph_max_bs=0, cuda_graph_bs=[], torch_compile_max_bs=0)
+    sizes, max_bs = _graph_sizes(s)
+    if s.enable_torch_compile:
+        compile_bs = s.torch_compile_max_bs or min(DEFAULT_TORCH_COMPILE_MAX_BS, max_bs)
+        if compile_bs < 1:
+            _reject(f"--torch-compile-max-bs {compile_bs}: must be >= 1")
+    elif s.torch_compile_max_bs:
+        _reject("--torch-compile-max-bs: acts only with --enable-torch-compile")
+    else:
+        compile_bs = 0
+    return replace(s, cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, torch_compile_max_bs=compile_bs)
+
+
+def _graph_sizes(s: SchedConfig) -> tuple[list[int], int]:
+    if s.cuda_graph_bs:
+        sizes = sorted(set(s.cuda_graph_bs))
+        if sizes[0] < 1:
+            _reject(f"--cuda-graph-bs {' '.join(map(str, s.cuda_graph_bs))}: sizes must be >= 1")
+        if s.cuda_graph_max_bs and s.cuda_graph_max_bs != sizes[-1]:
+            _reject(f"--cuda-graph-max-bs {s.cuda_graph_max_bs} disagrees with the largest --cuda-graph-bs "
+                    f"({sizes[-1]}); give one of them")
+        return sizes, sizes[-1]
+    max_bs = s.cuda_graph_max_bs or min(DEFAULT_CUDA_GRAPH_MAX_BS, s.max_running_requests)
+    if max_bs < 1:
+        _reject(f"--cuda-graph-max-bs {max_bs}: must be >= 1")
+    return default_batch_sizes(max_bs), max_bs
+
+
+HTTP_ONLY = ("host", "port", "api_key", "chat_template", "tool_call_parser", "reasoning_parser", "enable_metrics",
+             "log_requests")
+
+
+def http_only_flags(server: ServerConfig) -> list[str]:
+    """The HTTP-server flags set away from their defaults (they act in `mlaserve serve`, not in the offline Engine)."""
+    default = ServerConfig()
+    return [_flag(n) for n in HTTP_ONLY if getattr(server, n) != getattr(default, n)]
+
+
+def precheck(server: ServerConfig, model_path: str) -> ServerConfig:
+    """Resolve in the main process before any process starts (device details unprobed: no CUDA context here),
+    so a bad combination fails in one line. The scheduler process resolves again against the probed device."""
+    return resolve_config(server, ModelConfig.from_hf(model_path), probe_device(server.load.device, details=False))

@@ -1,0 +1,46 @@
+"""The kernel switch: the set of per-op functions a model runs with, chosen once when the model is built.
+
+`get_ops("triton")` holds the Triton launchers (GPU; the CPU under TRITON_INTERPRET=1), `get_ops("torch")` their
+PyTorch references from the same `kernels/<op>.py` modules (any device: the spec and the accuracy-debugging
+path). Layers call `self.ops.<op>(...)`; no layer looks at the device to choose.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+from mlaserve.kernels import activation, fp8_gemm, fused_moe, moe_topk, norm, rope
+
+KERNEL_BACKENDS = ("triton", "torch")
+
+
+class Ops(NamedTuple):
+    name: str                      # "triton" or "torch"
+    rmsnorm: Callable              # (x, weight, eps) -> y
+    fused_add_rmsnorm: Callable    # (x, residual, weight, eps) -> (y, x + residual)
+    silu_and_mul: Callable         # gate_up [T, 2I] -> [T, I]
+    moe_topk: Callable             # router logits [T, E] -> (weights [T, K], ids [T, K])
+    fused_moe: Callable            # (x, w13, w2, weights, ids, w13_scale=, w2_scale=) -> [T, h]
+    fp8_linear: Callable           # (x, w_q, w_scale_inv) -> y
+    mla_rope_kv_store: Callable    # rotate q_pe / k_pe in place and write [kv_c, k_pe] cache rows
+
+
+def _opaque(fn: Callable) -> Callable:
+    # NOTE: Triton launchers stay opaque to torch.compile (it compiles the torch code between them)
+    return torch.compiler.disable(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def get_ops(name: str) -> Ops:
+    """The kernel set called `name` (one of KERNEL_BACKENDS)."""
+    if name == "triton":
+        return Ops("triton", _opaque(norm.rmsnorm), _opaque(norm.fused_add_rmsnorm),
+                   _opaque(activation.silu_and_mul), _opaque(moe_topk.moe_topk), _opaque(fused_moe.fused_moe),
+                   _opaque(fp8_gemm.fp8_linear), _opaque(rope.mla_rope_kv_store))
+    if name == "torch":
+        return Ops("torch", norm.rmsnorm_ref, norm.fused_add_rmsnorm_ref, activation.silu_and_mul_ref,
+                   moe_topk.moe_topk_ref, fused_moe.fused_moe_ref, fp8_gemm.fp8_linear_ref,
+                   rope.mla_rope_kv_store_ref)
+    raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(KERNEL_BACKENDS)}")

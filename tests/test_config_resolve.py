@@ -1,0 +1,153 @@
+"""resolve_config: every automatic choice made, every flag acting or rejected in one line naming it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import mlaserve
+from mlaserve.config import ConfigError, ModelConfig, ServerConfig
+from mlaserve.config_resolve import (CPU_DEFAULT_TOKENS, DeviceInfo, default_batch_sizes, probe_device,
+                                     require_resolved, resolve_config, resolved_args)
+
+CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
+V2_LITE = ModelConfig.from_dict(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()))
+V3_FP8 = ModelConfig.from_dict(json.loads((CONFIGS / "deepseek-v3.json").read_text()))
+CPU = DeviceInfo("cpu", triton=False)
+CPU_INTERPRETED = DeviceInfo("cpu", triton=True)
+H100 = DeviceInfo("cuda", 0, "NVIDIA H100 80GB HBM3", 80 * 2**30, (9, 0), triton=True)
+A100 = DeviceInfo("cuda", 0, "NVIDIA A100-SXM4-80GB", 80 * 2**30, (8, 0), triton=True)
+GPU_UNPROBED = DeviceInfo("cuda", 0, triton=True)          # the main process's view: no properties read
+
+
+def resolve(device: DeviceInfo = CPU, model: ModelConfig = V2_LITE, **flags) -> ServerConfig:
+    return resolve_config(ServerConfig.from_flat(**flags), model, device)
+
+
+def test_cpu_defaults_resolve_to_values():
+    r = resolve(CPU)
+    require_resolved(r)
+    args = resolved_args(r)
+    assert "auto" not in args.values()
+    assert (r.load.device, r.load.dtype, r.load.attention_backend, r.cache.kv_cache_dtype) == \
+        ("cpu", "float32", "torch", "float32")
+    assert r.load.context_length == V2_LITE.max_position_embeddings and r.load.load_format == "safetensors"
+    assert (r.cache.max_total_tokens, r.cache.mem_fraction_static) == (CPU_DEFAULT_TOKENS, None)
+    assert r.sched.max_running_requests == 64
+    assert (r.sched.disable_cuda_graph, r.sched.cuda_graph_bs, r.sched.cuda_graph_max_bs) == (True, [], 0)
+    assert (r.sched.enable_torch_compile, r.sched.torch_compile_max_bs) == (False, 0)
+
+
+def test_gpu_defaults_resolve_to_values():
+    r = resolve(H100)
+    require_resolved(r)
+    assert (r.load.device, r.load.dtype, r.load.attention_backend, r.cache.kv_cache_dtype) == \
+        ("cuda:0", "bfloat16", "triton", "bfloat16")
+    assert (r.cache.mem_fraction_static, r.cache.max_total_tokens) == (0.85, None)   # sized from memory at start
+    assert r.sched.max_running_requests == 256 and not r.sched.disable_cuda_graph
+    assert r.sched.cuda_graph_max_bs == 160 and r.sched.cuda_graph_bs == default_batch_sizes(160)
+    assert r.sched.cuda_graph_bs[:5] == [1, 2, 4, 8, 16] and r.sched.cuda_graph_bs[-1] == 160
+    assert resolve(DeviceInfo("cuda", 0, "V100", 2**34, (7, 0), True)).load.dtype == "float16"   # no bf16
+
+
+def test_graph_and_compile_sizes_follow_the_running_limit():
+    r = resolve(H100, max_running_requests=12, enable_torch_compile=True)
+    assert r.sched.cuda_graph_max_bs == 12 and r.sched.cuda_graph_bs == [1, 2, 4, 8, 12]
+    assert r.sched.torch_compile_max_bs == 12
+    r = resolve(H100, cuda_graph_bs=[4, 1, 64], enable_torch_compile=True)
+    assert (r.sched.cuda_graph_bs, r.sched.cuda_graph_max_bs, r.sched.torch_compile_max_bs) == ([1, 4, 64], 64, 32)
+
+
+@pytest.mark.parametrize("why,flags", [
+    ("torch kernels", dict(attention_backend="torch")),
+    ("non-absorbed decode", dict(disable_mla=True)),
+    ("asked", dict(disable_cuda_graph=True)),
+])
+def test_cuda_graphs_resolve_off_on_the_gpu(why, flags):
+    r = resolve(H100, **flags)
+    assert r.sched.disable_cuda_graph and r.sched.cuda_graph_bs == [] and r.sched.cuda_graph_max_bs == 0, why
+
+
+@pytest.mark.parametrize("device,flags", [
+    (CPU, {}), (H100, {}), (H100, dict(kv_cache_dtype="fp8_e4m3", cuda_graph_bs=[1, 8])),
+    (CPU, dict(kv_cache_dtype="bf16", max_total_tokens=100)), (H100, dict(attention_backend="torch")),
+    (H100, dict(enable_torch_compile=True, torch_compile_max_bs=8)),
+])
+def test_resolving_twice_changes_nothing(device, flags):
+    once = resolve(device, **flags)
+    assert resolve_config(once, V2_LITE, device) == once
+
+
+def test_kv_cache_dtype_choices():
+    assert resolve(H100, kv_cache_dtype="fp8_e5m2").cache.kv_cache_dtype == "fp8_e5m2"
+    assert resolve(H100, kv_cache_dtype="bf16").cache.kv_cache_dtype == "bfloat16"
+    assert resolve(A100, kv_cache_dtype="fp8_e5m2").cache.kv_cache_dtype == "fp8_e5m2"      # e5m2 works on sm80
+    assert resolve(CPU, kv_cache_dtype="fp8_e4m3").cache.kv_cache_dtype == "fp8_e4m3"       # the torch reference
+    assert resolve(CPU, kv_cache_dtype="bf16").cache.kv_cache_dtype == "bfloat16"           # torch: any dtype
+
+
+def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
+    assert resolve(H100, V3_FP8).load.attention_backend == "triton"
+    assert resolve(A100, V3_FP8, dequant_fp8=True).load.dequant_fp8
+    assert resolve(GPU_UNPROBED, V3_FP8).load.device == "cuda:0"       # unknown capability: left to the scheduler
+
+
+@pytest.mark.parametrize("device,model,flags,words", [
+    (CPU, V2_LITE, dict(tp_size=2), "--tp-size 2"),
+    (H100, V2_LITE, dict(dp_size=4), "--dp-size 4"),
+    (H100, V2_LITE, dict(enable_dp_attention=True), "--enable-dp-attention"),
+    (H100, V2_LITE, dict(tp_size=0), "--tp-size 0"),
+    (CPU, V2_LITE, dict(enable_torch_compile=True), "--enable-torch-compile"),
+    (CPU, V2_LITE, dict(cuda_graph_bs=[1, 2]), "--cuda-graph-bs"),
+    (CPU, V2_LITE, dict(cuda_graph_max_bs=8), "--cuda-graph-max-bs"),
+    (H100, V2_LITE, dict(attention_backend="torch", enable_torch_compile=True), "--attention-backend torch"),
+    (H100, V2_LITE, dict(disable_mla=True, cuda_graph_max_bs=8), "--disable-mla"),
+    (H100, V2_LITE, dict(disable_cuda_graph=True, enable_torch_compile=True), "--disable-cuda-graph"),
+    (H100, V2_LITE, dict(torch_compile_max_bs=8), "--torch-compile-max-bs"),
+    (H100, V2_LITE, dict(cuda_graph_bs=[1, 8], cuda_graph_max_bs=16), "--cuda-graph-max-bs 16"),
+    (H100, V2_LITE, dict(cuda_graph_bs=[0, 8]), "--cuda-graph-bs 0 8"),
+    (CPU, V2_LITE, dict(mem_fraction_static=0.5), "--mem-fraction-static"),
+    (H100, V2_LITE, dict(mem_fraction_static=1.5), "--mem-fraction-static 1.5"),
+    (CPU, V2_LITE, dict(max_total_tokens=0), "--max-total-tokens 0"),
+    (CPU, V2_LITE, dict(context_length=10**7), "--context-length 10000000"),
+    (CPU, V2_LITE, dict(dequant_fp8=True), "--dequant-fp8"),
+    (CPU, V2_LITE, dict(attention_backend="triton"), "--attention-backend triton"),
+    (H100, V2_LITE, dict(dtype="float32", kv_cache_dtype="bf16"), "--kv-cache-dtype bfloat16 with --dtype float32"),
+    (A100, V2_LITE, dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype fp8_e4m3"),
+    (A100, V3_FP8, {}, "--dequant-fp8"),
+    (CPU, V2_LITE, dict(dtype="float64"), "--dtype float64"),
+    (CPU, V2_LITE, dict(attention_backend="flashinfer"), "--attention-backend flashinfer"),
+    (CPU, V2_LITE, dict(chunked_prefill_size=0), "--chunked-prefill-size 0"),
+    (CPU, V2_LITE, dict(max_running_requests=0), "--max-running-requests 0"),
+    (CPU, V2_LITE, dict(min_new_token_ratio=0.9), "--min-new-token-ratio 0.9"),
+    (CPU, V2_LITE, dict(watchdog_timeout=0.0), "--watchdog-timeout"),
+])
+def test_unsupported_combinations_fail_in_one_line_naming_the_flags(device, model, flags, words):
+    with pytest.raises(ConfigError) as e:
+        resolve(device, model, **flags)
+    msg = str(e.value)
+    assert words in msg and "\n" not in msg, msg
+
+
+def test_triton_on_the_cpu_needs_the_interpreter():
+    r = resolve(CPU_INTERPRETED, attention_backend="triton")
+    assert r.load.attention_backend == "triton" and r.sched.disable_cuda_graph
+
+
+def test_unresolved_config_is_refused():
+    with pytest.raises(ValueError, match="device, dtype"):
+        require_resolved(ServerConfig())
+
+
+def test_probe_device_names():
+    cpu = probe_device("cpu")
+    assert cpu.type == "cpu" and cpu.torch_name == "cpu"
+    for bad in ("tpu", "cuda:x"):
+        with pytest.raises(ConfigError, match=f"--device {bad}"):
+            probe_device(bad)
+    if not torch.cuda.is_available():
+        assert probe_device("auto").type == "cpu"
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            probe_device("cuda")
