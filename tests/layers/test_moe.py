@@ -2,9 +2,8 @@
 rank shape) on the GPUs they were tuned on; the tuner and `bench kernels` use the same key; a GPU without a
 table gets one WARNING per shape.
 
-The layer runs at the real sizes on meta tensors (no memory, no GPU) whose input says it is on a GPU, so the
-layer takes its GPU path: its forward and the kernel's table lookup run for real, only the Triton launches are
-stubbed.
+The layer runs at the real sizes on meta tensors (no memory, no GPU), built with the Triton kernel set: its
+forward and the fused-MoE launcher's table lookup run for real, only the Triton launches are stubbed.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from mlaserve.bench.kernel_cases import fused_moe as bench_case
 from mlaserve.config import ModelConfig
 from mlaserve.kernels import fused_moe as fm
 from mlaserve.layers import moe as moe_layer
+from mlaserve.layers.ops import Ops, get_ops
 from mlaserve.tools import tune_fused_moe as tuner
 
 CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
@@ -48,8 +48,9 @@ def rank_config(name: str, tp: int) -> ModelConfig:
     return dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size // tp)
 
 
-def stub_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Replace every Triton launch on the MoE path by a shape-only stand-in; returns the table files looked up."""
+def stub_launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], Ops]:
+    """Replace every Triton launch on the MoE path by a shape-only stand-in; returns the table files looked up
+    and the kernel set to build the layer with (the real `fused_moe` launcher, the other ops stubbed)."""
     looked_up: list[str] = []
     real_load = fm._load_configs
 
@@ -63,10 +64,10 @@ def stub_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(fm, "_load_configs", load)
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
-    monkeypatch.setattr(moe_layer, "_moe_topk", topk)
-    monkeypatch.setattr(moe_layer, "silu_and_mul", lambda gu: gu[:, : gu.shape[1] // 2])
-    monkeypatch.setattr(moe_layer, "fp8_linear", lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
-    return looked_up
+    ops = get_ops("triton")._replace(
+        moe_topk=topk, fused_moe=fm.fused_moe, silu_and_mul=lambda gu: gu[:, : gu.shape[1] // 2],
+        fp8_linear=lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
+    return looked_up, ops
 
 
 @pytest.mark.parametrize("gpu", SHIPPED_GPUS)
@@ -74,9 +75,9 @@ def stub_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_model_moe_calls_read_a_shipped_table(name: str, tp: int, gpu: str, monkeypatch: pytest.MonkeyPatch,
                                               caplog: pytest.LogCaptureFixture) -> None:
     cfg = rank_config(name, tp)
-    looked_up = stub_launches(monkeypatch)
+    looked_up, ops = stub_launches(monkeypatch)
     monkeypatch.setattr(fm, "gpu_name", lambda: gpu)
-    layer = moe_layer.MoE(cfg, quant=cfg.quant, dtype=torch.bfloat16, device="meta")
+    layer = moe_layer.MoE(cfg, quant=cfg.quant, dtype=torch.bfloat16, device="meta", ops=ops)
     assert layer.experts.w13.shape[0] == cfg.n_routed_experts + cfg.n_shared_experts   # shared slots stacked
     with caplog.at_level(logging.WARNING, logger=fm.__name__):
         for t in TOKENS:
@@ -104,10 +105,10 @@ def test_tuner_and_bench_write_and_read_the_models_key(name: str, tp: int, tmp_p
 def test_gpu_without_a_table_warns_once_per_shape(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     cfg = rank_config("deepseek-v2-lite", 1)
-    stub_launches(monkeypatch)
+    _, ops = stub_launches(monkeypatch)
     monkeypatch.setattr(fm, "gpu_name", lambda: "Untuned_GPU")
     fm._warn_untuned.cache_clear()
-    layer = moe_layer.MoE(cfg, quant=None, dtype=torch.bfloat16, device="meta")
+    layer = moe_layer.MoE(cfg, quant=None, dtype=torch.bfloat16, device="meta", ops=ops)
     with caplog.at_level(logging.WARNING, logger=fm.__name__):
         for t in (1, 2, 64, 1024):                                           # one shape, many token counts
             layer(gpu_input(t, cfg.hidden_size))
