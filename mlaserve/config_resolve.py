@@ -111,10 +111,13 @@ def _reject(msg: str) -> None:
 
 def _check_choices(server: ServerConfig) -> None:
     # argparse checks `choices` on the command line; the Engine API's keyword arguments arrive unchecked.
-    for section in (server.load, server.cache, server.sched):
-        for f in fields(section):
-            value, choices = getattr(section, f.name), f.metadata.get("choices")
-            ok = choices is None or value in choices or (f.name == "kv_cache_dtype" and value == server.load.dtype)
+    owners = [(server.load, fields(server.load)), (server.cache, fields(server.cache)),
+              (server.sched, fields(server.sched)), (server, [f for f in fields(server) if f.name not in server.SECTIONS])]
+    for owner, owned in owners:
+        for f in owned:
+            value, choices = getattr(owner, f.name), f.metadata.get("choices")
+            ok = choices is None or value is None or value in choices \
+                or (f.name == "kv_cache_dtype" and value == server.load.dtype)
             if not ok:
                 _reject(f"{_flag(f.name)} {value}: choose one of {', '.join(choices)}")
 

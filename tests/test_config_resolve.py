@@ -119,6 +119,7 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (A100, V3_FP8, {}, "--dequant-fp8"),
     (CPU, V2_LITE, dict(dtype="float64"), "--dtype float64"),
     (CPU, V2_LITE, dict(attention_backend="flashinfer"), "--attention-backend flashinfer"),
+    (CPU, V2_LITE, dict(tool_call_parser="qwen"), "--tool-call-parser qwen"),
     (CPU, V2_LITE, dict(chunked_prefill_size=0), "--chunked-prefill-size 0"),
     (CPU, V2_LITE, dict(max_running_requests=0), "--max-running-requests 0"),
     (CPU, V2_LITE, dict(min_new_token_ratio=0.9), "--min-new-token-ratio 0.9"),
