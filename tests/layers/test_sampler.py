@@ -20,7 +20,8 @@ def _batch(params: list[SamplingParams], v: int, *, seeds: list[int] | None = No
            prompt: list[list[int]] | None = None, output: list[list[int]] | None = None,
            eos: list[int] | None = None, device: str = "cpu") -> SamplingBatch:
     b = len(params)
-    seeds = seeds if seeds is not None else torch.randint(0, 2**62, (b,)).tolist()
+    fresh = torch.randint(0, 2**62, (b,)).tolist()
+    seeds = seeds if seeds is not None else [p.seed if p.seed is not None else s for p, s in zip(params, fresh)]
     output = output if output is not None else [[] for _ in range(b)]
     steps = steps if steps is not None else [len(o) for o in output]
     prompt = prompt if prompt is not None else [[] for _ in range(b)]

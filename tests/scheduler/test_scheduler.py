@@ -10,7 +10,7 @@ import torch
 
 import mlaserve
 from mlaserve.config import ServerConfig
-from mlaserve.core import SamplingParams
+from mlaserve.core import FinishReason, SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.scheduler.scheduler import Scheduler
 from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
@@ -92,7 +92,7 @@ def test_stress_random_arrivals_aborts_and_retraction(ckpt):
     for x in msgs:
         r = got[x.rid]
         assert r["finished"] is not None
-        if x.rid in aborted and r["finished"]["type"] == "abort":
+        if x.rid in aborted and r["finished"].kind == "abort":
             assert big[x.rid]["ids"][: len(r["ids"])] == r["ids"]
         else:
             assert r["ids"] == big[x.rid]["ids"], x.rid
@@ -102,16 +102,16 @@ def test_stress_random_arrivals_aborts_and_retraction(ckpt):
 def test_too_long_prompt_rejected_not_left_waiting(ckpt):
     sched = make(ckpt, max_total_tokens=64, context_length=128)
     res = run(sched, [msg("long", list(range(2, 100))), msg("ctx", list(range(2, 200))), msg("ok", [5, 6, 7])])
-    assert res["long"]["finished"]["type"] == "abort" and "KV cache" in res["long"]["finished"]["message"]
-    assert res["ctx"]["finished"]["type"] == "abort" and "context length" in res["ctx"]["finished"]["message"]
-    assert res["ok"]["finished"]["type"] == "length"
+    assert res["long"]["finished"].kind == "abort" and "KV cache" in res["long"]["finished"].message
+    assert res["ctx"]["finished"].kind == "abort" and "context length" in res["ctx"]["finished"].message
+    assert res["ok"]["finished"].kind == "length"
 
 
 def test_abort_frees_everything(ckpt):
     sched = make(ckpt)
     res = run(sched, [msg("x", prompts(1, 50, 50)[0], max_new=100), msg("y", [3, 4, 5], max_new=3)],
               aborts={"x": 4})
-    assert res["x"]["finished"] == {"type": "abort"} and res["y"]["finished"]["type"] == "length"
+    assert res["x"]["finished"] == FinishReason("abort") and res["y"]["finished"].kind == "length"
     assert_no_leak(sched)
 
 
@@ -120,7 +120,7 @@ def test_stop_token_ids_min_new_tokens_and_seeded_sampling(ckpt):
     base = run(sched, [msg("g", [9, 10, 11], max_new=10)])["g"]["ids"]
     stop_at = base[4]
     res = run(sched, [msg("s", [9, 10, 11], max_new=10, stop_token_ids=[stop_at])])["s"]
-    assert res["ids"] == base[: base.index(stop_at) + 1] and res["finished"]["matched"] == stop_at
+    assert res["ids"] == base[: base.index(stop_at) + 1] and res["finished"].matched == stop_at
     res = run(sched, [msg("m", [9, 10, 11], max_new=10, stop_token_ids=[stop_at], min_new_tokens=8)])["m"]
     assert len(res["ids"]) >= 8
     # a seeded sampled request gives the same tokens alone and inside a busy batch
@@ -142,7 +142,7 @@ def test_overlap_schedule_gives_identical_outputs(ckpt):
         kw = {"temperature": 0.8, "seed": i + 1, "top_p": 0.9} if i % 2 else {}
         if i % 5 == 0:
             kw |= {"frequency_penalty": 0.5, "min_new_tokens": 3}
-        msgs.append(msg(f"o{i}", p, max_new=rng.randint(2, 30), **kw))
+        msgs.append(msg(f"o{i}", p, max_new=rng.randint(3, 30), **kw))   # >= min_new_tokens
     arrivals = {x.rid: rng.randint(0, 10) for x in msgs}
     small = dict(max_total_tokens=400, chunked_prefill_size=32, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     plain = run(make(ckpt, disable_overlap_schedule=True, **small), msgs, arrivals)
