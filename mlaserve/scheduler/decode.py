@@ -27,7 +27,7 @@ def plan_decode(sched: "Scheduler") -> Batch | None:
         if len(sched.running) == 1 and sched.chunked is None:
             # NOTE: alone it would never fit after a retraction either (check_request prevents this): end it
             req = sched.running[0]
-            sched.abort(req.rid, FinishReason("length", length=len(req.output_ids)))
+            sched.end(req, FinishReason("length", length=len(req.output_ids)))
             break
         newest = max(sched.running, key=lambda r: r.arrival)
         retract(sched, newest)

@@ -37,6 +37,7 @@ class Scheduler:
         self.runner.init_cuda_graphs(self.kv.req_to_token, self.kv.req_pool.alloc())   # a row for padding
         self.eos_ids = set(self.runner.eos_ids())
         self.limits = RequestLimits(self.context_len, self.kv.num_slots, self.runner.cfg.vocab_size)
+        self.live: dict[str, Req] = {}          # every unfinished request by rid, wherever it is
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -56,31 +57,22 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message=e.message, status_code=e.status_code))
             return
         self.waiting.append(req)
+        self.live[req.rid] = req
 
     def abort(self, rid: str, reason: FinishReason = FinishReason("abort")) -> None:
         """End request `rid` with `reason`, freeing its KV; a request not (or no longer) here still gets
         `reason` sent when it is an error (its caller must not wait)."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self.kv.release(req)
-                self._finish(req, reason)
-                return
-        for req in list(self.running) + ([self.chunked] if self.chunked else []):
-            if req.rid == rid:
-                self._drop(req)
-                self._finish(req, reason)
-                return
-        if reason.status_code is not None:
+        req = self.live.get(rid)
+        if req is not None:
+            self.end(req, reason)
+        elif reason.status_code is not None:
             self.outbox.append(m.ReqOutput(rid=rid, new_ids=[], finished=reason))
 
     def fail_all(self, message: str) -> None:
         """End every request with a 500 (after a step failed: none of their states can be trusted)."""
         self.pending = None
-        reason = FinishReason("abort", message=message, status_code=500)
-        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
-            if req.finished is None:
-                self.abort(req.rid, reason)
+        for req in list(self.live.values()):
+            self.end(req, FinishReason("abort", message=message, status_code=500))
 
     def flush_cache(self) -> bool:
         if self.running or self.waiting or self.chunked or self.pending:
@@ -107,8 +99,8 @@ class Scheduler:
                 self._process_one(batch, out, i, req)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 logger.exception("processing request %s failed", req.rid)
-                self.abort(req.rid, FinishReason("abort", message=f"internal error: {type(e).__name__}: {e}",
-                                                 status_code=500))
+                self.end(req, FinishReason("abort", message=f"internal error: {type(e).__name__}: {e}",
+                                            status_code=500))
 
     def _process_one(self, batch: Batch, out: StepOutput, i: int, req: Req) -> None:
         if batch.mode is ForwardMode.EXTEND:
@@ -185,6 +177,13 @@ class Scheduler:
         else:
             self._emit(req)
 
+    def end(self, req: Req, reason: FinishReason) -> None:
+        """Finish `req` with `reason` wherever it is (queue, batch, prompt chunk), freeing its KV."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._drop(req)
+        self._finish(req, reason)
+
     def _drop(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
@@ -194,6 +193,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished = reason
+        self.live.pop(req.rid, None)
         self._emit(req)
 
     def _emit(self, req: Req) -> None:

@@ -222,3 +222,21 @@ def test_sampler_returns_raw_logprobs() -> None:
     values, ids = out.top_logprobs
     assert torch.equal(ids, raw.topk(3, dim=-1).indices)
     assert Sampler()(logits, _batch(params, v)).logprobs is None
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows(device: str) -> None:
+    v = 40
+    logits = torch.randn(4, v, device=device)
+    top = logits.argmax(-1).tolist()
+    pick = [(t + 7) % v for t in top]
+    params = [SamplingParams(temperature=0.0, logit_bias={pick[0]: 100}),          # forced
+              SamplingParams(temperature=0.0, logit_bias={top[1]: -100}),          # banned
+              SamplingParams(temperature=1.0, logit_bias={pick[2]: 100}),          # sampled, forced
+              SamplingParams(temperature=0.0)]                                     # untouched row
+    out = Sampler()(logits, _batch(params, v, device=device), return_logprob=True).next_ids.tolist()
+    second = logits[1].clone()
+    second[top[1]] = float("-inf")
+    assert out == [pick[0], second.argmax().item(), pick[2], top[3]]
+    # the reported log-probs stay those of the raw model distribution
+    lp = Sampler()(logits, _batch(params, v, device=device), return_logprob=True).logprobs
+    assert torch.allclose(lp, logprobs_of(logits, torch.tensor(out, device=device)))

@@ -162,3 +162,81 @@ def test_fp8_kv_cache(ckpt, kv_dtype):
     res = run(sched, [msg(f"f{i}", p, max_new=8) for i, p in enumerate(prompts(4))])
     assert all(r["finished"] is not None and len(r["ids"]) >= 1 for r in res.values())
     assert_no_leak(sched)
+
+
+# --- hardening: one request's failure stays its own; nothing grows past the pool ---------------------------
+
+def test_failure_while_processing_one_request_ends_only_that_one(ckpt, monkeypatch):
+    sched = make(ckpt)
+    append = sched._append
+
+    def broken(req, *args):
+        if req.rid == "bad":
+            raise RuntimeError("boom")
+        return append(req, *args)
+
+    monkeypatch.setattr(sched, "_append", broken)
+    res = run(sched, [msg("bad", [5, 6, 7], max_new=6), msg("good", [8, 9, 10], max_new=6)])
+    bad = res["bad"]["finished"]
+    assert (bad.kind, bad.status_code) == ("abort", 500) and "boom" in bad.message
+    assert res["good"]["finished"] == FinishReason("length", length=6) and len(res["good"]["ids"]) == 6
+    assert_no_leak(sched)
+
+
+def test_failed_step_fails_requests_in_flight_and_the_loop_goes_on(ckpt, monkeypatch):
+    from mlaserve.ipc import messages as m
+    from mlaserve.scheduler.scheduler import _handle, _step
+
+    sched = make(ckpt)
+    launch, calls = sched.runner.launch, []
+
+    def flaky(batch):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise RuntimeError("device hiccup")
+        return launch(batch)
+
+    monkeypatch.setattr(sched.runner, "launch", flaky)
+    sched.add_request(msg("a", [5, 6, 7], max_new=4))
+    outs, failures = _step(sched, 0)
+    assert failures == 1 and [(o.rid, o.finished.status_code) for o in outs] == [("a", 500)]
+    # a message that cannot be decoded, and one whose handling raises, do not stop the loop
+    assert _handle(sched, b"not a pickle") is None
+    _handle(sched, m.encode(m.GenerateReqMsg("odd", ["x"], SamplingParams(), seed=1)))
+    assert [(o.rid, o.finished.status_code) for o in sched.step_outbox()] == [("odd", 500)]
+    assert run(sched, [msg("b", [5, 6, 7], max_new=4)])["b"]["finished"].kind == "length"
+    assert_no_leak(sched)
+
+
+def test_max_new_tokens_zero_returns_prompt_logprobs_and_no_token(ckpt):
+    sched = make(ckpt)
+    x = msg("z", [5, 6, 7, 8], max_new=0)
+    x.return_logprob, x.logprob_start_len = True, 0
+    sched.add_request(x)
+    outs = []
+    while sched.has_work:
+        outs += sched.step()
+    outs += sched.step_outbox()
+    assert [o.new_ids for o in outs] == [[]] and outs[0].finished == FinishReason("length", length=0)
+    assert [t for _, t in outs[0].input_logprobs] == [5, 6, 7, 8] and outs[0].input_logprobs[0][0] is None
+    assert_no_leak(sched)
+
+
+def test_request_that_cannot_fit_the_pool_never_runs_forever(ckpt):
+    from mlaserve.core import Req
+
+    sched = make(ckpt, max_total_tokens=64, context_length=512)
+    res = run(sched, [msg("big", list(range(2, 22)), max_new=100)])      # 20 + 100 > 64: refused up front
+    assert res["big"]["finished"].status_code == 400 and "max_new_tokens=100" in res["big"]["finished"].message
+    # past that check (which only the manager and add_request make), a lone request ends with `length` when
+    # the pool is full instead of being retracted and re-admitted for ever
+    req = Req(**msg("lone", list(range(2, 22)), max_new=100).spec_fields())
+    sched.waiting.append(req)
+    for _ in range(500):
+        if not sched.has_work:
+            break
+        sched.step()
+    room = sched.kv.num_slots - len(req.input_ids)         # KV for the prompt and every output but the last
+    assert req.finished is not None and req.finished.kind == "length" and room <= len(req.output_ids) <= room + 1
+    assert sched.num_retracted == 0
+    assert_no_leak(sched)

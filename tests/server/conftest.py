@@ -142,6 +142,9 @@ class ScriptedManager:
         self.requests: list = []
         self.aborted: list[int] = []
 
+    def prepare(self, obj):
+        return obj
+
     async def generate(self, obj):
         import asyncio
 

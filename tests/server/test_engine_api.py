@@ -94,7 +94,7 @@ def test_bad_request_raises_clear_error(engine):
         engine.generate(prompt="x", sampling_params={"temperature": -1})
     with pytest.raises(RequestError, match="more than the KV cache holds"):
         engine.generate(input_ids=[5] * 3000)
-    with pytest.raises(RequestError, match="input_ids must be in"):
+    with pytest.raises(RequestError, match="token ids must be in"):
         engine.generate(input_ids=[5, 99999])
     assert engine.generate(prompt="still serving", sampling_params={"max_new_tokens": 1})["output_ids"]
 
