@@ -18,6 +18,7 @@ import pytest
 API_KEY = "test-key"
 START_TIMEOUT_S = 120.0
 CONTEXT_LEN = 1024
+FUZZ_CONTEXT_LEN = 16
 SHARED_ARGS = ["--max-total-tokens", "4096", "--context-length", str(CONTEXT_LEN), "--api-key", API_KEY,
                "--enable-metrics", "--log-level", "warning"]
 
@@ -111,6 +112,13 @@ def start_server(demo_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     """The session's shared server on the demo model (API key API_KEY, metrics on, context CONTEXT_LEN)."""
     return start_server(*SHARED_ARGS)
+
+
+@pytest.fixture(scope="session")
+def fuzz_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """A server for fuzzing: no API key, context FUZZ_CONTEXT_LEN so a valid fuzzed request stays short."""
+    return start_server("--context-length", str(FUZZ_CONTEXT_LEN), "--max-total-tokens", "4096", "--log-level",
+                        "error")
 
 
 @pytest.fixture
