@@ -256,7 +256,8 @@ class LoadConfig:
                                  choices=("auto", "triton", "torch"))
     disable_mla: bool = opt(False, "run decode in the non-absorbed MLA form too (ablation; no CUDA graphs)")
     dequant_fp8: bool = opt(False, "dequantise a block-FP8 checkpoint to --dtype at load time")
-    seed: int = opt(0, "random seed (dummy weights, default sampling seeds)")
+    seed: int = opt(0, "random seed: dummy weights, and the RNG drawing the sampling seed of each request "
+                       "without one (same --seed and request order: same sampled outputs)")
     served_model_name: str | None = opt(None, "model name reported by the API (default: the path)")
 
 

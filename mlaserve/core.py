@@ -1,9 +1,14 @@
-"""Core types shared by every level: the forward mode and the per-batch forward context."""
+"""Core types shared by every level: the forward mode and context, the sampling parameters, requests and batches."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo,
+    field_validator,
+)
 
 if TYPE_CHECKING:    # NOTE: annotations only: the HTTP process imports this module without torch
     import torch
@@ -51,51 +56,173 @@ class ForwardContext:
         return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
 
 
-class SamplingError(ValueError):
-    """A sampling parameter is out of range (the message names the parameter)."""
+# --- the sampling parameters: one typed declaration for the Engine API, /generate and the OpenAI routes ---------
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-@dataclass
-class SamplingParams:
-    """Per-request decoding controls, with SGLang / OpenAI names and defaults."""
+def check_utf8(text: str) -> str:
+    """`text` itself, or ValueError when it cannot be encoded as UTF-8."""
+    # NOTE: JSON may carry a lone surrogate (U+D800 .. U+DFFF); it cannot be tokenized or sent back as UTF-8
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text contains a lone surrogate (not valid UTF-8)") from None
+    return text
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                  # -1: whole vocabulary
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output (CTRL-style)
-    frequency_penalty: float = 0.0   # OpenAI: logit -= f * count(token in output)
-    presence_penalty: float = 0.0    # OpenAI: logit -= p * (count > 0)
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_new_tokens: int = 0
-    seed: int | None = None
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
 
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        checks = [
-            ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
-            ("temperature", self.temperature >= 0, ">= 0"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k == -1 or self.top_k >= 1, "-1 or >= 1"),
-            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "in (0, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
-            ("min_new_tokens", 0 <= self.min_new_tokens, ">= 0"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise SamplingError(f"{name}={getattr(self, name)!r} must be {rule}")
+def _top_k(k: int) -> int:
+    if k == 0:
+        raise ValueError("top_k must be -1 (off) or >= 1")
+    return k
+
+
+def _token_keys(bias: dict[int | str, float]) -> dict[int, float]:
+    return {int(k): v for k, v in bias.items()}
+
+
+# Field types, shared with the OpenAI request schemas (server/protocol.py) so every route has the same rules.
+# Strict: a string is never a number, a bool never an int; floats are finite.
+Text = Annotated[StrictStr, AfterValidator(check_utf8)]
+Real = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+MaxNewTokens = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+Temperature = Annotated[Real, Field(ge=0, le=2)]
+TopP = Annotated[Real, Field(gt=0, le=1)]
+TopK = Annotated[StrictInt, Field(ge=-1, le=INT32_MAX), AfterValidator(_top_k)]
+MinP = Annotated[Real, Field(ge=0, le=1)]
+RepetitionPenalty = Annotated[Real, Field(gt=0, le=2)]
+Penalty = Annotated[Real, Field(ge=-2, le=2)]
+Seed = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+Stop = Text | list[Text]
+# OpenAI logit_bias: {"token id": bias}; JSON keys are strings, the Engine API may use ints
+LogitBias = Annotated[dict[TokenId | Annotated[StrictStr, Field(pattern=r"^[0-9]{1,9}$")],
+                           Annotated[Real, Field(ge=-100, le=100)]], AfterValidator(_token_keys)]
+
+
+class SamplingParams(BaseModel):
+    """Per-request decoding controls, with SGLang names and defaults (OpenAI names are mapped onto these).
+
+    The one declaration of their types and ranges: a wrong value raises pydantic's ValidationError naming the
+    field. `max_new_tokens=None` means as many as fit (`check_request` resolves it); 0 scores the prompt only.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    max_new_tokens: MaxNewTokens | None = 128
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1                          # -1: whole vocabulary
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0   # > 1 discourages tokens already in prompt or output (CTRL)
+    frequency_penalty: Penalty = 0.0          # OpenAI: logit -= f * count(token in output)
+    presence_penalty: Penalty = 0.0           # OpenAI: logit -= p * (count > 0)
+    stop: Stop | None = None                  # a string is one stop string
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool = False
+    min_new_tokens: MaxNewTokens = 0
+    seed: Seed | None = None                  # None: the server draws one (from --seed's RNG)
+    skip_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    logit_bias: LogitBias | None = None       # token id -> added to its logit (OpenAI: -100 .. 100)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("min_new_tokens")
+    @classmethod
+    def _min_le_max(cls, v: int, info: ValidationInfo) -> int:
+        most = info.data.get("max_new_tokens")
+        if most is not None and v > most:
+            raise ValueError(f"min_new_tokens ({v}) must not exceed max_new_tokens ({most})")
+        return v
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_sampler(self) -> bool:
+        """True when the plain argmax is not enough (sampling, penalties or a logit bias)."""
+        return (not self.is_greedy or self.repetition_penalty != 1 or bool(self.frequency_penalty)
+                or bool(self.presence_penalty) or bool(self.logit_bias))
+
+
+# --- checking a tokenized request, and how a request ends ------------------------------------------------
+
+class RequestError(ValueError):
+    """A request the engine refuses: the message is for the user, `param` names the field, 4xx status."""
+
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status_code = message, param, status_code
+
+    def renamed(self, names: dict[str, str]) -> RequestError:
+        """The same error with `param` (and its mention in the message) in an API's own names."""
+        if self.param not in names:
+            return self
+        new = names[self.param]
+        return RequestError(self.message.replace(f"{self.param}=", f"{new}=", 1), new, self.status_code)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    context_len: int          # prompt + output tokens per request
+    max_total_tokens: int     # KV-pool size in tokens
+    vocab_size: int
+
+
+def check_request(ids: list[int], params: SamplingParams, limits: RequestLimits) -> SamplingParams:
+    """The one check of a tokenized request against the model and the KV pool.
+
+    Returns `params` with max_new_tokens resolved: None or the default becomes at most what fits; an
+    explicit value that cannot fit (context or KV pool, so a lone request never outgrows the pool) is
+    refused. Raises RequestError naming `input_ids`, `max_new_tokens` or `logit_bias`.
+    """
+    n, vocab = len(ids), limits.vocab_size
+    if n == 0:
+        raise RequestError("the prompt is empty", "input_ids")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise RequestError(f"token ids must be in [0, {vocab})", "input_ids")
+    if n >= limits.context_len:
+        raise RequestError(f"This model's maximum context length is {limits.context_len} tokens; the prompt has "
+                           f"{n} tokens (it must leave room for at least one generated token).", "input_ids")
+    if n >= limits.max_total_tokens:
+        raise RequestError(f"the prompt has {n} tokens, more than the KV cache holds ({limits.max_total_tokens} "
+                           "tokens, one of them for a generated token)", "input_ids")
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    want, room = params.max_new_tokens, min(limits.context_len, limits.max_total_tokens) - n
+    if want is not None and want > room and "max_new_tokens" in params.model_fields_set:
+        held = ("this model's maximum context length is", limits.context_len)
+        if limits.max_total_tokens < limits.context_len:
+            held = ("the KV cache holds", limits.max_total_tokens)
+        raise RequestError(f"max_new_tokens={want} is too large: {held[0]} {held[1]} tokens and the prompt has "
+                           f"{n}, so at most {room} can be generated.", "max_new_tokens")
+    if want is None or want > room:
+        return params.model_copy(update={"max_new_tokens": room})
+    return params
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended; `to_json()` is SGLang's `meta_info.finish_reason`."""
+
+    kind: Literal["stop", "length", "abort"]
+    matched: int | str | None = None     # stop: the token id or the stop string
+    length: int | None = None            # length: the max_new_tokens reached
+    message: str | None = None           # abort: why, for the user
+    status_code: int | None = None       # abort: the HTTP status of the error (None: cancelled by the caller)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.kind}
+        for name in ("matched", "length", "message", "status_code"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 @dataclass
@@ -105,7 +232,7 @@ class RequestSpec:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    seed: int
+    seed: int                     # the sampling seed: params.seed, else drawn by the tokenizer manager
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -135,7 +262,7 @@ class Req(RequestSpec):
     last_node: object | None = None
     extend_len: int = 0                    # new tokens in the batch being run
     cached_tokens: int = 0                 # prompt tokens served from the prefix cache (first admission)
-    finished: dict | None = None           # {"type": "stop"|"length"|"abort", ...}
+    finished: FinishReason | None = None
     admitted_once: bool = False
     # log-probs gathered so far: (logprob | None, token_id); top: list of (logprob, token_id) per position
     input_logprobs: list = field(default_factory=list)

@@ -238,11 +238,9 @@ class ModelRunner:
 
     @staticmethod
     def _plain_greedy(reqs: list, steps: list[int]) -> bool:
-        """Greedy, no penalties, no min_new_tokens, no log-probs: the argmax alone (skips SamplingBatch)."""
+        """Greedy, no penalties or bias, no min_new_tokens, no log-probs: the argmax alone (skips SamplingBatch)."""
         for r, step in zip(reqs, steps):
-            p = r.params
-            if (r.return_logprob or not p.is_greedy or p.repetition_penalty != 1 or p.frequency_penalty
-                    or p.presence_penalty or p.min_new_tokens > step):
+            if r.return_logprob or r.params.needs_sampler or r.params.min_new_tokens > step:
                 return False
         return True
 

@@ -5,12 +5,12 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlaserve.core import RequestSpec
+from mlaserve.core import FinishReason, RequestSpec
 
 
 @dataclass
 class GenerateReqMsg(RequestSpec):
-    """A new request, manager -> scheduler."""
+    """A new request, manager -> scheduler (already checked by `core.check_request`, its seed chosen)."""
 
 
 @dataclass
@@ -34,7 +34,7 @@ class ReqOutput:
 
     rid: str
     new_ids: list[int]
-    finished: dict | None = None
+    finished: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     new_logprobs: list = field(default_factory=list)        # [(logprob, id)] for new_ids

@@ -1,4 +1,4 @@
-"""The sampler: per-request penalties, min_new_tokens, temperature, top-k / top-p / min-p and seeded draws.
+"""The sampler: per-request penalties, logit bias, min_new_tokens, temperature, top-k / top-p / min-p and seeded draws.
 
 Legend: `B` requests (one logits row each), `V` vocabulary, `k` top log-probs asked for.
 """
@@ -45,6 +45,15 @@ def _stop_ids(p: SamplingParams, eos_token_ids: list[int], vocab_size: int) -> l
     return [t for t in ids if 0 <= t < vocab_size]
 
 
+def _bias_rows(biases: list[dict[int, float]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[B, V] f32: each row's logit_bias scattered into zeros."""
+    rows, ids = _index_rows([list(b) for b in biases], vocab_size, device)
+    values = torch.tensor([v for b in biases for v in b.values()], dtype=torch.float32, device=device)
+    out = torch.zeros(len(biases), vocab_size, dtype=torch.float32, device=device)
+    out[rows, ids] = values
+    return out
+
+
 @dataclass
 class SamplingBatch:
     """Per-batch sampling tensors, built for each step's batch (`build`).
@@ -70,6 +79,7 @@ class SamplingBatch:
     token_counts: torch.Tensor | None = None   # [B, V] int32: count of each token in the request's output
     seen_mask: torch.Tensor | None = None      # [B, V] bool: token in prompt or output (repetition penalty)
     stop_mask: torch.Tensor | None = None      # [B, V] bool: eos / stop_token_ids of rows with min_new_tokens
+    logit_bias: torch.Tensor | None = None     # [B, V] f32: added to the logits (OpenAI logit_bias)
 
     @property
     def batch_size(self) -> int:
@@ -89,8 +99,9 @@ class SamplingBatch:
         """Gather the per-request controls of a batch into tensors.
 
         Args:
-            params: one SamplingParams per request. Its `seed` wins when set; otherwise `seeds[b]` (the
-                scheduler draws one per request) is used. Either way the request keeps it for its lifetime.
+            params: one SamplingParams per request.
+            seeds: the request's sampling seed (RequestSpec.seed: its own or one the server drew), kept for
+                its lifetime.
             steps: tokens generated so far per request (== len(output_ids[b]) in the usual case).
             prompt_ids / output_ids: token ids so far (for penalties); only read when a row needs them.
             eos_token_ids: the model's eos ids; masked, with each row's stop_token_ids, while
@@ -117,8 +128,7 @@ class SamplingBatch:
             top_ks=torch.tensor(top_ks, dtype=torch.int32, device=device),
             min_ps=f32([p.min_p for p in params]),
             repetition_penalties=f32(rep), frequency_penalties=f32(freq), presence_penalties=f32(pres),
-            seeds=torch.tensor([_wrap_int64(p.seed if p.seed is not None else s) for p, s in zip(params, seeds)],
-                               dtype=torch.int64, device=device),
+            seeds=torch.tensor([_wrap_int64(s) for s in seeds], dtype=torch.int64, device=device),
             steps=torch.tensor(steps, dtype=torch.int64, device=device),
             min_new_tokens=torch.tensor([p.min_new_tokens for p in params], dtype=torch.int64, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -131,6 +141,8 @@ class SamplingBatch:
             batch.token_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         if need_rep:
             batch.seen_mask = _token_mask([p + o for p, o in zip(prompt_ids, output_ids)], vocab_size, device)
+        if any(p.logit_bias for p in params):
+            batch.logit_bias = _bias_rows([p.logit_bias or {} for p in params], vocab_size, device)
         if any(p.min_new_tokens > s for p, s in zip(params, steps)):
             batch.stop_mask = _token_mask([_stop_ids(p, eos_token_ids, vocab_size) for p in params],
                                           vocab_size, device)
@@ -192,7 +204,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: 
 class Sampler:
     """Turns the last-token logits of a batch into next token ids (and raw log-probs when asked).
 
-    Per row, in order: penalties -> min_new_tokens masking of stop ids -> temperature -> top-k -> top-p ->
+    Per row, in order: penalties -> logit bias -> min_new_tokens masking of stop ids -> temperature -> top-k -> top-p ->
     min-p -> Gumbel-max draw keyed by (seed, step, token id). Greedy rows (temperature 0 or top_k 1) take
     the argmax of the penalised logits (ties: lowest id). A request's token depends only on its own logits,
     params, seed and step: never on the other requests of the batch or on its row.
@@ -210,6 +222,8 @@ class Sampler:
         assert logits.shape == (batch.batch_size, batch.vocab_size), \
             f"logits {tuple(logits.shape)} do not match the batch ({batch.batch_size}, {batch.vocab_size})"
         x = apply_penalties(logits, batch) if batch.need_penalties else logits
+        if batch.logit_bias is not None:
+            x = x + batch.logit_bias
         stop = batch.min_tokens_mask
         if stop is not None:
             x = x.masked_fill(stop, float("-inf"))

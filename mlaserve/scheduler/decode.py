@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mlaserve.core import Batch, ForwardMode, Req
+from mlaserve.core import Batch, FinishReason, ForwardMode, Req
 
 if TYPE_CHECKING:
     from mlaserve.scheduler.scheduler import Scheduler
@@ -24,6 +24,11 @@ def plan_decode(sched: "Scheduler") -> Batch | None:
     if sched.running and sched.kv.available() < len(sched.running):
         sched.drain()                         # retraction needs every request's tokens on the CPU
     while sched.running and sched.kv.available() < len(sched.running):
+        if len(sched.running) == 1 and sched.chunked is None:
+            # NOTE: alone it would never fit after a retraction either (check_request prevents this): end it
+            req = sched.running[0]
+            sched.end(req, FinishReason("length", length=len(req.output_ids)))
+            break
         newest = max(sched.running, key=lambda r: r.arrival)
         retract(sched, newest)
         sched.new_token_ratio = min(1.0, sched.new_token_ratio + 0.1)

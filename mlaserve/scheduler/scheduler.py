@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 import traceback
 
 from mlaserve.config import ServerConfig
 from mlaserve.config_resolve import resolved_args
-from mlaserve.core import Batch, ForwardMode, Req
+from mlaserve.core import Batch, FinishReason, ForwardMode, Req, RequestError, RequestLimits, check_request
 from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve_for_device
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
@@ -21,6 +20,8 @@ from mlaserve.scheduler.decode import plan_decode
 from mlaserve.scheduler.prefill import plan_prefill
 
 logger = logging.getLogger(__name__)
+
+MAX_STEP_FAILURES = 3     # consecutive failed steps before the scheduler gives up (the server then exits)
 
 
 class Scheduler:
@@ -36,6 +37,8 @@ class Scheduler:
         self.runner.attach(self.kv.req_to_token)
         self.runner.init_cuda_graphs(self.kv.req_to_token, self.kv.req_pool.alloc())   # a row for padding
         self.eos_ids = set(self.runner.eos_ids())
+        self.limits = RequestLimits(self.context_len, self.kv.num_slots, self.runner.cfg.vocab_size)
+        self.live: dict[str, Req] = {}          # every unfinished request by rid, wherever it is
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -49,40 +52,28 @@ class Scheduler:
     # --- requests in ----------------------------------------------------------------------------
     def add_request(self, msg: m.GenerateReqMsg) -> None:
         req = Req(**msg.spec_fields(), arrival=time.monotonic())
-        error = self._validate(req)
-        if error:
-            self._finish(req, {"type": "abort", "message": error, "status_code": 400})
+        try:   # NOTE: the manager checked it already; this cheap re-check only guards the loop
+            req.params = check_request(req.input_ids, req.params, self.limits)
+        except RequestError as e:
+            self._finish(req, FinishReason("abort", message=e.message, status_code=e.status_code))
             return
-        room = self.context_len - len(req.input_ids)
-        if req.params.max_new_tokens > room:
-            req.params.max_new_tokens = room
         self.waiting.append(req)
+        self.live[req.rid] = req
 
-    def _validate(self, req: Req) -> str | None:
-        n = len(req.input_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.context_len:
-            return (f"the prompt has {n} tokens, this model's maximum context length is {self.context_len} "
-                    "tokens (prompt + at least one generated token)")
-        if n + 1 > self.kv.num_slots:
-            return f"the prompt has {n} tokens, more than the KV cache holds ({self.kv.num_slots} tokens)"
-        if max(req.input_ids) >= self.runner.cfg.vocab_size or min(req.input_ids) < 0:
-            return f"input_ids must be in [0, {self.runner.cfg.vocab_size})"
-        return None
+    def abort(self, rid: str, reason: FinishReason = FinishReason("abort")) -> None:
+        """End request `rid` with `reason`, freeing its KV; a request not (or no longer) here still gets
+        `reason` sent when it is an error (its caller must not wait)."""
+        req = self.live.get(rid)
+        if req is not None:
+            self.end(req, reason)
+        elif reason.status_code is not None:
+            self.outbox.append(m.ReqOutput(rid=rid, new_ids=[], finished=reason))
 
-    def abort(self, rid: str) -> None:
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self.kv.release(req)
-                self._finish(req, {"type": "abort"})
-                return
-        for req in list(self.running) + ([self.chunked] if self.chunked else []):
-            if req.rid == rid:
-                self._drop(req)
-                self._finish(req, {"type": "abort"})
-                return
+    def fail_all(self, message: str) -> None:
+        """End every request with a 500 (after a step failed: none of their states can be trusted)."""
+        self.pending = None
+        for req in list(self.live.values()):
+            self.end(req, FinishReason("abort", message=message, status_code=500))
 
     def flush_cache(self) -> bool:
         if self.running or self.waiting or self.chunked or self.pending:
@@ -105,16 +96,28 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             if req.finished is not None:      # aborted while its step ran
                 continue
-            if batch.mode is ForwardMode.EXTEND:
-                self.stats["prompt_tokens"] += batch.extend_lens[i]
-                req.input_logprobs += out.input_logprobs[i]
-                req.input_top_logprobs += out.input_top[i]
-            tok = out.next_ids[i]
-            if tok is None:
-                continue
-            self._append(req, tok, out.next_logprobs[i], out.next_top[i])
-            if req.finished is None and batch.mode is ForwardMode.EXTEND:
-                self.running.append(req)
+            try:
+                self._process_one(batch, out, i, req)
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                logger.exception("processing request %s failed", req.rid)
+                self.end(req, FinishReason("abort", message=f"internal error: {type(e).__name__}: {e}",
+                                            status_code=500))
+
+    def _process_one(self, batch: Batch, out: StepOutput, i: int, req: Req) -> None:
+        if batch.mode is ForwardMode.EXTEND:
+            self.stats["prompt_tokens"] += batch.extend_lens[i]
+            req.input_logprobs += out.input_logprobs[i]
+            req.input_top_logprobs += out.input_top[i]
+        tok = out.next_ids[i]
+        if tok is None:
+            return
+        if req.params.max_new_tokens == 0:    # prompt scoring only: the sampled token is dropped
+            self._drop(req)
+            self._finish(req, FinishReason("length", length=0))
+            return
+        self._append(req, tok, out.next_logprobs[i], out.next_top[i])
+        if req.finished is None and batch.mode is ForwardMode.EXTEND:
+            self.running.append(req)
 
     def step(self) -> list[m.ReqOutput]:
         """One scheduling iteration; returns what it produced for the tokenizer manager.
@@ -164,9 +167,9 @@ class Scheduler:
         n = len(req.output_ids)
         if n >= p.min_new_tokens and ((tok in self.eos_ids and not p.ignore_eos)
                                       or (p.stop_token_ids and tok in p.stop_token_ids)):
-            finished = {"type": "stop", "matched": tok}
+            finished = FinishReason("stop", matched=tok)
         elif n >= p.max_new_tokens:
-            finished = {"type": "length", "length": p.max_new_tokens}
+            finished = FinishReason("length", length=p.max_new_tokens)
         if first:
             self.stats["cached_tokens"] += req.cached_tokens
         if finished is not None:
@@ -175,6 +178,13 @@ class Scheduler:
         else:
             self._emit(req)
 
+    def end(self, req: Req, reason: FinishReason) -> None:
+        """Finish `req` with `reason` wherever it is (queue, batch, prompt chunk), freeing its KV."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._drop(req)
+        self._finish(req, reason)
+
     def _drop(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
@@ -182,8 +192,9 @@ class Scheduler:
             self.chunked = None
         self.kv.release(req)
 
-    def _finish(self, req: Req, reason: dict) -> None:
+    def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished = reason
+        self.live.pop(req.rid, None)
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
@@ -238,21 +249,53 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
     watchdog = Watchdog(server.sched.watchdog_timeout)
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
+    failures = 0
     while True:
         busy = sched.has_work
         if busy or poller.poll(timeout=50):
             while recv.poll(timeout=0):
-                reply = _handle(sched, m.decode(recv.recv()))
+                reply = _handle(sched, recv.recv())
                 if reply is not None:
                     send.send(m.encode(reply))
         watchdog.beat()
-        outputs = sched.step() if sched.has_work else sched.step_outbox()
+        outputs, failures = _step(sched, failures)
         watchdog.idle()
         if outputs:
             send.send(m.encode(m.BatchOutMsg(outputs)))
 
 
-def _handle(sched: Scheduler, msg: object) -> object | None:
+def _step(sched: Scheduler, failures: int) -> tuple[list[m.ReqOutput], int]:
+    """One loop iteration's step; a failing step fails the requests in flight (500) and the loop goes on,
+    unless steps keep failing (then the process exits and the server with it)."""
+    try:
+        return (sched.step() if sched.has_work else sched.step_outbox()), 0
+    except Exception as e:  # noqa: BLE001 - isolated to the requests in flight
+        if failures + 1 >= MAX_STEP_FAILURES:
+            raise
+        logger.exception("a scheduler step failed; ending the requests in flight")
+        sched.fail_all(f"internal error in a scheduler step: {type(e).__name__}: {e}")
+        return sched.step_outbox(), failures + 1
+
+
+def _handle(sched: Scheduler, data: bytes) -> object | None:
+    """Apply one message from the manager; an error ends only the request it concerns."""
+    msg = None
+    try:
+        msg = m.decode(data)
+        return _apply(sched, msg)
+    except Exception as e:  # noqa: BLE001 - isolated to this message
+        logger.exception("handling %s failed", type(msg).__name__)
+        error = f"internal error: {type(e).__name__}: {e}"
+        if isinstance(msg, (m.GenerateReqMsg, m.AbortReqMsg)):
+            sched.abort(msg.rid, FinishReason("abort", message=error, status_code=500))
+        elif isinstance(msg, m.FlushCacheReqMsg):
+            return m.FlushCacheRespMsg(False)
+        elif isinstance(msg, m.GetStatsReqMsg):
+            return m.StatsMsg({"error": error})
+        return None
+
+
+def _apply(sched: Scheduler, msg: object) -> object | None:
     if isinstance(msg, m.GenerateReqMsg):
         sched.add_request(msg)
     elif isinstance(msg, m.AbortReqMsg):
@@ -284,6 +327,3 @@ class Watchdog:
                 logger.error("watchdog: a scheduler step has run for over %.0f s; exiting", self.timeout)
                 os._exit(3)
 
-
-def new_seed() -> int:
-    return random.getrandbits(63)

@@ -12,35 +12,46 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from pydantic import ValidationError
+
 from mlaserve.config import ConfigError, ServerConfig
 from mlaserve.config_resolve import http_only_flags
+from mlaserve.core import RequestError, SamplingParams
 from mlaserve.server.launch import (NO_MAIN_GUARD_MESSAGE, LaunchError, launch_backend,
                                     refuse_spawned_reimport)
 from mlaserve.server.manager import GenerateInput
+from mlaserve.server.protocol import GenerateRequest, request_error
 
 logger = logging.getLogger(__name__)
 
 
-def split_inputs(prompt: Any, input_ids: Any, sampling_params: Any) -> tuple[list[dict], bool]:
-    """Normalise the Engine's single-or-batch arguments into per-request kwargs; returns (items, is_batch)."""
-    if prompt is not None and input_ids is not None:
-        raise ValueError("give either prompt or input_ids, not both")
-    if isinstance(prompt, list):
-        items, batch = [{"text": p} for p in prompt], True
-    elif input_ids is not None and input_ids and isinstance(input_ids[0], list):
-        items, batch = [{"input_ids": ids} for ids in input_ids], True
+def native_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
+    """The native request (/generate, Engine.generate) as one GenerateInput per prompt; returns (inputs, is_batch)."""
+    if isinstance(req.text, list):
+        prompts, batch = [{"text": t} for t in req.text], True
+    elif req.input_ids and isinstance(req.input_ids[0], list):
+        prompts, batch = [{"input_ids": ids} for ids in req.input_ids], True
     else:
-        items, batch = [{"text": prompt, "input_ids": input_ids}], False
-    params = sampling_params or {}
-    if isinstance(params, list):
-        if len(params) != len(items):
-            raise ValueError(f"{len(params)} sampling_params for {len(items)} prompts")
-        for it, p in zip(items, params):
-            it["sampling_params"] = dict(p)
-    else:
-        for it in items:
-            it["sampling_params"] = dict(params)
-    return items, batch
+        prompts, batch = [{"text": req.text, "input_ids": req.input_ids}], False
+    params = req.sampling_params if req.sampling_params is not None else SamplingParams()
+    if isinstance(params, list) and len(params) != len(prompts):
+        raise RequestError(f"{len(params)} sampling_params for {len(prompts)} prompts", "sampling_params")
+    if req.stream and batch:
+        raise RequestError("stream takes a single prompt", "stream")
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    return [GenerateInput(**p, sampling_params=sp, return_logprob=req.return_logprob,
+                          logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
+                          stream=req.stream, rid=None if batch else req.rid) for p, sp in zip(prompts, each)], batch
+
+
+def engine_inputs(**fields: Any) -> tuple[list[GenerateInput], bool]:
+    """`native_inputs` of Engine.generate's arguments; a wrong one raises RequestError naming it."""
+    fields["text"] = fields.pop("prompt")
+    try:
+        req = GenerateRequest.model_validate(fields)
+    except ValidationError as e:
+        raise request_error(e) from None
+    return native_inputs(req)
 
 
 class Engine:
@@ -80,17 +91,17 @@ class Engine:
                  logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
                  rid: str | None = None) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (-> dict) or a batch (-> list of dicts); `stream=True` (one prompt)
-        returns an iterator of cumulative snapshots."""
-        items, batch = split_inputs(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                      top_logprobs_num=top_logprobs_num)
-        objs = [GenerateInput(**it, **common, rid=rid if not batch else None) for it in items]
+        returns an iterator of cumulative snapshots.
+
+        Raises RequestError naming the field for a bad argument (as /generate answers 400), EngineDeadError
+        when the scheduler process is gone."""
+        objs, batch = engine_inputs(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+                                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                    top_logprobs_num=top_logprobs_num, stream=stream, rid=rid)
+        reqs = self._call(self._prepare(objs))
         if stream:
-            if batch:
-                raise ValueError("stream=True takes a single prompt")
-            objs[0].stream = True
-            return self._stream_sync(objs[0])
-        results = self._call(self._gather(objs))
+            return self._stream_sync(reqs[0])
+        results = self._call(self._gather(reqs))
         return results if batch else results[0]
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -98,29 +109,33 @@ class Engine:
                              logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
                              rid: str | None = None) -> dict | list[dict] | AsyncIterator[dict]:
         """The awaitable form of `generate` (callable from any event loop)."""
-        items, batch = split_inputs(prompt, input_ids, sampling_params)
-        objs = [GenerateInput(**it, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                              top_logprobs_num=top_logprobs_num, rid=rid if not batch else None) for it in items]
+        objs, batch = engine_inputs(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+                                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                    top_logprobs_num=top_logprobs_num, stream=stream, rid=rid)
+        reqs = await self._on_loop(self._prepare(objs))
         if stream:
-            if batch:
-                raise ValueError("stream=True takes a single prompt")
-            objs[0].stream = True
-            return self._stream_async(objs[0])
-        futs = [asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._final(o), self.loop)) for o in objs]
+            return self._stream_async(reqs[0])
+        futs = [self._on_loop(self._final(r)) for r in reqs]
         results = await asyncio.gather(*futs)
         return list(results) if batch else results[0]
 
-    async def _gather(self, objs: list[GenerateInput]) -> list[dict]:
-        return list(await asyncio.gather(*(self._final(o) for o in objs)))
+    def _on_loop(self, coro) -> asyncio.Future:
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
-    async def _final(self, obj: GenerateInput) -> dict:
+    async def _prepare(self, objs: list[GenerateInput]) -> list:
+        return [self.manager.prepare(o) for o in objs]
+
+    async def _gather(self, reqs: list) -> list[dict]:
+        return list(await asyncio.gather(*(self._final(r) for r in reqs)))
+
+    async def _final(self, req) -> dict:
         result = None
-        async for result in self.manager.generate(obj):
+        async for result in self.manager.generate(req):
             pass
         return result
 
-    def _stream_sync(self, obj: GenerateInput) -> Iterator[dict]:
-        agen = self.manager.generate(obj)
+    def _stream_sync(self, req) -> Iterator[dict]:
+        agen = self.manager.generate(req)
         try:
             while True:
                 try:
@@ -130,8 +145,8 @@ class Engine:
         finally:                      # an abandoned stream aborts its request
             self._call(agen.aclose())
 
-    async def _stream_async(self, obj: GenerateInput) -> AsyncIterator[dict]:
-        agen = self.manager.generate(obj)
+    async def _stream_async(self, req) -> AsyncIterator[dict]:
+        agen = self.manager.generate(req)
         try:
             while True:
                 fut = asyncio.run_coroutine_threadsafe(_next(agen), self.loop)

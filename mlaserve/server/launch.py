@@ -195,7 +195,8 @@ def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, Tokenize
     handle = None
     try:
         handle = start_scheduler(server, path, send_addr, recv_addr)
-        return path, handle, TokenizerManager(tokenizer, send_addr, recv_addr, handle.info)
+        return path, handle, TokenizerManager(tokenizer, send_addr, recv_addr, handle.info, seed=server.load.seed,
+                                              alive=handle.alive)
     except BaseException:
         if handle is not None:
             handle.stop()

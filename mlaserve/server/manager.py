@@ -1,5 +1,6 @@
-"""The tokenizer manager (main process): tokenize, send requests to the scheduler over ZeroMQ, receive token
-ids, detokenize incrementally, apply stop strings, and stream results to callers (Engine API and HTTP).
+"""The tokenizer manager (main process): tokenize and check requests, send them to the scheduler over ZeroMQ,
+receive token ids, detokenize incrementally, apply stop strings, and stream results to callers (Engine API and
+HTTP). An error in one request's output ends that request only; a dead scheduler fails every request at once.
 """
 from __future__ import annotations
 
@@ -8,36 +9,43 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from mlaserve.core import SamplingParams
+from mlaserve.core import FinishReason, RequestError, RequestLimits, SamplingParams, check_request
 from mlaserve.ipc import messages as m
 from mlaserve.tokenizer import Tokenizer
-from mlaserve.tokenizer.detokenize import IncrementalDetokenizer, find_stop, stop_holdback
+from mlaserve.tokenizer.detokenize import IncrementalDetokenizer, StopStream
 
 logger = logging.getLogger(__name__)
 
+WATCH_INTERVAL_S = 0.2        # how often the scheduler process is checked for life
+CONTROL_TIMEOUT_S = 60.0      # the longest a flush / stats request waits for the scheduler's answer
 
-class RequestError(ValueError):
-    """A request the engine refuses (the message is for the user; `param` names the field)."""
+__all__ = ["EngineDeadError", "GenerateInput", "RequestError", "TokenizerManager"]
 
-    def __init__(self, message: str, param: str | None = None, status_code: int = 400):
-        super().__init__(message)
-        self.param, self.status_code = param, status_code
+
+class EngineDeadError(RuntimeError):
+    """The scheduler (or the manager's receive loop) is gone: no request can be served (HTTP 503)."""
+
+    status_code, param = 503, None
+
+    @property
+    def message(self) -> str:
+        return str(self)
 
 
 @dataclass
 class GenerateInput:
-    """One request in the Engine's / native /generate shape."""
+    """One request in the Engine's / native /generate shape (sampling parameters already validated)."""
 
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = field(default_factory=dict)
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -47,16 +55,14 @@ class GenerateInput:
 
 @dataclass
 class _State:
-    rid: str
-    params: SamplingParams
-    prompt_ids: list[int]
+    req: m.GenerateReqMsg
     detok: IncrementalDetokenizer
+    stops: StopStream
     queue: asyncio.Queue
     created: float
     text: str = ""                # final text so far (stop strings already applied)
-    pending: str = ""             # decoded text held back (may still become a stop string)
     ids: list[int] = field(default_factory=list)
-    finished: dict | None = None
+    finished: FinishReason | None = None
     meta: dict = field(default_factory=dict)
     out_logprobs: list = field(default_factory=list)
     out_top: list = field(default_factory=list)
@@ -65,84 +71,106 @@ class _State:
 
 
 class TokenizerManager:
+    """Args:
+        info: what the scheduler reported when ready (context_length, max_total_tokens, vocab_size, ...).
+        seed: seeds the RNG that draws the sampling seed of every request without one (--seed).
+        alive: tells whether the scheduler process still runs (None: not watched).
+    """
+
     def __init__(self, tokenizer: Tokenizer, send_addr: str, recv_addr: str, info: dict,
-                 metrics: Any | None = None):
+                 metrics: Any | None = None, *, seed: int = 0, alive: Callable[[], bool] | None = None):
         self.tokenizer, self.info, self.metrics = tokenizer, info, metrics
-        self.context_len: int = info["context_length"]
-        self.max_total_tokens: int = info["max_total_tokens"]
+        self.limits = RequestLimits(info["context_length"], info["max_total_tokens"], info["vocab_size"])
         self.ctx = zmq.asyncio.Context()
         self.send = self.ctx.socket(zmq.PUSH)
         self.send.bind(send_addr)
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(recv_addr)
         self.states: dict[str, _State] = {}
+        self.dead: str | None = None          # why no request can be served any more
+        self._seeds = random.Random(seed)
+        self._alive = alive
         self._replies: asyncio.Queue | None = None
         self._control: asyncio.Lock | None = None      # one control request (flush / stats) in flight at a time
-        self._loop_task: asyncio.Task | None = None
+        self._dead_fut: asyncio.Future | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def context_len(self) -> int:
+        return self.limits.context_len
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.limits.max_total_tokens
 
     def start(self) -> None:
-        """Start the receive loop on the running event loop."""
-        self._replies = asyncio.Queue()
-        self._control = asyncio.Lock()
-        self._loop_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        """Start the receive loop (and the scheduler watch) on the running event loop."""
+        loop = asyncio.get_running_loop()
+        self._replies, self._control, self._dead_fut = asyncio.Queue(), asyncio.Lock(), loop.create_future()
+        self._spawn(self._recv_loop())
+        if self._alive is not None:
+            self._spawn(self._watch())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # --- requests ---------------------------------------------------------------------------------
-    def _prepare(self, obj: GenerateInput) -> tuple[list[int], SamplingParams]:
+    def prepare(self, obj: GenerateInput) -> m.GenerateReqMsg:
+        """Tokenize and check one request (the only check on its path) and choose its seed.
+
+        Raises RequestError naming the field (`text` / `input_ids`, `max_new_tokens`, `logit_bias`), or
+        EngineDeadError."""
+        self._check_alive()
         if obj.input_ids is not None:
             ids = list(obj.input_ids)
         elif obj.text is not None:
             ids = self.tokenizer.encode(obj.text)
         else:
-            raise RequestError("either text (prompt) or input_ids is required", "prompt")
+            raise RequestError("either text (prompt) or input_ids is required", "text")
         try:
-            params = SamplingParams(**obj.sampling_params)
-        except TypeError as e:
-            raise RequestError(f"unknown sampling parameter: {e}", "sampling_params") from None
-        except ValueError as e:
-            raise RequestError(str(e), str(e).split("=")[0]) from None
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        if len(ids) >= self.context_len:
-            raise RequestError(f"This model's maximum context length is {self.context_len} tokens; the prompt has "
-                               f"{len(ids)} tokens.", "messages" if obj.text is None else "prompt")
-        if len(ids) + 1 > self.max_total_tokens:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
-                               f"({self.max_total_tokens} tokens)", "prompt")
-        vocab = self.info["vocab_size"]
-        if any(not 0 <= t < vocab for t in ids):
-            raise RequestError(f"input_ids must be in [0, {vocab})", "input_ids")
-        return ids, params
+            params = check_request(ids, obj.sampling_params, self.limits)
+        except RequestError as e:
+            raise (e if obj.input_ids is not None else e.renamed({"input_ids": "text"})) from None
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        return m.GenerateReqMsg(obj.rid or uuid.uuid4().hex, ids, params, seed, obj.return_logprob,
+                                obj.logprob_start_len, obj.top_logprobs_num, obj.stream)
 
-    async def generate(self, obj: GenerateInput) -> AsyncIterator[dict]:
-        """Yield the request's result: cumulative snapshots when streaming, else only the final one."""
-        ids, params = self._prepare(obj)
-        rid = obj.rid or uuid.uuid4().hex
-        if rid in self.states:
-            raise RequestError(f"request id {rid!r} is already running", "rid")
-        state = _State(rid, params, ids, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                       asyncio.Queue(), time.monotonic())
-        self.states[rid] = state
-        msg = m.GenerateReqMsg(rid, ids, params, params.seed if params.seed is not None else random.getrandbits(63),
-                               obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num, obj.stream)
-        await self.send.send(m.encode(msg))
+    async def generate(self, req: m.GenerateReqMsg) -> AsyncIterator[dict]:
+        """Run a prepared request; yield cumulative snapshots when streaming, else only the final one."""
+        self._check_alive()
+        if req.rid in self.states:
+            raise RequestError(f"request id {req.rid!r} is already running", "rid")
+        p = req.params
+        state = _State(req, IncrementalDetokenizer(self.tokenizer, req.input_ids, p.skip_special_tokens),
+                       StopStream(p.stop, keep_stop=p.no_stop_trim), asyncio.Queue(), time.monotonic())
+        self.states[req.rid] = state
         try:
+            await self._send(req)
             while True:
                 await state.queue.get()
                 while not state.queue.empty():
                     state.queue.get_nowait()
                 done = state.finished is not None   # NOTE: read before yielding; it may change meanwhile
-                if obj.stream or done:
-                    yield self._snapshot(state, obj)
+                if not done and self.dead is not None:
+                    raise EngineDeadError(self.dead)
+                if req.stream or done:
+                    yield self._snapshot(state)
                 if done:
                     return
         finally:
-            if state.finished is None:          # the caller went away: abort and free its KV
-                state.finished = {"type": "abort"}
-                await self.abort(rid)
-            self.states.pop(rid, None)
+            if state.finished is None and self.dead is None:   # the caller went away: abort and free its KV
+                state.finished = FinishReason("abort")
+                await self.abort(req.rid)
+            self.states.pop(req.rid, None)
 
     async def abort(self, rid: str) -> None:
-        await self.send.send(m.encode(m.AbortReqMsg(rid)))
+        if self.dead is None:
+            try:
+                await self._send(m.AbortReqMsg(rid))
+            except EngineDeadError:
+                pass
 
     async def flush_cache(self) -> bool:
         return (await self._request(m.FlushCacheReqMsg())).ok
@@ -152,31 +180,76 @@ class TokenizerManager:
 
     async def _request(self, msg: object) -> Any:
         async with self._control:         # NOTE: replies carry no id: never two control requests at once
-            await self.send.send(m.encode(msg))
-            return await asyncio.wait_for(self._replies.get(), timeout=60)
+            await self._send(msg)
+            reply = asyncio.ensure_future(self._replies.get())
+            await asyncio.wait({reply, self._dead_fut}, timeout=CONTROL_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if reply.done():
+                return reply.result()
+            reply.cancel()
+            self._check_alive()
+            raise TimeoutError(f"the scheduler did not answer in {CONTROL_TIMEOUT_S:.0f} s")
+
+    async def _send(self, msg: object) -> None:
+        """Send to the scheduler; never waits forever (a PUSH with no live peer blocks until one connects)."""
+        self._check_alive()
+        sent = self.send.send(m.encode(msg))
+        if not sent.done():
+            await asyncio.wait({sent, self._dead_fut}, return_when=asyncio.FIRST_COMPLETED)
+            if not sent.done():
+                sent.cancel()
+                self._check_alive()
+        sent.result()
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    # --- death -----------------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while self._alive():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        self._die("the scheduler process is not running")
+
+    def _die(self, reason: str) -> None:
+        """Fail every request in flight and every later one with EngineDeadError(reason)."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        self._dead_fut.set_result(None)
+        for state in self.states.values():
+            state.queue.put_nowait(None)
 
     # --- results ------------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
-        while True:
-            msg = m.decode(await self.recv.recv())
-            if isinstance(msg, m.BatchOutMsg):
-                for out in msg.outputs:
-                    state = self.states.get(out.rid)
-                    if state is not None and state.finished is None:
-                        self._update(state, out)
-                        state.queue.put_nowait(None)
-            else:
-                self._replies.put_nowait(msg)
+        try:
+            while True:
+                msg = m.decode(await self.recv.recv())
+                if isinstance(msg, m.BatchOutMsg):
+                    for out in msg.outputs:
+                        self._deliver(out)
+                else:
+                    self._replies.put_nowait(msg)
+        except Exception as e:  # noqa: BLE001 - a dead loop fails every request; the server then exits
+            logger.debug("the receive loop failed", exc_info=True)
+            self._die(f"the tokenizer manager's receive loop failed: {type(e).__name__}: {e}")
+
+    def _deliver(self, out: m.ReqOutput) -> None:
+        """Apply one request's output; an error here ends that request only (500)."""
+        state = self.states.get(out.rid)
+        if state is None or state.finished is not None:
+            return
+        try:
+            self._update(state, out)
+        except Exception as e:  # noqa: BLE001 - isolated to this request
+            logger.exception("request %s: handling its output failed", out.rid)
+            state.finished = FinishReason("abort", message=f"internal error: {type(e).__name__}: {e}",
+                                          status_code=500)
+            self._spawn(self.abort(out.rid))
+        state.queue.put_nowait(None)
 
     def _update(self, state: _State, out: m.ReqOutput) -> None:
-        now = time.monotonic()
-        if out.new_ids:
-            if state.first_token_time is None:
-                state.first_token_time = now
-                self._observe("ttft", now - state.created)
-            elif state.last_token_time is not None:
-                self._observe("itl", (now - state.last_token_time) / len(out.new_ids))
-            state.last_token_time = now
+        self._timing(state, out)
         state.meta.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
         if out.input_logprobs is not None:
             state.meta["input_token_logprobs"] = out.input_logprobs
@@ -186,50 +259,44 @@ class TokenizerManager:
             if out.new_logprobs:
                 state.out_logprobs.append(out.new_logprobs[i])
                 state.out_top.append(out.new_top_logprobs[i])
-            state.pending += state.detok.add([tok])
-            if self._apply_stop(state):
+            state.text += state.stops.add(state.detok.add([tok]))
+            if state.stops.stopped:
+                self._finish(state, FinishReason("stop", matched=state.stops.matched))
+                if out.finished is None:
+                    self._spawn(self.abort(state.req.rid))
                 return
         if out.finished is not None:
-            state.pending += state.detok.flush()
-            self._apply_stop(state)
-            if state.finished is None:
-                state.text += state.pending
-                state.pending = ""
-                state.finished = out.finished
-        elif state.params.stop:
-            keep = stop_holdback(state.pending, state.params.stop)
-            state.text += state.pending[: len(state.pending) - keep]
-            state.pending = state.pending[len(state.pending) - keep:]
-        else:
-            state.text += state.pending
-            state.pending = ""
-        if state.finished is not None:
-            self._observe("e2e", now - state.created)
+            state.text += state.stops.add(state.detok.flush())
+            if state.stops.stopped:
+                self._finish(state, FinishReason("stop", matched=state.stops.matched))
+            else:
+                state.text += state.stops.flush()
+                self._finish(state, out.finished)
 
-    def _apply_stop(self, state: _State) -> bool:
-        """Finish the request if its text now contains a stop string (trimmed unless no_stop_trim)."""
-        stops = state.params.stop
-        if not stops:
-            return False
-        full = state.text + state.pending
-        at = find_stop(full, stops)
-        if at is None:
-            return False
-        matched = next(s for s in stops if s and full.startswith(s, at))
-        state.text = full if state.params.no_stop_trim else full[:at]
-        state.pending = ""
-        state.finished = {"type": "stop", "matched": matched}
-        asyncio.get_running_loop().create_task(self.abort(state.rid))
-        return True
+    def _finish(self, state: _State, reason: FinishReason) -> None:
+        state.finished = reason
+        self._observe("e2e", time.monotonic() - state.created)
 
-    def _snapshot(self, state: _State, obj: GenerateInput) -> dict:
-        meta = {"id": state.rid, "finish_reason": state.finished, "prompt_tokens": len(state.prompt_ids),
-                "completion_tokens": len(state.ids), "cached_tokens": state.meta.get("cached_tokens", 0),
-                "e2e_latency": time.monotonic() - state.created}
-        if obj.return_logprob:
+    def _timing(self, state: _State, out: m.ReqOutput) -> None:
+        if not out.new_ids:
+            return
+        now = time.monotonic()
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self._observe("ttft", now - state.created)
+        elif state.last_token_time is not None:
+            self._observe("itl", (now - state.last_token_time) / len(out.new_ids))
+        state.last_token_time = now
+
+    def _snapshot(self, state: _State) -> dict:
+        req = state.req
+        meta = {"id": req.rid, "finish_reason": state.finished.to_json() if state.finished else None,
+                "prompt_tokens": len(req.input_ids), "completion_tokens": len(state.ids),
+                "cached_tokens": state.meta.get("cached_tokens", 0), "e2e_latency": time.monotonic() - state.created}
+        if req.return_logprob:
             meta["input_token_logprobs"] = state.meta.get("input_token_logprobs", [])
             meta["output_token_logprobs"] = list(state.out_logprobs)
-            if obj.top_logprobs_num:
+            if req.top_logprobs_num:
                 meta["input_top_logprobs"] = state.meta.get("input_top_logprobs", [])
                 meta["output_top_logprobs"] = list(state.out_top)
         return {"text": state.text, "output_ids": list(state.ids), "meta_info": meta}
@@ -239,10 +306,7 @@ class TokenizerManager:
             self.metrics.observe(name, value)
 
     async def aclose(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.ctx.destroy(linger=0)

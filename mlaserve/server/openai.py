@@ -18,14 +18,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from mlaserve.config import ServerConfig
-from mlaserve.server.engine import split_inputs
-from mlaserve.server.manager import GenerateInput, RequestError
+from mlaserve.core import SamplingParams
+from mlaserve.server.engine import native_inputs
+from mlaserve.server.manager import EngineDeadError, GenerateInput, RequestError
 from mlaserve.server.openai_chat import chat_completion, chat_inputs, chat_stream
-from mlaserve.server.openai_common import ServingContext, stream_error
+from mlaserve.server.openai_common import ServingContext, check_model
 from mlaserve.server.openai_completions import completion, completion_inputs, completion_stream
 from mlaserve.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
-    TokenizeRequest, error_body,
+    TokenizeRequest, describe_errors, error_body, field_name,
 )
 from mlaserve.server.sse import DONE, ClientGone, SSEResponse, collect, sse, unless_disconnected
 
@@ -50,14 +51,16 @@ def create_app(manager: Any, tokenizer: Any, server: ServerConfig, *, model_path
     """
     demo = server.load.model_path is None
     name = server.load.served_model_name or (DEMO_NAME if demo else server.load.model_path)
+    known = {name, server.load.model_path, model_path, DEMO_NAME if demo else None} - {None}
     ctx = ServingContext(manager, tokenizer, server, name, manager.context_len,
-                         getattr(manager, "max_total_tokens", None))
+                         getattr(manager, "max_total_tokens", None), frozenset(known))
     app = FastAPI(title="mlaserve", dependencies=[Depends(_check_request)])
     app.state.ctx, app.state.handle, app.state.metrics = ctx, handle, metrics
     app.state.model_path, app.state.demo = model_path, demo
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestError, _api_error)
+    app.add_exception_handler(EngineDeadError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
@@ -83,20 +86,9 @@ async def _check_request(request: Request) -> None:
 
 # --- errors ---------------------------------------------------------------------------------------------------
 
-def _error(message: str, param: str | None, status: int, type_: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, param, status, type_), status_code=status)
-
-
-def _param(loc: tuple) -> str | None:
-    """`("body", "messages", 0, "role")` -> "messages[0].role"; pydantic's union-member tags are dropped."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part.isidentifier() and not part[0].isupper() and part not in ("str", "int", "float", "bool", "list",
-                                                                              "dict", "none"):
-            out += f".{part}" if out else part
-    return out or None
+def _error(message: str, param: str | None, status: int, type_: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, param, status, type_, code), status_code=status)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -104,16 +96,13 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
         return _error(f"The request body is not valid JSON ({detail}).", None, 400)
-    param = _param(tuple(errors[0]["loc"]))
-    if param is None:
+    if field_name(tuple(errors[0]["loc"])) is None:
         return _error("The request body must be a JSON object (content-type: application/json).", None, 400)
-    msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errors
-                              if _param(tuple(e["loc"])) == param))
-    return _error(f"Invalid value for '{param}': {'; or '.join(msgs)}", param, 400)
+    return _error(*describe_errors(errors), 400)
 
 
-async def _api_error(request: Request, exc: APIError | RequestError) -> JSONResponse:
-    return _error(getattr(exc, "message", str(exc)), exc.param, exc.status_code)
+async def _api_error(request: Request, exc: APIError | RequestError | EngineDeadError) -> JSONResponse:
+    return _error(exc.message, exc.param, exc.status_code, getattr(exc, "type", None), getattr(exc, "code", None))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -142,6 +131,7 @@ async def list_models(request: Request) -> JSONResponse:
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
+    check_model(ctx, req.model)
     if req.stream:
         inputs, parse_tools = chat_inputs(req, ctx)
         return SSEResponse(chat_stream(req, ctx, inputs, parse_tools))
@@ -151,6 +141,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
+    check_model(ctx, req.model)
     if req.stream:
         inputs, prompts = completion_inputs(req, ctx)
         return SSEResponse(completion_stream(req, ctx, inputs, prompts))
@@ -163,18 +154,11 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 async def generate(req: GenerateRequest, request: Request) -> Response:
     """The Engine's request shape; the answer is the manager's snapshot (a list for a batch)."""
     ctx = _ctx(request)
-    try:
-        items, batch = split_inputs(req.text, req.input_ids, req.sampling_params)
-    except ValueError as e:
-        raise APIError(str(e), "sampling_params") from None
-    objs = [GenerateInput(**it, return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                          top_logprobs_num=req.top_logprobs_num, stream=req.stream,
-                          rid=None if batch else req.rid) for it in items]
+    objs, batch = native_inputs(req)
+    reqs = [ctx.manager.prepare(o) for o in objs]      # every check before anything runs or streams
     if req.stream:
-        if batch:
-            raise APIError("stream takes a single prompt", "stream")
-        return SSEResponse(_native_stream(ctx, objs[0]))
-    results = await unless_disconnected(request, collect([ctx.manager.generate(o) for o in objs]))
+        return SSEResponse(_native_stream(ctx, reqs[0]))
+    results = await unless_disconnected(request, collect([ctx.manager.generate(r) for r in reqs]))
     for r in results:
         fr = r["meta_info"]["finish_reason"] or {}
         if fr.get("type") == "abort":
@@ -182,32 +166,33 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
     return JSONResponse(results if batch else results[0])
 
 
-async def _native_stream(ctx: ServingContext, obj: GenerateInput) -> AsyncIterator[str]:
-    try:
-        async for snap in ctx.manager.generate(obj):
-            yield sse(snap)
-    except (APIError, RequestError) as e:
-        yield stream_error(e)
-        return
+async def _native_stream(ctx: ServingContext, req: Any) -> AsyncIterator[str]:
+    async for snap in ctx.manager.generate(req):
+        yield sse(snap)
     yield DONE
 
 
 # --- health, info, control -------------------------------------------------------------------------------------
 
-def _alive(request: Request) -> bool:
+def _dead(request: Request) -> str | None:
+    """Why requests cannot be served (the scheduler process or the manager's receive loop is gone), or None."""
     handle = request.app.state.handle
-    return handle is None or handle.alive()
+    if handle is not None and not handle.alive():
+        return "the scheduler process is not running"
+    return getattr(_ctx(request).manager, "dead", None)
 
 
 def _require_scheduler(request: Request) -> None:
-    if not _alive(request):
-        raise APIError("the scheduler process is not running", None, 503)
+    dead = _dead(request)
+    if dead is not None:
+        raise APIError(dead, None, 503)
 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if not _alive(request):
-        return _error("the scheduler process is not running", None, 503)
+    dead = _dead(request)
+    if dead is not None:
+        return _error(dead, None, 503)
     return Response(status_code=200)
 
 
@@ -217,9 +202,9 @@ async def health_generate(request: Request) -> Response:
     _require_scheduler(request)
     ctx = _ctx(request)
     obj = GenerateInput(input_ids=[ctx.tokenizer.bos_token_id or 0],
-                        sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+                        sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
     try:
-        await asyncio.wait_for(collect([ctx.manager.generate(obj)]), HEALTH_TIMEOUT_S)
+        await asyncio.wait_for(collect([ctx.manager.generate(ctx.manager.prepare(obj))]), HEALTH_TIMEOUT_S)
     except asyncio.TimeoutError:
         return _error(f"a one-token generation did not finish in {HEALTH_TIMEOUT_S:.0f} s", None, 503)
     return Response(status_code=200)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mlaserve.server.manager import GenerateInput, RequestError
+from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.server.manager import GenerateInput
 from mlaserve.server.openai_common import (
-    ServingContext, chat_logprobs, check_sampling, finish_reason, matched_stop, max_new_tokens, new_id, stream_end,
-    stream_error, usage,
+    ServingContext, chat_logprobs, finish_reason, matched_stop, new_id, prepare, stream_end, usage,
 )
 from mlaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from mlaserve.server.reasoning import create_reasoning_parser
@@ -78,31 +78,27 @@ def resolve_tools(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServingContext, tools: list[dict] | None) -> list[int]:
-    import jinja2
-
     messages = [m.to_template() for m in req.messages]
+    kwargs = req.chat_template_kwargs or {}
     try:
-        text = ctx.tokenizer.apply_chat_template(messages, tools, True, **(req.chat_template_kwargs or {}))
-    except jinja2.TemplateError as e:
-        raise APIError(f"the chat template rejected the messages: {e}", "messages") from None
+        text = ctx.tokenizer.apply_chat_template(messages, tools, True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the template runs on what the request sent
+        param = "chat_template_kwargs" if kwargs else "messages"
+        raise APIError(f"the chat template failed on this request: {type(e).__name__}: {e}", param) from None
     return ctx.tokenizer.encode(text, add_bos=False)
 
 
-def chat_inputs(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[GenerateInput], list[dict] | None]:
-    """One GenerateInput per choice, and the tools the parser accepts."""
+def chat_inputs(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[GenerateReqMsg], list[dict] | None]:
+    """One checked request per choice, and the tools the parser accepts."""
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError("response_format json_object / json_schema is not supported", "response_format.type")
     template_tools, parse_tools = resolve_tools(req, ctx)
     ids = chat_prompt_ids(req, ctx, template_tools)
-    max_new = max_new_tokens(ctx, len(ids), req.max_new_tokens, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else 0
-    inputs = []
-    for i in range(req.n):
-        params = req.sampling_params(max_new, i)
-        check_sampling(params)
-        inputs.append(GenerateInput(input_ids=ids, sampling_params=params, return_logprob=req.logprobs,
-                                    top_logprobs_num=top))
-    return inputs, parse_tools
+    inputs = [GenerateInput(input_ids=ids, sampling_params=req.sampling_params(req.max_new_tokens, i),
+                            return_logprob=req.logprobs, top_logprobs_num=top, stream=req.stream)
+              for i in range(req.n)]
+    return prepare(ctx, inputs, "messages"), parse_tools
 
 
 def _parser(ctx: ServingContext, parse_tools: list[dict] | None) -> ChoiceParser:
@@ -138,10 +134,10 @@ def _choice(i: int, snap: dict, req: ChatCompletionRequest, ctx: ServingContext,
 
 # --- streamed answer ---------------------------------------------------------------------------------------
 
-async def chat_stream(req: ChatCompletionRequest, ctx: ServingContext, inputs: list[GenerateInput],
+async def chat_stream(req: ChatCompletionRequest, ctx: ServingContext, inputs: list[GenerateReqMsg],
                       parse_tools: list[dict] | None) -> AsyncIterator[str]:
     """SSE chunks of every choice (role first, then deltas, then finish_reason), usage if asked, [DONE].
-    Errors after the headers went out are sent as an `{"error": ...}` event."""
+    Errors after the headers went out are sent as an `{"error": ...}` event (by SSEResponse)."""
     rid, n = new_id("chatcmpl"), len(inputs)
     base = {"id": rid, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model_name}
 
@@ -153,31 +149,24 @@ async def chat_stream(req: ChatCompletionRequest, ctx: ServingContext, inputs: l
     sent_text, sent_tokens, finals = [0] * n, [0] * n, [None] * n
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    for obj in inputs:
-        obj.stream = True
-    gens = [ctx.manager.generate(obj) for obj in inputs]
-    try:
-        async for i, snap in merge(gens):
-            meta, text = snap["meta_info"], snap["text"]
-            reason = finish_reason(meta)
-            reasoning, content, calls = parsers[i].stream(text[sent_text[i]:], final=reason is not None)
-            sent_text[i] = len(text)
-            logprobs = None
-            if req.logprobs:
-                lps = meta.get("output_token_logprobs", [])
-                tops = meta.get("output_top_logprobs")
-                k = sent_tokens[i]
-                logprobs = chat_logprobs(ctx.tokenizer, lps[k:], tops[k:] if tops else None)
-                sent_tokens[i] = len(lps)
-            delta = _delta(reasoning, content, calls)
-            if delta or (logprobs and logprobs["content"]):
-                yield chunk(i, delta, logprobs=logprobs)
-            if reason is not None:
-                finals[i] = snap
-                yield chunk(i, {}, tool_finish_reason(reason, parsers[i].made_calls))
-    except (APIError, RequestError) as e:
-        yield stream_error(e)
-        return
+    async for i, snap in merge([ctx.manager.generate(obj) for obj in inputs]):
+        meta, text = snap["meta_info"], snap["text"]
+        reason = finish_reason(meta)
+        reasoning, content, calls = parsers[i].stream(text[sent_text[i]:], final=reason is not None)
+        sent_text[i] = len(text)
+        logprobs = None
+        if req.logprobs:
+            lps = meta.get("output_token_logprobs", [])
+            tops = meta.get("output_top_logprobs")
+            k = sent_tokens[i]
+            logprobs = chat_logprobs(ctx.tokenizer, lps[k:], tops[k:] if tops else None)
+            sent_tokens[i] = len(lps)
+        delta = _delta(reasoning, content, calls)
+        if delta or (logprobs and logprobs["content"]):
+            yield chunk(i, delta, logprobs=logprobs)
+        if reason is not None:
+            finals[i] = snap
+            yield chunk(i, {}, tool_finish_reason(reason, parsers[i].made_calls))
     for event in stream_end(req, base, finals):
         yield event
 

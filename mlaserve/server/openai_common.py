@@ -1,5 +1,5 @@
-"""What the OpenAI chat and completions handlers share: the serving context, prompt / sampling checks, finish
-reasons, usage and log-prob formatting."""
+"""What the OpenAI chat and completions handlers share: the serving context, the model-name and request checks,
+finish reasons, usage and log-prob formatting."""
 from __future__ import annotations
 
 import time
@@ -8,19 +8,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlaserve.config import ServerConfig
-from mlaserve.core import SamplingParams
-from mlaserve.server.protocol import APIError, UsageInfo, error_body
+from mlaserve.core import RequestError
+from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.server.manager import GenerateInput
+from mlaserve.server.protocol import OPENAI_NAMES, APIError, UsageInfo
 from mlaserve.server.sse import DONE, sse
 from mlaserve.tokenizer import Tokenizer
-
-# SamplingParams names -> the API field a user wrote
-API_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 @dataclass
 class ServingContext:
     """Everything a handler needs. `manager` is a TokenizerManager, or a stand-in with the same
-    `generate` / `abort` / `flush_cache` / `get_stats` (tests script model output through one)."""
+    `prepare` / `generate` / `flush_cache` / `get_stats` (tests script model output through one)."""
 
     manager: Any
     tokenizer: Tokenizer
@@ -28,6 +27,7 @@ class ServingContext:
     model_name: str
     context_len: int
     max_total_tokens: int | None = None
+    model_names: frozenset[str] = frozenset()     # what a request's `model` may say
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -35,31 +35,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def max_new_tokens(ctx: ServingContext, n_prompt: int, max_tokens: int | None, prompt_param: str) -> int:
-    """Check the prompt against the context; the tokens left for output (all the room when `max_tokens` is None)."""
-    if n_prompt >= ctx.context_len:
-        raise APIError(f"This model's maximum context length is {ctx.context_len} tokens; the prompt has "
-                       f"{n_prompt} tokens (it must leave room for at least one generated token).", prompt_param)
-    if ctx.max_total_tokens is not None and n_prompt + 1 > ctx.max_total_tokens:
-        raise APIError(f"the prompt has {n_prompt} tokens, more than the KV cache holds ({ctx.max_total_tokens} "
-                       "tokens)", prompt_param)
-    room = ctx.context_len - n_prompt
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise APIError(f"max_tokens={max_tokens} is too large: this model's maximum context length is "
-                       f"{ctx.context_len} tokens and the prompt has {n_prompt}, so at most {room} can be "
-                       "generated.", "max_tokens")
-    return max_tokens
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    """OpenAI's 404 for a model this server does not serve (no model named is fine)."""
+    if model is not None and model not in ctx.model_names:
+        raise APIError(f"The model `{model}` does not exist (this server serves `{ctx.model_name}`).", "model", 404,
+                       type="invalid_request_error", code="model_not_found")
 
 
-def check_sampling(params: dict[str, Any]) -> None:
-    """Raise an APIError naming the field when SamplingParams rejects `params`."""
+def prepare(ctx: ServingContext, inputs: list[GenerateInput], prompt_param: str) -> list[GenerateReqMsg]:
+    """Every choice checked (the manager's one check) before any runs; errors in OpenAI names."""
+    names = {**OPENAI_NAMES, "input_ids": prompt_param}
     try:
-        SamplingParams(**params)
-    except ValueError as e:
-        name = str(e).split("=")[0]
-        raise APIError(str(e).replace(name, API_NAMES.get(name, name), 1), API_NAMES.get(name, name)) from None
+        return [ctx.manager.prepare(obj) for obj in inputs]
+    except RequestError as e:
+        raise e.renamed(names) from None
 
 
 def finish_reason(meta: dict) -> str | None:
@@ -71,13 +60,6 @@ def finish_reason(meta: dict) -> str | None:
         status = fr.get("status_code", 503)
         raise APIError(fr.get("message") or "the request was aborted by the server", None, status)
     return fr["type"]
-
-
-def stream_error(e: Exception) -> str:
-    """The last events of a stream that failed after its headers went out: an OpenAI error body, then [DONE]."""
-    status = getattr(e, "status_code", 500)
-    param = getattr(e, "param", None)
-    return sse(error_body(getattr(e, "message", str(e)), param, status)) + DONE
 
 
 def stream_end(req: Any, base: dict, finals: list) -> list[str]:

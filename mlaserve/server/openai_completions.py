@@ -4,45 +4,33 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from mlaserve.server.manager import GenerateInput, RequestError
+from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.server.manager import GenerateInput
 from mlaserve.server.openai_common import (
-    ServingContext, check_sampling, completion_logprobs, finish_reason, matched_stop, max_new_tokens, new_id,
-    stream_end, stream_error, usage,
+    ServingContext, completion_logprobs, finish_reason, matched_stop, new_id, prepare, stream_end, usage,
 )
 from mlaserve.server.protocol import APIError, CompletionRequest
 from mlaserve.server.sse import collect, merge, sse
 
 
-class Prompt:
-    """One prompt: its ids and the text `echo` returns."""
-
-    def __init__(self, ctx: ServingContext, prompt: str | list[int]):
-        if isinstance(prompt, str):
-            self.ids, self.text = ctx.tokenizer.encode(prompt), prompt
-        else:
-            self.ids, self.text = list(prompt), ctx.tokenizer.decode(prompt)
-
-
-def completion_inputs(req: CompletionRequest, ctx: ServingContext) -> tuple[list[GenerateInput], list[Prompt]]:
-    """One GenerateInput per choice (prompt-major), and the prompts."""
+def completion_inputs(req: CompletionRequest, ctx: ServingContext) -> tuple[list[GenerateReqMsg], list[str]]:
+    """One checked request per choice (prompt-major), and each prompt's text for `echo`."""
     if req.suffix:
         raise APIError("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of is not supported (only best_of == n)", "best_of")
-    prompts = [Prompt(ctx, p) for p in req.prompts()]
+    prompts = req.prompts()
     want_lp = req.logprobs is not None
     inputs = []
     for prompt in prompts:
-        if any(not 0 <= t < ctx.tokenizer.vocab_size for t in prompt.ids):
-            raise APIError(f"token ids in prompt must be in [0, {ctx.tokenizer.vocab_size})", "prompt")
-        max_new = max_new_tokens(ctx, len(prompt.ids), req.max_tokens, "prompt")
-        for j in range(req.n):
-            params = req.sampling_params(max_new, j)
-            check_sampling(params)
-            inputs.append(GenerateInput(input_ids=prompt.ids, sampling_params=params, return_logprob=want_lp,
-                                        logprob_start_len=0 if req.echo and want_lp else -1,
-                                        top_logprobs_num=req.logprobs or 0, stream=req.stream))
-    return inputs, prompts
+        ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        inputs += [GenerateInput(input_ids=ids, sampling_params=req.sampling_params(req.max_tokens, j),
+                                 return_logprob=want_lp, logprob_start_len=0 if req.echo and want_lp else -1,
+                                 top_logprobs_num=req.logprobs or 0, stream=req.stream) for j in range(req.n)]
+    reqs = prepare(ctx, inputs, "prompt")
+    # NOTE: token-id prompts are decoded only once checked (an id outside the vocabulary breaks the decoder)
+    texts = [(p if isinstance(p, str) else ctx.tokenizer.decode(p)) if req.echo else "" for p in prompts]
+    return reqs, texts
 
 
 def _logprobs(req: CompletionRequest, ctx: ServingContext, meta: dict, k: int, echo: bool) -> dict | None:
@@ -66,15 +54,15 @@ async def completion(req: CompletionRequest, ctx: ServingContext) -> dict:
     for i, snap in enumerate(snaps):
         meta = snap["meta_info"]
         reason = finish_reason(meta)
-        text = (prompts[i // req.n].text if req.echo else "") + snap["text"]
+        text = prompts[i // req.n] + snap["text"]
         choices.append({"index": i, "text": text, "logprobs": _logprobs(req, ctx, meta, 0, req.echo),
                         "finish_reason": reason, "matched_stop": matched_stop(meta)})
     return {"id": new_id("cmpl"), "object": "text_completion", "created": ctx.created, "model": ctx.model_name,
             "choices": choices, "usage": usage(snaps, req.n).model_dump()}
 
 
-async def completion_stream(req: CompletionRequest, ctx: ServingContext, inputs: list[GenerateInput],
-                            prompts: list[Prompt]) -> AsyncIterator[str]:
+async def completion_stream(req: CompletionRequest, ctx: ServingContext, inputs: list[GenerateReqMsg],
+                            prompts: list[str]) -> AsyncIterator[str]:
     """SSE chunks (the echoed prompt first), usage if asked, [DONE]."""
     n = len(inputs)
     base = {"id": new_id("cmpl"), "object": "text_completion", "created": ctx.created, "model": ctx.model_name}
@@ -84,21 +72,17 @@ async def completion_stream(req: CompletionRequest, ctx: ServingContext, inputs:
 
     sent_text, sent_tokens, finals = [0] * n, [0] * n, [None] * n
     echoed = [not req.echo] * n
-    try:
-        async for i, snap in merge([ctx.manager.generate(obj) for obj in inputs]):
-            meta, text = snap["meta_info"], snap["text"]
-            reason = finish_reason(meta)
-            logprobs = _logprobs(req, ctx, meta, sent_tokens[i], not echoed[i])
-            prefix = "" if echoed[i] else prompts[i // req.n].text
-            delta = prefix + text[sent_text[i]:]
-            echoed[i], sent_text[i] = True, len(text)
-            sent_tokens[i] = len(meta.get("output_token_logprobs", []))
-            if delta or reason is not None or (logprobs and logprobs["tokens"]):
-                yield chunk(i, delta, logprobs, reason)
-            if reason is not None:
-                finals[i] = snap
-    except (APIError, RequestError) as e:
-        yield stream_error(e)
-        return
+    async for i, snap in merge([ctx.manager.generate(obj) for obj in inputs]):
+        meta, text = snap["meta_info"], snap["text"]
+        reason = finish_reason(meta)
+        logprobs = _logprobs(req, ctx, meta, sent_tokens[i], not echoed[i])
+        prefix = "" if echoed[i] else prompts[i // req.n]
+        delta = prefix + text[sent_text[i]:]
+        echoed[i], sent_text[i] = True, len(text)
+        sent_tokens[i] = len(meta.get("output_token_logprobs", []))
+        if delta or reason is not None or (logprobs and logprobs["tokens"]):
+            yield chunk(i, delta, logprobs, reason)
+        if reason is not None:
+            finals[i] = snap
     for event in stream_end(req, base, finals):
         yield event

@@ -6,25 +6,34 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+from pydantic.functional_validators import AfterValidator
+
+from mlaserve.core import (
+    LogitBias, MaxNewTokens, MinP, Penalty, RepetitionPenalty, RequestError, SamplingParams, Seed, Stop, Temperature,
+    Text, TokenId, TopK, TopP, check_utf8,
+)
 
 MAX_N = 64              # most choices per request
 MAX_TOP_LOGPROBS = 20   # OpenAI's limit for chat top_logprobs
+# SamplingParams (SGLang) names -> the OpenAI request field a user wrote
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
-def _number(v: Any) -> Any:
-    # NOTE: pydantic's lax float accepts "0.5" and True; OpenAI rejects both
-    if isinstance(v, (str, bool)):
-        raise ValueError("Input should be a number")
-    return v
+def _utf8_deep(value: Any) -> Any:
+    if isinstance(value, str):
+        check_utf8(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _utf8_deep(k)
+            _utf8_deep(v)
+    elif isinstance(value, list):
+        for v in value:
+            _utf8_deep(v)
+    return value
 
 
-Number = Annotated[float, BeforeValidator(_number)]
-Temperature = Annotated[Number, Field(ge=0, le=2)]
-TopP = Annotated[Number, Field(gt=0, le=1)]
-Penalty = Annotated[Number, Field(ge=-2, le=2)]
-# NOTE: >= 1: the scheduler samples at least one token (max_tokens=0 with echo for prompt scoring is not served)
-MaxTokens = Annotated[StrictInt, Field(ge=1)]
+JSONObject = Annotated[dict[Text, Any], AfterValidator(_utf8_deep)]
 
 
 class APIModel(BaseModel):
@@ -34,13 +43,13 @@ class APIModel(BaseModel):
 # --- errors -----------------------------------------------------------------------------------------
 
 class APIError(Exception):
-    """An error returned to the client in OpenAI's shape."""
+    """An error returned to the client in OpenAI's shape (`code`: OpenAI's error code, default the status)."""
 
     def __init__(self, message: str, param: str | None = None, status_code: int = 400,
-                 type: str | None = None):
+                 type: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message, self.param, self.status_code = message, param, status_code
-        self.type = type or error_type(status_code)
+        self.type, self.code = type or error_type(status_code), code
 
 
 def error_type(status_code: int) -> str:
@@ -48,10 +57,37 @@ def error_type(status_code: int) -> str:
         status_code, "invalid_request_error" if status_code < 500 else "internal_server_error")
 
 
-def error_body(message: str, param: str | None, status_code: int, type: str | None = None) -> dict:
-    """`{"error": {"message", "type", "param", "code"}}`, as OpenAI's API answers (code: the HTTP status)."""
+def error_body(message: str, param: str | None, status_code: int, type: str | None = None,
+               code: str | None = None) -> dict:
+    """`{"error": {"message", "type", "param", "code"}}`, as OpenAI's API answers (code: the HTTP status unless
+    OpenAI names one, e.g. "model_not_found")."""
     return {"error": {"message": message, "type": type or error_type(status_code), "param": param,
-                      "code": status_code}}
+                      "code": code or status_code}}
+
+
+def field_name(loc: tuple) -> str | None:
+    """`("body", "messages", 0, "role")` -> "messages[0].role"; pydantic's type / union tags are dropped."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and not part[0].isupper() and part not in ("str", "int", "float", "bool", "list",
+                                                                              "dict", "none"):
+            out += f".{part}" if out else part
+    return out or None
+
+
+def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors: the first field named, with every complaint about it."""
+    param = field_name(tuple(errors[0]["loc"]))
+    msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errors
+                              if field_name(tuple(e["loc"])) == param))
+    return f"Invalid value for '{param}': {'; or '.join(msgs)}", param
+
+
+def request_error(e: ValidationError) -> RequestError:
+    """A ValidationError of the Engine API as the RequestError an HTTP client would get."""
+    return RequestError(*describe_errors(e.errors()))
 
 
 # --- sampling fields shared by chat and completions --------------------------------------------------
@@ -61,68 +97,72 @@ class StreamOptions(APIModel):
 
 
 class SamplingFields(APIModel):
-    model: str | None = None
+    """The OpenAI names of the sampling parameters, typed as `core.SamplingParams` declares them."""
+
+    model: Text | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # extra (SGLang / vLLM) parameters
-    top_k: StrictInt | None = None
-    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[Number, Field(gt=0, le=2)] | None = None
-    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: MaxNewTokens = 0
     ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False
 
-    def sampling_params(self, max_new_tokens: int, index: int = 0) -> dict[str, Any]:
-        """SamplingParams kwargs for choice `index` (with a seed, choice i uses seed + i)."""
+    def sampling_params(self, max_new_tokens: int | None, index: int = 0) -> SamplingParams:
+        """The SamplingParams of choice `index` (with a seed, choice i uses seed + i); RequestError in OpenAI names."""
         p: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos,
                              "min_new_tokens": self.min_tokens, "skip_special_tokens": self.skip_special_tokens,
                              "no_stop_trim": self.no_stop_trim}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty", "stop_token_ids"):
+                     "presence_penalty", "stop_token_ids", "stop", "logit_bias"):
             if getattr(self, name) is not None:
                 p[name] = getattr(self, name)
-        if self.stop:
-            p["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.seed is not None:
             p["seed"] = self.seed + index
-        return p
+        try:
+            return SamplingParams(**p)
+        except ValidationError as e:
+            raise request_error(e).renamed(OPENAI_NAMES) from None
 
 
 # --- chat ----------------------------------------------------------------------------------------------
 
 class ContentPart(APIModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class FunctionCall(APIModel):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
+    name: Text
+    arguments: Text | JSONObject = "{}"
 
 
 class ToolCallIn(APIModel):
-    id: str | None = None
+    id: Text | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(APIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
 
     @model_validator(mode="after")
     def _needs_content(self) -> ChatMessage:
@@ -147,8 +187,8 @@ class ChatMessage(APIModel):
 
 class FunctionDef(APIModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
+    description: Text | None = None
+    parameters: JSONObject | None = None
     strict: StrictBool | None = None
 
 
@@ -158,7 +198,7 @@ class Tool(APIModel):
 
 
 class NamedFunction(APIModel):
-    name: str
+    name: Text
 
 
 class NamedToolChoice(APIModel):
@@ -170,17 +210,29 @@ class ResponseFormat(APIModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
+# names the chat template is rendered with; a chat_template_kwargs key may not replace them
+TEMPLATE_ARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token",
+                 "raise_exception", "strftime_now")
+
+
+def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(set(kwargs) & set(TEMPLATE_ARGS))
+    if taken:
+        raise ValueError(f"may not set {', '.join(taken)} (the server renders the template with them)")
+    return kwargs
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None
+    max_tokens: MaxNewTokens | None = None           # None: as many as fit
+    max_completion_tokens: MaxNewTokens | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[JSONObject, AfterValidator(_template_kwargs)] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -190,15 +242,15 @@ class ChatCompletionRequest(SamplingFields):
 # --- completions -------------------------------------------------------------------------------------
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
-Prompt = str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+Prompt = Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: MaxTokens = 16
+    max_tokens: MaxNewTokens | None = 16             # None: as many as fit
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: StrictInt | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -212,14 +264,16 @@ class CompletionRequest(SamplingFields):
 # --- native API ---------------------------------------------------------------------------------------
 
 class GenerateRequest(APIModel):
-    text: str | list[str] | None = None
-    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    """The native request (SGLang's /generate and Engine.generate): one prompt or a batch."""
+
+    text: Text | Annotated[list[Text], Field(min_length=1)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: StrictBool = False
     logprob_start_len: StrictInt = -1
     top_logprobs_num: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     stream: StrictBool = False
-    rid: str | None = None
+    rid: Text | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -229,7 +283,7 @@ class GenerateRequest(APIModel):
 
 
 class TokenizeRequest(APIModel):
-    prompt: str | list[ChatMessage]
+    prompt: Text | list[ChatMessage]
     add_special_tokens: StrictBool = True
 
 

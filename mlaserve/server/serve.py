@@ -107,7 +107,7 @@ async def _serve(cfg: ServerConfig, path: str, handle: Any, manager: Any, sock: 
     server = _Uvicorn(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     died: list[bool] = []
-    monitor = asyncio.ensure_future(_monitor(server, handle, died))
+    monitor = asyncio.ensure_future(_monitor(server, handle, manager, died))
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -121,11 +121,14 @@ async def _serve(cfg: ServerConfig, path: str, handle: Any, manager: Any, sock: 
     return 0
 
 
-async def _monitor(server: uvicorn.Server, handle: Any, died: list[bool]) -> None:
-    """Stop the server (exit code 1) when the scheduler process dies."""
-    while handle.alive():
+async def _monitor(server: uvicorn.Server, handle: Any, manager: Any, died: list[bool]) -> None:
+    """Stop the server (exit code 1) when the scheduler process dies or the manager can serve no more."""
+    while handle.alive() and manager.dead is None:
         await asyncio.sleep(MONITOR_INTERVAL_S)
-    logger.error("the scheduler process died (exit code %s); shutting the server down", handle.process.exitcode)
+    if handle.alive():
+        logger.error("%s; shutting the server down", manager.dead)
+    else:
+        logger.error("the scheduler process died (exit code %s); shutting the server down", handle.process.exitcode)
     died.append(True)
     await asyncio.sleep(DEAD_GRACE_S)
     server.should_exit = True

@@ -1,5 +1,6 @@
 """Server-sent events and client disconnects: a client that goes away closes the manager's generators, which
-aborts their requests in the scheduler and frees their KV (streamed or not)."""
+aborts their requests in the scheduler and frees their KV (streamed or not). A stream that fails after its
+headers went out ends with an OpenAI error event and [DONE]."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from mlaserve.server.protocol import error_body
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -22,6 +25,28 @@ _END = object()
 def sse(obj: Any) -> str:
     """One SSE event carrying `obj` as JSON."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def stream_error(e: Exception) -> str:
+    """The last events of a stream that failed after its headers went out: an OpenAI error body, then [DONE]."""
+    status = getattr(e, "status_code", 500)
+    message = getattr(e, "message", None) or f"internal server error: {type(e).__name__}: {e}"
+    return sse(error_body(message, getattr(e, "param", None), status)) + DONE
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, except that an error ends them with `stream_error` (the client always sees why)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 - reported to the client in the stream
+        if getattr(e, "status_code", 500) >= 500:
+            logger.error("a stream failed: %s: %s", type(e).__name__, e)
+        yield stream_error(e)
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 class ClientGone(Exception):
@@ -38,6 +63,9 @@ class SSEResponse(StreamingResponse):
     as soon as the client disconnects, even while no token is being sent."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str]):
+        super().__init__(_guarded(events))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))

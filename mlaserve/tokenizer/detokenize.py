@@ -98,22 +98,31 @@ class StopStream:
     """Applies stop strings to streamed text: `add(chunk)` returns the text that is final.
 
     Invariant: the concatenation of all `add` results (+ `flush()` when no stop matched) equals
-    `full[:find_stop(full, stops)]`, or `full` when no stop string occurs, for any chunking of `full`.
+    `full[:find_stop(full, stops)]` (plus the stop string itself with `keep_stop`, SGLang's no_stop_trim),
+    or `full` when no stop string occurs, for any chunking of `full`. `matched` is the stop string found.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
+    def __init__(self, stops: Sequence[str] | None, keep_stop: bool = False) -> None:
+        self.stops = [s for s in stops or () if s]
+        self.keep_stop = keep_stop
         self.held = ""
-        self.stopped = False
+        self.matched: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def add(self, chunk: str) -> str:
         if self.stopped:
             return ""
+        if not self.stops:
+            return chunk
         text = self.held + chunk
         index = find_stop(text, self.stops)
         if index is not None:
-            self.stopped, self.held = True, ""
-            return text[:index]
+            self.matched = next(s for s in self.stops if text.startswith(s, index))
+            self.held = ""
+            return text[:index + (len(self.matched) if self.keep_stop else 0)]
         keep = stop_holdback(text, self.stops)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep]

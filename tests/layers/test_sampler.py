@@ -20,7 +20,8 @@ def _batch(params: list[SamplingParams], v: int, *, seeds: list[int] | None = No
            prompt: list[list[int]] | None = None, output: list[list[int]] | None = None,
            eos: list[int] | None = None, device: str = "cpu") -> SamplingBatch:
     b = len(params)
-    seeds = seeds if seeds is not None else torch.randint(0, 2**62, (b,)).tolist()
+    fresh = torch.randint(0, 2**62, (b,)).tolist()
+    seeds = seeds if seeds is not None else [p.seed if p.seed is not None else s for p, s in zip(params, fresh)]
     output = output if output is not None else [[] for _ in range(b)]
     steps = steps if steps is not None else [len(o) for o in output]
     prompt = prompt if prompt is not None else [[] for _ in range(b)]
@@ -203,3 +204,21 @@ def test_sampler_returns_raw_logprobs() -> None:
     values, ids = out.top_logprobs
     assert torch.equal(ids, raw.topk(3, dim=-1).indices)
     assert Sampler()(logits, _batch(params, v)).logprobs is None
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows(device: str) -> None:
+    v = 40
+    logits = torch.randn(4, v, device=device)
+    top = logits.argmax(-1).tolist()
+    pick = [(t + 7) % v for t in top]
+    params = [SamplingParams(temperature=0.0, logit_bias={pick[0]: 100}),          # forced
+              SamplingParams(temperature=0.0, logit_bias={top[1]: -100}),          # banned
+              SamplingParams(temperature=1.0, logit_bias={pick[2]: 100}),          # sampled, forced
+              SamplingParams(temperature=0.0)]                                     # untouched row
+    out = Sampler()(logits, _batch(params, v, device=device), return_logprob=True).next_ids.tolist()
+    second = logits[1].clone()
+    second[top[1]] = float("-inf")
+    assert out == [pick[0], second.argmax().item(), pick[2], top[3]]
+    # the reported log-probs stay those of the raw model distribution
+    lp = Sampler()(logits, _batch(params, v, device=device), return_logprob=True).logprobs
+    assert torch.allclose(lp, logprobs_of(logits, torch.tensor(out, device=device)))

@@ -10,7 +10,7 @@ import torch
 
 import mlaserve
 from mlaserve.config import ServerConfig
-from mlaserve.core import SamplingParams
+from mlaserve.core import FinishReason, SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.scheduler.scheduler import Scheduler
 from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
@@ -92,7 +92,7 @@ def test_stress_random_arrivals_aborts_and_retraction(ckpt):
     for x in msgs:
         r = got[x.rid]
         assert r["finished"] is not None
-        if x.rid in aborted and r["finished"]["type"] == "abort":
+        if x.rid in aborted and r["finished"].kind == "abort":
             assert big[x.rid]["ids"][: len(r["ids"])] == r["ids"]
         else:
             assert r["ids"] == big[x.rid]["ids"], x.rid
@@ -102,16 +102,16 @@ def test_stress_random_arrivals_aborts_and_retraction(ckpt):
 def test_too_long_prompt_rejected_not_left_waiting(ckpt):
     sched = make(ckpt, max_total_tokens=64, context_length=128)
     res = run(sched, [msg("long", list(range(2, 100))), msg("ctx", list(range(2, 200))), msg("ok", [5, 6, 7])])
-    assert res["long"]["finished"]["type"] == "abort" and "KV cache" in res["long"]["finished"]["message"]
-    assert res["ctx"]["finished"]["type"] == "abort" and "context length" in res["ctx"]["finished"]["message"]
-    assert res["ok"]["finished"]["type"] == "length"
+    assert res["long"]["finished"].kind == "abort" and "KV cache" in res["long"]["finished"].message
+    assert res["ctx"]["finished"].kind == "abort" and "context length" in res["ctx"]["finished"].message
+    assert res["ok"]["finished"].kind == "length"
 
 
 def test_abort_frees_everything(ckpt):
     sched = make(ckpt)
     res = run(sched, [msg("x", prompts(1, 50, 50)[0], max_new=100), msg("y", [3, 4, 5], max_new=3)],
               aborts={"x": 4})
-    assert res["x"]["finished"] == {"type": "abort"} and res["y"]["finished"]["type"] == "length"
+    assert res["x"]["finished"] == FinishReason("abort") and res["y"]["finished"].kind == "length"
     assert_no_leak(sched)
 
 
@@ -120,7 +120,7 @@ def test_stop_token_ids_min_new_tokens_and_seeded_sampling(ckpt):
     base = run(sched, [msg("g", [9, 10, 11], max_new=10)])["g"]["ids"]
     stop_at = base[4]
     res = run(sched, [msg("s", [9, 10, 11], max_new=10, stop_token_ids=[stop_at])])["s"]
-    assert res["ids"] == base[: base.index(stop_at) + 1] and res["finished"]["matched"] == stop_at
+    assert res["ids"] == base[: base.index(stop_at) + 1] and res["finished"].matched == stop_at
     res = run(sched, [msg("m", [9, 10, 11], max_new=10, stop_token_ids=[stop_at], min_new_tokens=8)])["m"]
     assert len(res["ids"]) >= 8
     # a seeded sampled request gives the same tokens alone and inside a busy batch
@@ -142,7 +142,7 @@ def test_overlap_schedule_gives_identical_outputs(ckpt):
         kw = {"temperature": 0.8, "seed": i + 1, "top_p": 0.9} if i % 2 else {}
         if i % 5 == 0:
             kw |= {"frequency_penalty": 0.5, "min_new_tokens": 3}
-        msgs.append(msg(f"o{i}", p, max_new=rng.randint(2, 30), **kw))
+        msgs.append(msg(f"o{i}", p, max_new=rng.randint(3, 30), **kw))   # >= min_new_tokens
     arrivals = {x.rid: rng.randint(0, 10) for x in msgs}
     small = dict(max_total_tokens=400, chunked_prefill_size=32, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     plain = run(make(ckpt, disable_overlap_schedule=True, **small), msgs, arrivals)
@@ -161,4 +161,82 @@ def test_fp8_kv_cache(ckpt, kv_dtype):
     assert sched.runner.pool.buffers[0].dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
     res = run(sched, [msg(f"f{i}", p, max_new=8) for i, p in enumerate(prompts(4))])
     assert all(r["finished"] is not None and len(r["ids"]) >= 1 for r in res.values())
+    assert_no_leak(sched)
+
+
+# --- hardening: one request's failure stays its own; nothing grows past the pool ---------------------------
+
+def test_failure_while_processing_one_request_ends_only_that_one(ckpt, monkeypatch):
+    sched = make(ckpt)
+    append = sched._append
+
+    def broken(req, *args):
+        if req.rid == "bad":
+            raise RuntimeError("boom")
+        return append(req, *args)
+
+    monkeypatch.setattr(sched, "_append", broken)
+    res = run(sched, [msg("bad", [5, 6, 7], max_new=6), msg("good", [8, 9, 10], max_new=6)])
+    bad = res["bad"]["finished"]
+    assert (bad.kind, bad.status_code) == ("abort", 500) and "boom" in bad.message
+    assert res["good"]["finished"] == FinishReason("length", length=6) and len(res["good"]["ids"]) == 6
+    assert_no_leak(sched)
+
+
+def test_failed_step_fails_requests_in_flight_and_the_loop_goes_on(ckpt, monkeypatch):
+    from mlaserve.ipc import messages as m
+    from mlaserve.scheduler.scheduler import _handle, _step
+
+    sched = make(ckpt)
+    launch, calls = sched.runner.launch, []
+
+    def flaky(batch):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise RuntimeError("device hiccup")
+        return launch(batch)
+
+    monkeypatch.setattr(sched.runner, "launch", flaky)
+    sched.add_request(msg("a", [5, 6, 7], max_new=4))
+    outs, failures = _step(sched, 0)
+    assert failures == 1 and [(o.rid, o.finished.status_code) for o in outs] == [("a", 500)]
+    # a message that cannot be decoded, and one whose handling raises, do not stop the loop
+    assert _handle(sched, b"not a pickle") is None
+    _handle(sched, m.encode(m.GenerateReqMsg("odd", ["x"], SamplingParams(), seed=1)))
+    assert [(o.rid, o.finished.status_code) for o in sched.step_outbox()] == [("odd", 500)]
+    assert run(sched, [msg("b", [5, 6, 7], max_new=4)])["b"]["finished"].kind == "length"
+    assert_no_leak(sched)
+
+
+def test_max_new_tokens_zero_returns_prompt_logprobs_and_no_token(ckpt):
+    sched = make(ckpt)
+    x = msg("z", [5, 6, 7, 8], max_new=0)
+    x.return_logprob, x.logprob_start_len = True, 0
+    sched.add_request(x)
+    outs = []
+    while sched.has_work:
+        outs += sched.step()
+    outs += sched.step_outbox()
+    assert [o.new_ids for o in outs] == [[]] and outs[0].finished == FinishReason("length", length=0)
+    assert [t for _, t in outs[0].input_logprobs] == [5, 6, 7, 8] and outs[0].input_logprobs[0][0] is None
+    assert_no_leak(sched)
+
+
+def test_request_that_cannot_fit_the_pool_never_runs_forever(ckpt):
+    from mlaserve.core import Req
+
+    sched = make(ckpt, max_total_tokens=64, context_length=512)
+    res = run(sched, [msg("big", list(range(2, 22)), max_new=100)])      # 20 + 100 > 64: refused up front
+    assert res["big"]["finished"].status_code == 400 and "max_new_tokens=100" in res["big"]["finished"].message
+    # past that check (which only the manager and add_request make), a lone request ends with `length` when
+    # the pool is full instead of being retracted and re-admitted for ever
+    req = Req(**msg("lone", list(range(2, 22)), max_new=100).spec_fields())
+    sched.waiting.append(req)
+    for _ in range(500):
+        if not sched.has_work:
+            break
+        sched.step()
+    room = sched.kv.num_slots - len(req.input_ids)         # KV for the prompt and every output but the last
+    assert req.finished is not None and req.finished.kind == "length" and room <= len(req.output_ids) <= room + 1
+    assert sched.num_retracted == 0
     assert_no_leak(sched)

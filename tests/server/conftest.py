@@ -18,6 +18,7 @@ import pytest
 API_KEY = "test-key"
 START_TIMEOUT_S = 120.0
 CONTEXT_LEN = 1024
+FUZZ_CONTEXT_LEN = 16
 SHARED_ARGS = ["--max-total-tokens", "4096", "--context-length", str(CONTEXT_LEN), "--api-key", API_KEY,
                "--enable-metrics", "--log-level", "warning"]
 
@@ -113,6 +114,13 @@ def server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     return start_server(*SHARED_ARGS)
 
 
+@pytest.fixture(scope="session")
+def fuzz_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """A server for fuzzing: no API key, context FUZZ_CONTEXT_LEN so a valid fuzzed request stays short."""
+    return start_server("--context-length", str(FUZZ_CONTEXT_LEN), "--max-total-tokens", "4096", "--log-level",
+                        "error")
+
+
 @pytest.fixture
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
@@ -141,6 +149,9 @@ class ScriptedManager:
         self.info = {"architecture": "DeepseekV3ForCausalLM", "context_length": context_len}
         self.requests: list = []
         self.aborted: list[int] = []
+
+    def prepare(self, obj):
+        return obj
 
     async def generate(self, obj):
         import asyncio

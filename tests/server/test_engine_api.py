@@ -90,11 +90,18 @@ def test_stop_strings_trim_and_report(engine):
 
 def test_bad_request_raises_clear_error(engine):
     from mlaserve.server.manager import RequestError
-    with pytest.raises(RequestError, match="temperature"):
-        engine.generate(prompt="x", sampling_params={"temperature": -1})
+    for params, field in [({"temperature": -1}, "sampling_params.temperature"),
+                          ({"stop_token_ids": 5}, "sampling_params.stop_token_ids"),
+                          ({"seed": "abc"}, "sampling_params.seed"), ([{}, {}], "sampling_params")]:
+        with pytest.raises(RequestError, match=field.split(".")[-1]) as e:
+            engine.generate(prompt="x", sampling_params=params)
+        assert e.value.param == field
+    with pytest.raises(RequestError) as e:
+        engine.generate(input_ids=[5, "6"])
+    assert e.value.param == "input_ids[1]"
     with pytest.raises(RequestError, match="more than the KV cache holds"):
         engine.generate(input_ids=[5] * 3000)
-    with pytest.raises(RequestError, match="input_ids must be in"):
+    with pytest.raises(RequestError, match="token ids must be in"):
         engine.generate(input_ids=[5, 99999])
     assert engine.generate(prompt="still serving", sampling_params={"max_new_tokens": 1})["output_ids"]
 
@@ -121,3 +128,24 @@ def test_issue_one_liner(ckpt):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'completion_tokens': 8" in out.stdout
+
+
+def test_dead_scheduler_raises_instead_of_waiting(ckpt):
+    import os
+    import signal
+    import time
+
+    from mlaserve.server.manager import EngineDeadError
+
+    with mlaserve.Engine(model_path=ckpt, device="cpu", dtype="float32", max_total_tokens=1024,
+                         log_level="warning") as e:
+        stream = e.generate(prompt="go", sampling_params={"max_new_tokens": 500, "ignore_eos": True}, stream=True)
+        next(stream)
+        os.kill(e.handle.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="scheduler process is not running"):
+            for _ in stream:     # the request in flight fails ...
+                pass
+        with pytest.raises(EngineDeadError):
+            e.generate(prompt="later", sampling_params={"max_new_tokens": 2})   # ... and so does every later one
+        assert time.monotonic() - start < 60, "the engine waited on a dead scheduler"

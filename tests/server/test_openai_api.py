@@ -10,6 +10,7 @@ import pytest
 
 from mlaserve.tokenizer import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_SEP
 
+MODEL = "mlaserve-demo"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 USER = [{"role": "user", "content": "Tell me a story about a river."}]
 LOGPROB_TOL = 1e-4  # fp32 CPU model: the chosen token's log-prob equals the top-1 log-prob up to rounding
@@ -30,13 +31,13 @@ def test_models_say_the_demo_has_random_weights(oai):
 
 
 def test_chat_whole_and_streamed_agree(oai, http):
-    whole = oai.chat.completions.create(model="mlaserve-demo", messages=USER, max_tokens=6, **GREEDY)
+    whole = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, **GREEDY)
     choice = whole.choices[0]
     assert choice.finish_reason == "length" and choice.message.role == "assistant" and choice.message.content
     n_prompt = http.post("/tokenize", json={"prompt": USER}).json()["count"]
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (n_prompt, 6)
 
-    chunks = list(oai.chat.completions.create(model="mlaserve-demo", messages=USER, max_tokens=6, stream=True,
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, stream=True,
                                               stream_options={"include_usage": True}, **GREEDY))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
@@ -49,17 +50,17 @@ def test_chat_whole_and_streamed_agree(oai, http):
 def test_completions_text_ids_echo_and_stream(oai, http):
     prompt = "The river flows"
     ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
-    by_text = oai.completions.create(model="m", prompt=prompt, max_tokens=5, **GREEDY).choices[0].text
-    by_ids = oai.completions.create(model="m", prompt=ids, max_tokens=5, **GREEDY).choices[0].text
+    by_text = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, **GREEDY).choices[0].text
+    by_ids = oai.completions.create(model=MODEL, prompt=ids, max_tokens=5, **GREEDY).choices[0].text
     assert by_text == by_ids and by_text
-    echo = oai.completions.create(model="m", prompt=prompt, max_tokens=5, echo=True, **GREEDY).choices[0].text
+    echo = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True, **GREEDY).choices[0].text
     assert echo == prompt + by_text
-    streamed = oai.completions.create(model="m", prompt=prompt, max_tokens=5, stream=True, **GREEDY)
+    streamed = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, stream=True, **GREEDY)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == by_text
 
 
 def test_chat_logprobs_are_greedy_top1(oai):
-    r = oai.chat.completions.create(model="m", messages=USER, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY)
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY)
     content = r.choices[0].logprobs.content
     assert len(content) == 5
     assert "".join(t.token for t in content) == r.choices[0].message.content
@@ -72,7 +73,7 @@ def test_chat_logprobs_are_greedy_top1(oai):
 def test_completion_echo_logprobs_cover_prompt_and_output(oai, http):
     prompt = "Rivers run to the sea"
     n_prompt = http.post("/tokenize", json={"prompt": prompt}).json()["count"]
-    r = oai.completions.create(model="m", prompt=prompt, max_tokens=4, echo=True, logprobs=2, **GREEDY)
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2, **GREEDY)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt + 4
     assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
@@ -80,7 +81,7 @@ def test_completion_echo_logprobs_cover_prompt_and_output(oai, http):
 
 
 def test_n_choices_with_seed(oai):
-    kw = dict(model="m", messages=USER, max_tokens=8, n=3, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, messages=USER, max_tokens=8, n=3, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
     a, b = oai.chat.completions.create(**kw), oai.chat.completions.create(**kw)
     texts = [c.message.content for c in a.choices]
     assert [c.index for c in a.choices] == [0, 1, 2]
@@ -93,9 +94,9 @@ def test_n_choices_with_seed(oai):
 
 
 def test_stop_string_trims_and_reports_stop(oai):
-    text = oai.chat.completions.create(model="m", messages=USER, max_tokens=16, **GREEDY).choices[0].message.content
+    text = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=16, **GREEDY).choices[0].message.content
     stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip())
-    r = oai.chat.completions.create(model="m", messages=USER, max_tokens=16, stop=[stop], **GREEDY)
+    r = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=16, stop=[stop], **GREEDY)
     assert r.choices[0].message.content == text[:text.index(stop)]
     assert r.choices[0].finish_reason == "stop"
 
@@ -145,7 +146,7 @@ def test_64_concurrent_streams_equal_sequential_greedy(server, http):
     """Batched decoding must not change greedy output: 64 streamed clients at once == one at a time."""
     n_tokens = 8
     prompts = [[{"role": "user", "content": f"Item {i}: describe the river number {i * 7 % 64}."}] for i in range(64)]
-    kw = dict(model="m", max_tokens=n_tokens, logprobs=True, **GREEDY)
+    kw = dict(model=MODEL, max_tokens=n_tokens, logprobs=True, **GREEDY)
 
     async def one(client: openai.AsyncOpenAI, messages: list[dict]) -> list[str]:
         stream = await client.chat.completions.create(messages=messages, stream=True, **kw)
@@ -189,7 +190,7 @@ def client_for(app_client) -> openai.OpenAI:
 def streamed_chat(client: openai.OpenAI, **kw) -> tuple[str, str, dict, str]:
     """(content, reasoning, {index: (name, arguments)}, finish_reason) assembled from the stream."""
     content, reasoning, calls, finish = "", "", {}, None
-    for c in client.chat.completions.create(model="m", stream=True, **kw):
+    for c in client.chat.completions.create(model=MODEL, stream=True, **kw):
         d = c.choices[0].delta
         content += d.content or ""
         reasoning += getattr(d, "reasoning_content", None) or ""
@@ -203,7 +204,7 @@ def streamed_chat(client: openai.OpenAI, **kw) -> tuple[str, str, dict, str]:
 def test_tool_calls_whole_and_streamed(scripted_app):
     app, _ = scripted_app(lambda i, obj: TWO_CALLS, tool_call_parser="deepseekv3")
     client = client_for(app)
-    msg = client.chat.completions.create(model="m", messages=USER, tools=TOOLS).choices
+    msg = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS).choices
     assert msg[0].finish_reason == "tool_calls"
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg[0].message.tool_calls]
     assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
@@ -217,7 +218,7 @@ def test_reasoning_runs_before_tool_parsing(scripted_app):
     text = "The user wants weather.\n</think>\n\nSure." + TWO_CALLS.removeprefix("Let me check.")
     app, _ = scripted_app(lambda i, obj: text, tool_call_parser="deepseekv3", reasoning_parser="deepseek-r1")
     client = client_for(app)
-    m = client.chat.completions.create(model="m", messages=USER, tools=TOOLS).choices[0].message
+    m = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS).choices[0].message
     assert m.reasoning_content == "The user wants weather." and m.content == "Sure." and len(m.tool_calls) == 2
     content, reasoning, calls, finish = streamed_chat(client, messages=USER, tools=TOOLS)
     assert (content, reasoning, len(calls), finish) == ("Sure.", "The user wants weather.", 2, "tool_calls")
@@ -226,11 +227,11 @@ def test_reasoning_runs_before_tool_parsing(scripted_app):
 def test_tool_choice_none_and_named(scripted_app, demo_tokenizer):
     app, manager = scripted_app(lambda i, obj: TWO_CALLS, tool_call_parser="deepseekv3")
     client = client_for(app)
-    m = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="none").choices[0]
+    m = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="none").choices[0]
     assert m.message.tool_calls is None and TOOL_CALL_BEGIN in m.message.content and m.finish_reason == "stop"
     assert "get_weather" not in demo_tokenizer.decode(manager.requests[-1].input_ids, skip_special_tokens=False)
     named = {"type": "function", "function": {"name": "get_time"}}
-    m = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice=named).choices[0]
+    m = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice=named).choices[0]
     assert [c.function.name for c in m.message.tool_calls] == ["get_time"]
     assert "get_weather" in m.message.content           # a call to another function stays text
     prompt = demo_tokenizer.decode(manager.requests[-1].input_ids, skip_special_tokens=False)
@@ -242,7 +243,7 @@ def test_tool_results_go_back_through_the_template(scripted_app, demo_tokenizer)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = USER + [{"role": "assistant", "content": None, "tool_calls": [call]},
                        {"role": "tool", "tool_call_id": "call_1", "content": "22C, sunny"}]
-    r = client_for(app).chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    r = client_for(app).chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
     assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
     prompt = demo_tokenizer.decode(manager.requests[-1].input_ids, skip_special_tokens=False)
     assert "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>22C, sunny<｜tool▁output▁end｜>" in prompt
@@ -253,7 +254,7 @@ def test_malformed_tool_call_is_returned_as_content(scripted_app):
     bad = f"{TOOL_CALLS_BEGIN}{TOOL_CALL_BEGIN}function{TOOL_SEP}get_weather\n```json\n{{not json\n```{TOOL_CALL_END}"
     app, _ = scripted_app(lambda i, obj: bad, tool_call_parser="deepseekv3")
     client = client_for(app)
-    m = client.chat.completions.create(model="m", messages=USER, tools=TOOLS).choices[0]
+    m = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS).choices[0]
     assert m.message.tool_calls is None and "{not json" in m.message.content and m.finish_reason == "stop"
     content, _, calls, _ = streamed_chat(client, messages=USER, tools=TOOLS)
     assert calls == {} and content == m.message.content

@@ -89,13 +89,14 @@ def test_find_stop_and_holdback():
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet="ab\n", max_size=30),
        stops=st.lists(st.text(alphabet="ab\n", max_size=4), max_size=3),
-       cuts=st.lists(st.integers(min_value=0, max_value=30), max_size=6))
-def test_stop_stream_same_result_for_any_chunking(text, stops, cuts):
+       cuts=st.lists(st.integers(min_value=0, max_value=30), max_size=6), keep=st.booleans())
+def test_stop_stream_same_result_for_any_chunking(text, stops, cuts, keep):
     bounds = [0, *sorted(min(c, len(text)) for c in cuts), len(text)]
-    ss = StopStream(stops)
+    ss = StopStream(stops, keep_stop=keep)
     out = "".join(ss.add(text[a:b]) for a, b in zip(bounds, bounds[1:]))
     index = find_stop(text, stops)
     if index is None:
-        assert not ss.stopped and out + ss.flush() == text
+        assert not ss.stopped and ss.matched is None and out + ss.flush() == text
     else:
-        assert ss.stopped and out == text[:index] and ss.flush() == ""
+        assert ss.stopped and text.startswith(ss.matched, index) and ss.flush() == ""
+        assert out == text[:index + (len(ss.matched) if keep else 0)]

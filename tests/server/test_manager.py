@@ -1,0 +1,123 @@
+"""The tokenizer manager against a scripted scheduler on real ZeroMQ sockets: seeds from --seed, one request's
+failure stays its own, and a dead scheduler or receive loop fails every request at once (never a hang)."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from mlaserve.core import FinishReason, SamplingParams
+from mlaserve.ipc import messages as m
+from mlaserve.server.manager import EngineDeadError, GenerateInput, TokenizerManager
+
+INFO = {"context_length": 256, "max_total_tokens": 512, "vocab_size": 4096}
+WAIT_S = 10.0     # far above what any step here takes: reaching it means a hang
+
+
+class FakeScheduler:
+    """The scheduler's end of the two sockets: reads requests, sends whatever the test scripts."""
+
+    def __init__(self, send_addr: str, recv_addr: str):
+        self.ctx = zmq.asyncio.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.connect(send_addr)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.connect(recv_addr)
+
+    async def request(self) -> object:
+        return m.decode(await asyncio.wait_for(self.inbox.recv(), WAIT_S))
+
+    async def send(self, *outputs: m.ReqOutput) -> None:
+        await self.outbox.send(m.encode(m.BatchOutMsg(list(outputs))))
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def make(tokenizer, tmp_path: Path, seed: int = 0, alive=None) -> tuple[TokenizerManager, FakeScheduler]:
+    base = f"ipc://{tmp_path}/mgr-{seed}-{id(alive)}"
+    manager = TokenizerManager(tokenizer, base + "-req", base + "-out", INFO, seed=seed, alive=alive)
+    return manager, FakeScheduler(base + "-req", base + "-out")
+
+
+async def final(manager: TokenizerManager, req: m.GenerateReqMsg) -> dict:
+    last = None
+    async for last in manager.generate(req):
+        pass
+    return last
+
+
+def test_seeds_come_from_the_seed_flag(demo_tokenizer, tmp_path):
+    def seeds(seed: int) -> list[int]:
+        manager, fake = make(demo_tokenizer, tmp_path, seed)
+        try:
+            objs = [GenerateInput(text="hi"), GenerateInput(input_ids=[1, 2]), GenerateInput(text="x")]
+            return [manager.prepare(o).seed for o in objs]
+        finally:
+            fake.close()
+            manager.ctx.destroy(linger=0)
+
+    assert seeds(7) == seeds(7) != seeds(8)
+    manager, fake = make(demo_tokenizer, tmp_path, 9)
+    assert manager.prepare(GenerateInput(text="hi", sampling_params=SamplingParams(seed=-5))).seed == -5
+    fake.close()
+    manager.ctx.destroy(linger=0)
+
+
+def test_a_failing_output_ends_only_its_request(demo_tokenizer, tmp_path):
+    async def go():
+        manager, fake = make(demo_tokenizer, tmp_path)
+        manager.start()
+        try:
+            bad = manager.prepare(GenerateInput(text="a", rid="bad"))
+            good = manager.prepare(GenerateInput(text="b", rid="good"))
+            tasks = [asyncio.ensure_future(final(manager, r)) for r in (bad, good)]
+            sent = {(await fake.request()).rid for _ in range(2)}
+            assert sent == {"bad", "good"}
+            # the detokenizer cannot decode a negative id: only "bad" fails; its abort reaches the scheduler
+            await fake.send(m.ReqOutput("bad", [-5]), m.ReqOutput("good", [300, 301]))
+            await fake.send(m.ReqOutput("good", [302], finished=FinishReason("length", length=3)))
+            out_bad, out_good = await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+            assert isinstance(await fake.request(), m.AbortReqMsg)
+            return out_bad["meta_info"]["finish_reason"], out_good
+        finally:
+            await manager.aclose()
+            fake.close()
+
+    reason, good = asyncio.run(go())
+    assert reason["type"] == "abort" and reason["status_code"] == 500 and "OverflowError" in reason["message"]
+    assert good["output_ids"] == [300, 301, 302] and good["meta_info"]["finish_reason"] == {"type": "length",
+                                                                                              "length": 3}
+
+
+@pytest.mark.parametrize("how", ["garbage", "scheduler_dead"])
+def test_dead_loop_or_scheduler_fails_pending_and_later_requests(demo_tokenizer, tmp_path, how):
+    alive = [True]
+
+    async def go():
+        manager, fake = make(demo_tokenizer, tmp_path, alive=lambda: alive[0])
+        manager.start()
+        try:
+            pending = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a"))))
+            await fake.request()
+            if how == "garbage":
+                await fake.outbox.send(b"not a pickle")
+            else:
+                alive[0] = False
+            with pytest.raises(EngineDeadError) as e:
+                await asyncio.wait_for(pending, WAIT_S)
+            with pytest.raises(EngineDeadError):
+                manager.prepare(GenerateInput(text="b"))
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(manager.flush_cache(), WAIT_S)
+            return str(e.value), manager.dead
+        finally:
+            await manager.aclose()
+            fake.close()
+
+    message, dead = asyncio.run(go())
+    assert message == dead
+    assert ("receive loop failed" in dead) if how == "garbage" else ("scheduler process is not running" in dead)

@@ -1,0 +1,83 @@
+"""The request-facing core types: SamplingParams (the one declaration of the sampling parameters), check_request
+(the one check of a tokenized request) and FinishReason."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from pydantic import ValidationError
+
+from mlaserve.core import FinishReason, RequestError, RequestLimits, SamplingParams, check_request
+
+BAD = [  # (field, value): each must be refused with an error naming the field
+    ("seed", "abc"), ("seed", 2**64), ("seed", 1.5), ("min_new_tokens", 10**30), ("max_new_tokens", -1),
+    ("max_new_tokens", 2**40), ("max_new_tokens", "8"), ("stop_token_ids", "x"), ("stop_token_ids", 5),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [10**12]), ("stop", 5), ("stop", [5]), ("stop", "\ud800"),
+    ("skip_special_tokens", "yes"), ("skip_special_tokens", 1), ("ignore_eos", None), ("temperature", "0.5"),
+    ("temperature", True), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", 2.5),
+    ("temperature", -0.1), ("top_p", 0), ("top_p", 1.01), ("top_k", 0), ("top_k", -2), ("top_k", 2**40),
+    ("min_p", 1.5), ("repetition_penalty", 0), ("frequency_penalty", 2.5), ("presence_penalty", -3),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", [1]),
+    ("no_stop_trim", "false"),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+def test_wrong_type_or_range_names_the_field(name, value):
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(**{name: value})
+    assert e.value.errors()[0]["loc"][0] == name
+
+
+def test_unknown_field_and_min_above_max_are_refused():
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(warmth=1)
+    assert e.value.errors()[0]["loc"] == ("warmth",)
+    with pytest.raises(ValidationError, match="must not exceed max_new_tokens") as e:
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+    assert e.value.errors()[0]["loc"] == ("min_new_tokens",)
+
+
+def test_values_normalised_and_picklable():
+    p = SamplingParams(temperature=0, stop="###", logit_bias={"7": -100, 9: 2.5}, seed=-(2**63))
+    assert p.stop == ["###"] and p.logit_bias == {7: -100.0, 9: 2.5} and p.is_greedy and p.needs_sampler
+    q = pickle.loads(pickle.dumps(p))      # crosses the process boundary as it is
+    assert q == p and q.model_fields_set == p.model_fields_set
+    assert not SamplingParams(temperature=0).needs_sampler
+
+
+LIMITS = RequestLimits(context_len=100, max_total_tokens=60, vocab_size=1000)
+
+
+def test_check_request_refuses_bad_prompts():
+    for ids, match in [([], "empty"), ([5, -1], r"\[0, 1000\)"), ([5, 1000], r"\[0, 1000\)"),
+                       ([1] * 100, "maximum context length"), ([1] * 60, "KV cache holds")]:
+        with pytest.raises(RequestError, match=match) as e:
+            check_request(ids, SamplingParams(), LIMITS)
+        assert e.value.param == "input_ids" and e.value.status_code == 400
+    with pytest.raises(RequestError) as e:
+        check_request([1, 2], SamplingParams(logit_bias={1000: 1.0}), LIMITS)
+    assert e.value.param == "logit_bias"
+
+
+def test_check_request_resolves_or_refuses_max_new_tokens():
+    ids = [1] * 10
+    assert check_request(ids, SamplingParams(max_new_tokens=None), LIMITS).max_new_tokens == 50   # what fits
+    assert check_request(ids, SamplingParams(), LIMITS).max_new_tokens == 50         # default 128, not asked for
+    assert check_request(ids, SamplingParams(max_new_tokens=50), LIMITS).max_new_tokens == 50
+    assert check_request(ids, SamplingParams(max_new_tokens=0), LIMITS).max_new_tokens == 0
+    # asked for more than the KV pool holds (below the context length): refused, never left to grow forever
+    with pytest.raises(RequestError, match="KV cache holds 60 tokens and the prompt has 10, so at most 50") as e:
+        check_request(ids, SamplingParams(max_new_tokens=51), LIMITS)
+    assert e.value.param == "max_new_tokens"
+    assert e.value.renamed({"max_new_tokens": "max_tokens"}).message.startswith("max_tokens=51 is too large")
+    with pytest.raises(RequestError, match="maximum context length is 100"):
+        check_request(ids, SamplingParams(max_new_tokens=95), RequestLimits(100, 1000, 1000))
+
+
+def test_finish_reason_json_is_sglangs():
+    assert FinishReason("length", length=5).to_json() == {"type": "length", "length": 5}
+    assert FinishReason("stop", matched="###").to_json() == {"type": "stop", "matched": "###"}
+    assert FinishReason("abort").to_json() == {"type": "abort"}
+    assert FinishReason("abort", message="boom", status_code=500).to_json() == {
+        "type": "abort", "message": "boom", "status_code": 500}
