@@ -13,9 +13,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/env.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/env.txt"
 if [ "$PART" != bench ]; then
-  # schemathesis is not carried (its dependency tree is large); its fuzz test runs in CI on the CPU
-  timeout 540 python3 -m pytest -q -p no:cacheprovider --timeout 300 -rfEs tests \
-    --ignore=tests/server/test_openapi_fuzz.py 2>&1 | tee "$OUT/gpu_tests.txt" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -30
+  # three groups at once (16 cores, one GPU), each logging test by test; schemathesis is not carried (its dependency
+  # tree is large): its fuzz test runs in CI on the CPU
+  T="timeout 450 python3 -m pytest -v -p no:cacheprovider --timeout 300 -rfEs"
+  $T tests/server --ignore=tests/server/test_openapi_fuzz.py > "$OUT/tests_server.txt" 2>&1 &
+  $T tests/scheduler tests/engine tests/bench > "$OUT/tests_sched.txt" 2>&1 &
+  $T tests --ignore=tests/server --ignore=tests/scheduler --ignore=tests/engine --ignore=tests/bench \
+    > "$OUT/tests_rest.txt" 2>&1 &
+  wait
+  grep -hE "(FAILED|ERROR)|passed|failed" "$OUT"/tests_*.txt | grep -v "^tests/.*PASSED" | tail -40
 fi
 if [ "$PART" != tests ]; then
   B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
