@@ -6,6 +6,8 @@ from typing import Any
 
 from mlaserve.config import ServerConfig
 
+EXIT_LOST_RANK = 4        # exit code of a rank whose collective with the other ranks failed (not the first to go)
+
 
 def run_scheduler(server: ServerConfig, model_path: str, in_addr: str, out_addr: str, ready: Any,
                   rank: int = 0) -> None:

@@ -20,13 +20,13 @@ from mlaserve.config_resolve import rank_device, resolved_args
 from mlaserve.core import FinishReason
 from mlaserve.distributed import CollectiveError, ParallelInfo, RankGroup, init_distributed, shutdown_distributed
 from mlaserve.ipc import messages as m
+from mlaserve.scheduler.entry import EXIT_LOST_RANK
 from mlaserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 MAX_STEP_FAILURES = 3     # consecutive failed steps before the scheduler gives up (the server then exits)
 IDLE_POLL_MS = 50         # how long an idle leader waits for a message before looping (and broadcasting) again
-EXIT_LOST_RANK = 4        # exit code of a rank whose collective with the others failed
 
 
 def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, out_addr: str, ready,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.config_resolve import precheck
-from mlaserve.scheduler.entry import run_scheduler
+from mlaserve.scheduler.entry import EXIT_LOST_RANK, run_scheduler
 from mlaserve.server.manager import TokenizerManager
 from mlaserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -84,13 +84,14 @@ class SchedulerHandle:
         return all(p.is_alive() for p in self.processes)
 
     def death(self) -> str | None:
-        """One line naming the first rank process that is gone, or None while all run."""
-        for rank, proc in zip(self.ranks, self.processes):
-            if not proc.is_alive():
-                code = proc.exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-                return f"{_who(rank, len(self.processes))} died ({how})"
-        return None
+        """One line naming a rank process that is gone (one that went first rather than one that lost contact
+        with it), or None while all run."""
+        dead = [(r, p.exitcode) for r, p in zip(self.ranks, self.processes) if not p.is_alive()]
+        if not dead:
+            return None
+        rank, code = min(dead, key=lambda d: d[1] == EXIT_LOST_RANK)
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        return f"{_who(rank, len(self.processes))} died ({how})"
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every rank (terminate, then kill) and remove the ipc files; idempotent."""
