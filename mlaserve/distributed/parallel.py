@@ -167,8 +167,7 @@ def init_distributed(info: ParallelInfo, init_addr: str, timeout_s: float | None
         cpu_group = dist.new_group(backend="gloo", **kw) if backend == "nccl" else dist.group.WORLD
     except (RuntimeError, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CollectiveError(f"rank {info.rank}: cannot join the other ranks at --dist-init-addr {init_addr}: "
-                              f"{first}") from None
+        raise CollectiveError(f"cannot join the other ranks at --dist-init-addr {init_addr}: {first}") from None
     tp = TensorParallel(info.tp_rank, info.tp_size, dist.group.WORLD, nccl=backend == "nccl")
     group = RankGroup(info, tp, cpu_group)
     if backend == "nccl":
@@ -182,3 +181,55 @@ def init_distributed(info: ParallelInfo, init_addr: str, timeout_s: float | None
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 3600.0) -> list:
+    """fn(group, *args) on `world` freshly spawned ranks joined on a free loopback port (rank r on `cuda:r` when
+    `device` is "cuda"); returns each rank's result in rank order. `fn` must be importable by name."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for rank in range(world):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, args=(fn, rank, world, addr, device, args, send), daemon=True)
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    try:
+        results = []
+        for rank, recv in enumerate(pipes):
+            if not recv.poll(timeout):
+                raise CollectiveError(f"rank {rank} gave no result in {timeout:.0f} s")
+            status, value = recv.recv()
+            if status != "ok":
+                raise CollectiveError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn) -> None:
+    import traceback
+
+    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(1)
+    try:
+        group = init_distributed(ParallelInfo(world, rank), addr, 600, dev)
+        conn.send(("ok", fn(group, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the caller
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        shutdown_distributed()

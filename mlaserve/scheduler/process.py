@@ -46,9 +46,8 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_size))
         group = init_distributed(info, server.parallel.dist_init_addr, server.parallel.dist_timeout, device)
         sched = Scheduler(server, model_path, group=group)
-    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
-        logger.error("scheduler failed to start: %s", e)
-        ready.send({"error": f"{type(e).__name__}: {e}" if not isinstance(e, CollectiveError) else str(e),
+    except Exception as e:  # noqa: BLE001 - the parent reports it in one line
+        ready.send({"error": str(e) if isinstance(e, CollectiveError) else f"{type(e).__name__}: {e}",
                     "traceback": traceback.format_exc()})
         return
     try:

@@ -11,10 +11,10 @@ import pytest
 import mlaserve
 from mlaserve.config import ServerConfig
 from mlaserve.core import SamplingParams
+from mlaserve.distributed import spawn_ranks
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
 from seq_runner import drive_scheduler
-from spmd import run_ranks
 
 CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 # name -> (source config, overrides, fp8, widths set after shrinking)
@@ -139,7 +139,7 @@ def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
     small = dict(max_total_tokens=300, max_running_requests=16, chunked_prefill_size=64,
                  init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     one = drive_on_ranks(None, path, small, msgs, arrivals, aborts)
-    ranks = run_ranks(drive_on_ranks, 2, path, small, msgs, arrivals, aborts)
+    ranks = spawn_ranks(drive_on_ranks, 2, path, small, msgs, arrivals, aborts, timeout=300)
     assert ranks[0] == ranks[1], "the two ranks disagree"
     two = ranks[0]
     assert two["retracted"] > 0 and two["idle"], "the small pool was meant to force retraction"
