@@ -13,13 +13,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/env.txt"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/env.txt"
 if [ "$PART" != bench ]; then
-  # three groups at once (16 cores, one GPU), each logging test by test; schemathesis is not carried (its dependency
-  # tree is large): its fuzz test runs in CI on the CPU
-  T="timeout 450 python3 -m pytest -v -p no:cacheprovider --timeout 300 -rfEs"
+  # four groups at once (16 cores, one GPU, 4 threads each), each logging test by test; schemathesis is not carried
+  # (its dependency tree is large): its fuzz test runs in CI on the CPU
+  export OMP_NUM_THREADS=4
+  T="timeout ${TEST_TIMEOUT:-500} python3 -m pytest -v -p no:cacheprovider --timeout 300 -rfEs"
   $T tests/server --ignore=tests/server/test_openapi_fuzz.py > "$OUT/tests_server.txt" 2>&1 &
   $T tests/scheduler tests/engine tests/bench > "$OUT/tests_sched.txt" 2>&1 &
+  $T tests/kernels tests/layers > "$OUT/tests_kernels.txt" 2>&1 &
   $T tests --ignore=tests/server --ignore=tests/scheduler --ignore=tests/engine --ignore=tests/bench \
-    > "$OUT/tests_rest.txt" 2>&1 &
+    --ignore=tests/kernels --ignore=tests/layers > "$OUT/tests_rest.txt" 2>&1 &
   wait
   grep -hE "(FAILED|ERROR)|passed|failed" "$OUT"/tests_*.txt | grep -v "^tests/.*PASSED" | tail -40
 fi

@@ -12,6 +12,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -306,7 +307,12 @@ def _build_demo(path: Path) -> None:
     cfg = make_config(src, num_layers=DEMO_LAYERS, shrink=True, fp8=False)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     write_checkpoint(cfg, tmp, seed=0, progress=False)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:                          # another process built it first: keep theirs
+        if not (path / "model.safetensors.index.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _model_config_text(name: str) -> str:

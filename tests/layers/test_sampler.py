@@ -109,27 +109,27 @@ def _mixed_requests(v: int) -> tuple[list[SamplingParams], list[list[int]], list
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
-def test_same_seed_same_token_whatever_the_batch(use_triton: bool) -> None:
+def test_same_seed_same_token_whatever_the_batch(use_triton: bool, device: str) -> None:
     v = 64
     params, prompt, output = _mixed_requests(v)
-    logits = torch.randn(5, v) * 2
+    logits = torch.randn(5, v, device=device) * 2
     sampler = Sampler(use_triton=use_triton)
-    alone = sampler(logits, _batch(params, v, prompt=prompt, output=output, eos=[0])).next_ids
+    alone = sampler(logits, _batch(params, v, prompt=prompt, output=output, eos=[0], device=device)).next_ids
     # Permute and pad with 4 other requests (greedy, filtered, penalised): every original row keeps its token.
     pad_params = [SamplingParams(temperature=0.0), SamplingParams(top_k=3), SamplingParams(temperature=0.3),
                   SamplingParams(frequency_penalty=-1.0)]
     perm = torch.randperm(9).tolist()
     all_params, all_prompt = params + pad_params, prompt + [[1, 2]] * 4
-    all_output, all_logits = output + [[3]] * 4, torch.cat([logits, torch.randn(4, v)])
+    all_output, all_logits = output + [[3]] * 4, torch.cat([logits, torch.randn(4, v, device=device)])
     big = _batch([all_params[i] for i in perm], v, prompt=[all_prompt[i] for i in perm],
-                 output=[all_output[i] for i in perm], eos=[0])
+                 output=[all_output[i] for i in perm], eos=[0], device=device)
     mixed = sampler(all_logits[perm].contiguous(), big).next_ids
     for row, i in enumerate(perm):
         if i < 5:
             assert mixed[row].item() == alone[i].item(), f"request {i} changed its token in a bigger batch"
     if use_triton:                                                      # kernel and reference: the same draws
-        assert torch.equal(alone, Sampler(use_triton=False)(logits, _batch(params, v, prompt=prompt,
-                                                                             output=output, eos=[0])).next_ids)
+        ref = Sampler(use_triton=False)(logits, _batch(params, v, prompt=prompt, output=output, eos=[0], device=device))
+        assert torch.equal(alone, ref.next_ids)
 
 
 def test_penalties_match_naive_loop(device: str) -> None:

@@ -46,8 +46,10 @@ def no_sync() -> Iterator[None]:
 
 
 def start(ckpt: str, params: list[SamplingParams], **kw) -> Scheduler:
+    if not kw.get("disable_cuda_graph"):
+        kw.setdefault("cuda_graph_max_bs", 8)      # NOTE: graph flags are rejected with --disable-cuda-graph
     server = ServerConfig.from_flat(model_path=ckpt, device="cuda", dtype="bfloat16", max_total_tokens=4096,
-                                    cuda_graph_max_bs=8, log_level="warning", **kw)
+                                    log_level="warning", **kw)
     sched = Scheduler(server, ckpt)
     assert sched.overlap
     for i, p in enumerate(params):
