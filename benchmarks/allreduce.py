@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from mlaserve.bench.timing import time_cuda
 from mlaserve.distributed import RankGroup, spawn_ranks
 
 SHAPES = [(1, 2048), (1, 7168), (16, 7168), (64, 7168)]
@@ -28,21 +28,8 @@ def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) 
         expect = sum(range(1, group.size + 1)) * 1.0
         ok = bool((x.float() == expect).all())
         if cuda:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(calls):
-                    tp.all_reduce(x)
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(20):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / calls)
-            us = statistics.median(times)
+            us = time_cuda(lambda: [tp.all_reduce(x) for _ in range(calls)], warmup=3, iters=20,
+                           flush_l2=False) * 1e3 / calls
         else:
             t0 = time.perf_counter()
             for _ in range(calls):

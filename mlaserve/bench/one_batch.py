@@ -134,21 +134,9 @@ def allreduce_s(runner: ModelRunner, bs: int) -> float:
         for _ in range(n):
             tp.all_reduce(x)
         return time.perf_counter() - t0
-    for _ in range(3):
-        tp.all_reduce(x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            tp.all_reduce(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    from mlaserve.bench.timing import time_cuda
+
+    return time_cuda(lambda: [tp.all_reduce(x) for _ in range(n)], warmup=3, iters=10, flush_l2=False) / 1e3
 
 
 def add_floor(row: dict, runner: ModelRunner, ceil: dict) -> dict:
