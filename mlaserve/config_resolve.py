@@ -322,7 +322,19 @@ def precheck(server: ServerConfig, model_path: str) -> ServerConfig:
     if ":" in server.load.device and (p.tp_size > 1 or p.base_gpu_id):
         _reject(f"--device {server.load.device} with --tp-size {p.tp_size} --base-gpu-id {p.base_gpu_id}: each rank "
                 "takes its own GPU from --base-gpu-id on; give --device cuda (or auto)")
-    return resolve_config(server, ModelConfig.from_hf(model_path), probe_device(server.load.device, details=False))
+    device = probe_device(server.load.device, details=False)
+    if device.type == "cuda" and ":" not in server.load.device:
+        _check_gpu_count(p)
+    return resolve_config(server, ModelConfig.from_hf(model_path), device)
+
+
+def _check_gpu_count(p: ParallelConfig) -> None:
+    import torch
+
+    first, last, have = p.base_gpu_id, p.base_gpu_id + p.tp_size // p.nnodes - 1, torch.cuda.device_count()
+    if last >= have:
+        _reject(f"--tp-size {p.tp_size} --nnodes {p.nnodes} --base-gpu-id {p.base_gpu_id}: this node's ranks need "
+                f"GPUs {first}..{last}, and {have} are visible (or pass --device cpu)")
 
 
 def rank_device(server: ServerConfig, local_rank: int) -> str:

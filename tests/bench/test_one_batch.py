@@ -18,7 +18,7 @@ def test_tp_sizes_in_one_run(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "rows.md"
     assert one_batch.main(["--load-format", "dummy", "--model-config", str(tmp_path / "config.json"), "--batch-size",
-                           "2", "--input-len", "12", "--output-len", "3", "--tp-size", "1", "2",
+                           "2", "--input-len", "12", "--output-len", "3", "--tp-size", "1", "2", "--device", "cpu",
                            "--output-file", str(out)]) == 0
     text = out.read_text()
     rows = json.loads(text.split("<!-- rows: ")[1].split(" -->")[0])

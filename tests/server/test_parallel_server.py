@@ -17,6 +17,7 @@ import mlaserve
 from mlaserve.server.launch import free_port
 
 MODEL = "tp-test"
+CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "4096", "--log-level", "warning"]   # two gloo ranks, any machine
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,7 @@ def complete(url: str, prompt: str) -> str:
 
 def test_tp2_server_serves_the_openai_client_like_one_process(start_server, reference):
     _, expected = reference
-    srv = start_server("--tp-size", "2", "--served-model-name", MODEL, "--max-total-tokens", "4096",
-                       "--log-level", "warning")
+    srv = start_server("--tp-size", "2", "--served-model-name", MODEL, *CPU_ARGS)
     assert [complete(srv.url, p) for p in PROMPTS] == expected
     client = OpenAI(base_url=srv.url + "/v1", api_key="none")
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
@@ -54,8 +54,7 @@ def test_tp2_server_serves_the_openai_client_like_one_process(start_server, refe
 
 
 def test_killing_a_rank_ends_the_server_in_one_line(start_server):
-    srv = start_server("--tp-size", "2", "--dist-timeout", "20", "--max-total-tokens", "4096", "--log-level",
-                       "warning")
+    srv = start_server("--tp-size", "2", "--dist-timeout", "20", *CPU_ARGS)
     import httpx
 
     pids = httpx.get(srv.url + "/get_server_info").json()["rank_pids"]
@@ -72,8 +71,7 @@ def test_two_nodes_on_loopback_equal_one_process(start_server, demo_cache, refer
     """Node 1 (`serve --node-rank 1`: ranks only) and node 0 (HTTP + rank 0) meet at --dist-init-addr."""
     path, expected = reference
     addr = f"127.0.0.1:{free_port()}"
-    common = ["--model-path", path, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
-              "--max-total-tokens", "4096", "--log-level", "warning"]
+    common = ["--model-path", path, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, *CPU_ARGS]
     env = {**os.environ, "MLASERVE_CACHE": str(demo_cache)}
     node1_log = tmp_path / "node1.log"
     with open(node1_log, "w") as log:
@@ -98,11 +96,24 @@ def test_busy_dist_init_addr_is_one_line(demo_cache, tmp_path):
         port = busy.getsockname()[1]
         out = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--tp-size", "2", "--port",
                               str(free_port()), "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "20",
-                              "--log-level", "warning"], capture_output=True, text=True, timeout=120,
+                              *CPU_ARGS], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "MLASERVE_CACHE": str(demo_cache)})
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip() and "loading weights" not in ln]
     assert out.returncode != 0 and any(f"--dist-init-addr 127.0.0.1:{port}" in ln for ln in lines), lines
     assert "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.gpu
+def test_more_ranks_than_gpus_is_one_line(tmp_path):
+    import torch
+
+    src = Path(mlaserve.__file__).parent / "tools" / "configs" / "deepseek-v2-lite.json"
+    (tmp_path / "config.json").write_text(src.read_text())
+    tp = 2 * torch.cuda.device_count()
+    out = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--model-path", str(tmp_path), "--tp-size",
+                          str(tp)], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    assert out.returncode != 0 and len(lines) == 1 and "are visible" in lines[0], lines
 
 
 def _running(pid: int) -> bool:
