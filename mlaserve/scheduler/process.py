@@ -19,6 +19,7 @@ from mlaserve.config import ServerConfig
 from mlaserve.config_resolve import rank_device, resolved_args
 from mlaserve.core import FinishReason
 from mlaserve.distributed import CollectiveError, ParallelInfo, RankGroup, init_distributed, shutdown_distributed
+from mlaserve.engine.engine import resolve_for_device
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.entry import EXIT_LOST_RANK
 from mlaserve.scheduler.scheduler import Scheduler
@@ -39,6 +40,7 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
     logging.basicConfig(level=server.log_level.upper(), format=f"[%(asctime)s {tag}] %(message)s")
     try:
         server = replace(server, load=replace(server.load, device=rank_device(server, info.local_rank)))
+        server = resolve_for_device(server, model_path)        # e.g. --dist-timeout's default, before joining
         device = torch.device(server.load.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
