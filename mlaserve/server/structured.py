@@ -10,6 +10,7 @@ from typing import Any
 from mlaserve.tokenizer import THINK_END, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_SEP, Tokenizer
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+ARGS_MAX_WHITESPACE = 1      # whitespace allowed between JSON tokens of the arguments (xgrammar's least)
 
 # per --tool-call-parser: (text before the arguments, text after them) of one call to function NAME
 _CALL_FORMATS = {
@@ -21,10 +22,12 @@ _CALL_FORMATS = {
 def tool_call_tag(parser: str, tools: list[dict], parallel: bool = True) -> str:
     """The structural tag (JSON text) of a reply made only of tool calls to `tools` (OpenAI tool dicts) in the
     markup `parser` reads: one call, or one or more when `parallel`; arguments match the function's
-    `parameters` schema (an object with no properties when it has none)."""
+    `parameters` schema (an object with no properties when it has none; properties it does not list are not
+    generated), with at most one whitespace character between JSON tokens."""
     begin, end = _CALL_FORMATS[parser]
     calls = [{"type": "tag", "begin": begin.format(name=t["function"]["name"]),
-              "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or EMPTY_PARAMETERS},
+              "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or EMPTY_PARAMETERS,
+                          "max_whitespace_cnt": ARGS_MAX_WHITESPACE},
               "end": end} for t in tools]
     call: dict[str, Any] = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
     if parallel:
