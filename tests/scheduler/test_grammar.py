@@ -145,3 +145,18 @@ def test_grammar_error_is_one_line():
         Grammar.from_regex("(ab")
     text = grammar_error(info.value)
     assert "\n" not in text and ".cc" not in text and "not closed" in text
+
+
+def test_overlap_queues_the_forward_before_processing_the_previous_step(demo, tok, monkeypatch):
+    sched = make(demo)
+    assert sched.overlap
+    calls = []
+    for obj, name in ((sched.runner, "launch_forward"), (sched.runner, "launch_sample"), (sched, "drain"),
+                      (sched.grammar, "bitmask")):
+        inner = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, _f=inner, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    run(sched, [msg("j", tok.encode("x"), seed=1, regex="[a-z]{40}")])
+    # every constrained step: forward queued, previous step processed (advancing the grammar), bitmask, sampling
+    steps = [calls[i:i + 4] for i, c in enumerate(calls) if c == "launch_forward"]
+    assert len(steps) >= 6
+    assert all(s == ["launch_forward", "drain", "bitmask", "launch_sample"] for s in steps)
