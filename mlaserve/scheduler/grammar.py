@@ -195,9 +195,18 @@ class GrammarManager:
         if state is None or state.matcher is None:
             return None          # free, not yet active (reasoning), or rebuilt lazily from output_ids
         if not state.matcher.accept_token(tok):
+            if self._stuck(state.matcher):
+                return FinishReason("abort", message=f"the request's {req.params.grammar[0]} allows no token here "
+                                    "(not even the end of the output): it matches no complete text", status_code=400)
             return FinishReason("abort", message=f"internal error: token {tok} does not match the request's "
                                 "grammar", status_code=500)
         return FinishReason("stop", matched=tok) if state.matcher.is_terminated() else None
+
+    def _stuck(self, matcher: Any) -> bool:
+        """True when the matcher allows no token at all (a grammar such as `root ::= root`)."""
+        row = torch.full((1, self.width), -1, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(row, 0)
+        return not bool(row.any())
 
     def _matcher(self, req: Req) -> Any:
         """The request's matcher, built on first use by replaying the output after the start token; None

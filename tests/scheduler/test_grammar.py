@@ -160,3 +160,10 @@ def test_overlap_queues_the_forward_before_processing_the_previous_step(demo, to
     steps = [calls[i:i + 4] for i, c in enumerate(calls) if c == "launch_forward"]
     assert len(steps) >= 6
     assert all(s == ["launch_forward", "drain", "bitmask", "launch_sample"] for s in steps)
+
+
+def test_a_grammar_that_allows_nothing_is_a_400_not_a_hang(demo, tok):
+    out = run(make(demo), [msg("stuck", tok.encode("x"), seed=1, ebnf="root ::= root"),
+                           msg("ok", tok.encode("x"), seed=1, ebnf='root ::= "ok"')])
+    assert out["stuck"]["finished"].status_code == 400 and "allows no token" in out["stuck"]["finished"].message
+    assert text_of(tok, out["ok"]) == "ok"
