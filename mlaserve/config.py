@@ -263,9 +263,16 @@ class LoadConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp_size: int = opt(1, "tensor-parallel ranks")
+    tp_size: int = opt(1, "tensor-parallel ranks (one process per GPU, or per CPU rank with gloo)")
     dp_size: int = opt(1, "data-parallel ranks")
     enable_dp_attention: bool = opt(False, "data-parallel attention (one latent KV cache per DP rank)")
+    base_gpu_id: int = opt(0, "the first GPU this node uses (its ranks take base_gpu_id, base_gpu_id + 1, ...)")
+    nnodes: int = opt(1, "nodes the ranks are spread over (--tp-size must be a multiple)")
+    node_rank: int = opt(0, "this node's index: node 0 serves HTTP, the others run ranks only")
+    dist_init_addr: str | None = opt(None, "host:port where the ranks meet (rank 0's store); required with "
+                                     "--nnodes > 1, default a free port on 127.0.0.1")
+    dist_timeout: float | None = opt(None, "seconds a collective may wait for the other ranks before the server "
+                                     "exits (default: 600)")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ CPU_DEFAULT_TOKENS = 32768                 # KV-pool size on the CPU (no device 
 DEFAULT_MEM_FRACTION = 0.85
 DEFAULT_CUDA_GRAPH_MAX_BS = 160
 DEFAULT_TORCH_COMPILE_MAX_BS = 32
+DEFAULT_DIST_TIMEOUT = 600.0              # seconds a collective waits for the other ranks
 FP8_E4M3_MIN_CAPABILITY = (8, 9)           # Triton's e4m3 (fp8e4nv) needs Ada / Hopper or newer
 FP8_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 
@@ -70,11 +71,11 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     """The config with every automatic choice made for `model` on `device`; raises `ConfigError` (one line
     naming the flags) for a combination that cannot run. Pure and idempotent."""
     _check_choices(server)
-    _check_parallel(server.parallel)
     load = _resolve_load(server.load, model, device)
+    parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
     sched = _resolve_sched(server.sched, load, device)
-    return replace(server, load=load, cache=cache, sched=sched)
+    return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 
 def require_resolved(server: ServerConfig) -> None:
@@ -122,16 +123,59 @@ def _check_choices(server: ServerConfig) -> None:
                 _reject(f"{_flag(f.name)} {value}: choose one of {', '.join(choices)}")
 
 
-def _check_parallel(p: ParallelConfig) -> None:
-    # NOTE: the one place that refuses parallelism until the parallel paths exist (DESIGN.md sec. 6).
-    for name in ("tp_size", "dp_size"):
-        n = getattr(p, name)
-        if n < 1:
-            _reject(f"{_flag(name)} {n}: must be >= 1")
-        if n > 1:
-            _reject(f"{_flag(name)} {n}: this build runs on one GPU only (parallelism is not implemented yet)")
+def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, device: DeviceInfo) -> ParallelConfig:
+    for name in ("tp_size", "dp_size", "nnodes"):
+        if getattr(p, name) < 1:
+            _reject(f"{_flag(name)} {getattr(p, name)}: must be >= 1")
+    # NOTE: the one place that refuses data parallelism until its paths exist (DESIGN.md sec. 6).
+    if p.dp_size > 1:
+        _reject(f"--dp-size {p.dp_size}: data parallelism is not implemented yet")
     if p.enable_dp_attention:
         _reject("--enable-dp-attention: data-parallel attention is not implemented yet")
+    if p.tp_size % p.nnodes:
+        _reject(f"--tp-size {p.tp_size} --nnodes {p.nnodes}: every node runs the same number of ranks")
+    if not 0 <= p.node_rank < p.nnodes:
+        _reject(f"--node-rank {p.node_rank}: must be in [0, {p.nnodes - 1}] for --nnodes {p.nnodes}")
+    if p.nnodes > 1 and not p.dist_init_addr:
+        _reject(f"--nnodes {p.nnodes}: give --dist-init-addr host:port (where the nodes' ranks meet)")
+    if p.dist_init_addr is not None:
+        host, _, port = p.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            _reject(f"--dist-init-addr {p.dist_init_addr}: expected host:port")
+    if p.dist_timeout is not None and p.dist_timeout <= 0:
+        _reject(f"--dist-timeout {p.dist_timeout}: must be > 0")
+    if p.base_gpu_id < 0 or (p.base_gpu_id and device.type != "cuda"):
+        _reject(f"--base-gpu-id {p.base_gpu_id}: must be >= 0, and picks GPUs only (the device is {device.type})")
+    check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8)
+    return replace(p, dist_timeout=p.dist_timeout or DEFAULT_DIST_TIMEOUT)
+
+
+def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool) -> None:
+    """One line naming the first checkpoint tensor that does not split into `tp` shards (of whole 128-blocks
+    for block-FP8 weights)."""
+    if tp == 1:
+        return
+    h, block = model.num_attention_heads, 128
+    attn = "model.layers.0.self_attn."
+    q = f"{attn}q_proj.weight" if model.q_lora_rank is None else f"{attn}q_b_proj.weight"
+    parts = [(q, "heads", h, 0), (f"{attn}kv_b_proj.weight", "heads", h, 0), (f"{attn}o_proj.weight", "heads", h, 0),
+             ("model.embed_tokens.weight", "vocab rows", model.vocab_size, 0)]
+    if fp8:
+        parts += [(q, "rows", h * model.qk_head_dim, block),
+                  (f"{attn}kv_b_proj.weight", "rows", h * (model.qk_nope_head_dim + model.v_head_dim), block),
+                  (f"{attn}o_proj.weight", "columns", h * model.v_head_dim, block)]
+    moe = [i for i in range(model.num_hidden_layers) if model.is_moe_layer(i)]
+    if len(moe) < model.num_hidden_layers:
+        dense = next(i for i in range(model.num_hidden_layers) if not model.is_moe_layer(i))
+        parts.append((f"model.layers.{dense}.mlp.down_proj.weight", "columns", model.intermediate_size,
+                      block if fp8 else 0))
+    if moe:
+        parts.append((f"model.layers.{moe[0]}.mlp.experts.0.down_proj.weight", "columns",
+                      model.moe_intermediate_size, block if fp8 else 0))
+    for name, what, n, unit in parts:
+        if n % tp or (unit and (n // tp) % unit):
+            blocks = f" of whole {unit}-wide blocks (block FP8)" if unit else ""
+            _reject(f"--tp-size {tp}: {name} has {n} {what}, which do not split into {tp} equal parts{blocks}")
 
 
 def _below(device: DeviceInfo, capability: tuple[int, int]) -> bool:
@@ -274,4 +318,18 @@ def http_only_flags(server: ServerConfig) -> list[str]:
 def precheck(server: ServerConfig, model_path: str) -> ServerConfig:
     """Resolve in the main process before any process starts (device details unprobed: no CUDA context here),
     so a bad combination fails in one line. The scheduler process resolves again against the probed device."""
+    p = server.parallel
+    if ":" in server.load.device and (p.tp_size > 1 or p.base_gpu_id):
+        _reject(f"--device {server.load.device} with --tp-size {p.tp_size} --base-gpu-id {p.base_gpu_id}: each rank "
+                "takes its own GPU from --base-gpu-id on; give --device cuda (or auto)")
     return resolve_config(server, ModelConfig.from_hf(model_path), probe_device(server.load.device, details=False))
+
+
+def rank_device(server: ServerConfig, local_rank: int) -> str:
+    """The device of the node's `local_rank`-th rank: `--device cuda:N` as given (one rank), else GPU
+    base_gpu_id + local_rank, or the CPU."""
+    name = server.load.device
+    if ":" in name:
+        return name
+    kind = probe_device(name, details=False).type
+    return "cpu" if kind == "cpu" else f"cuda:{server.parallel.base_gpu_id + local_rank}"

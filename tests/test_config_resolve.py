@@ -95,7 +95,14 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
 
 
 @pytest.mark.parametrize("device,model,flags,words", [
-    (CPU, V2_LITE, dict(tp_size=2), "--tp-size 2"),
+    (CPU, V2_LITE, dict(tp_size=3), "--tp-size 3: model.layers.0.self_attn.q_proj.weight has 16 heads"),
+    (H100, V3_FP8, dict(tp_size=32), "--tp-size 32: model.layers.0.mlp.down_proj.weight has 18432 columns"),
+    (CPU, V2_LITE, dict(tp_size=4, nnodes=3), "--tp-size 4 --nnodes 3"),
+    (CPU, V2_LITE, dict(tp_size=2, nnodes=2), "--nnodes 2: give --dist-init-addr"),
+    (CPU, V2_LITE, dict(node_rank=1), "--node-rank 1"),
+    (CPU, V2_LITE, dict(dist_init_addr="nohost"), "--dist-init-addr nohost"),
+    (CPU, V2_LITE, dict(dist_timeout=0.0), "--dist-timeout 0.0"),
+    (CPU, V2_LITE, dict(base_gpu_id=1), "--base-gpu-id 1"),
     (H100, V2_LITE, dict(dp_size=4), "--dp-size 4"),
     (H100, V2_LITE, dict(enable_dp_attention=True), "--enable-dp-attention"),
     (H100, V2_LITE, dict(tp_size=0), "--tp-size 0"),
@@ -130,6 +137,14 @@ def test_unsupported_combinations_fail_in_one_line_naming_the_flags(device, mode
         resolve(device, model, **flags)
     msg = str(e.value)
     assert words in msg and "\n" not in msg, msg
+
+
+def test_tensor_parallel_configs_resolve():
+    r = resolve(CPU, V2_LITE, tp_size=2)
+    assert (r.parallel.tp_size, r.parallel.dist_timeout) == (2, 600.0)
+    assert resolve(H100, V3_FP8, tp_size=8).parallel.tp_size == 8           # DeepSeek-V3 FP8 on one 8-GPU node
+    assert resolve(H100, V3_FP8, tp_size=16, nnodes=2, dist_init_addr="10.0.0.1:5000").parallel.nnodes == 2
+    assert resolve(CPU, V2_LITE, tp_size=2) == resolve_config(r, V2_LITE, CPU)  # idempotent
 
 
 def test_triton_on_the_cpu_needs_the_interpreter():

@@ -37,19 +37,25 @@ def expected_experts_hit(cfg: ModelConfig, tokens: int) -> float:
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, *, fp8: bool | None = None,
-                      kv_bytes: int = 2) -> dict[str, float]:
-    """Bytes one decode step must read: weights touched + KV cache (each read once)."""
+                      kv_bytes: int = 2, tp: int = 1) -> dict[str, float]:
+    """Bytes one decode step must read on one rank: weights touched + KV cache (each read once). Under tensor
+    parallelism (`tp`) a rank reads 1/tp of the head-split attention weights, of every MLP / expert and of the
+    vocabulary, and all of the replicated q_a / kv_a projections, routers and latent KV cache."""
     fp8 = cfg.is_fp8 if fp8 is None else fp8
-    attn = sum(_linear_bytes(cfg, n, k, fp8) for n, k in attention_params(cfg)) * cfg.num_hidden_layers
+    replicated = {(cfg.kv_cache_dim, cfg.hidden_size), (cfg.q_lora_rank, cfg.hidden_size)}   # kv_a, q_a
+    attn = sum(_linear_bytes(cfg, n, k, fp8) / (1 if (n, k) in replicated else tp)
+               for n, k in attention_params(cfg)) * cfg.num_hidden_layers
     dense = moe = 0.0
     expert = sum(_linear_bytes(cfg, n, k, fp8) for n, k in mlp_params(cfg.hidden_size, cfg.moe_intermediate_size))
+    expert /= tp
     for i in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(i):
             moe += expected_experts_hit(cfg, batch) * expert + expert * cfg.n_shared_experts
             moe += 2 * cfg.n_routed_experts * cfg.hidden_size                   # router
         else:
             dense += sum(_linear_bytes(cfg, n, k, fp8) for n, k in mlp_params(cfg.hidden_size, cfg.intermediate_size))
-    head = 2 * cfg.vocab_size * cfg.hidden_size
+    dense /= tp
+    head = 2 * cfg.vocab_size * cfg.hidden_size / tp
     kv = batch * context * cfg.kv_cache_dim * kv_bytes * cfg.num_hidden_layers
     return {"attention": attn, "dense_mlp": dense, "moe": moe, "lm_head": head, "kv_cache": kv,
             "total": attn + dense + moe + head + kv}

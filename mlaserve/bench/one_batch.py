@@ -1,9 +1,12 @@
 """`mlaserve bench one-batch`: prefill one batch, then decode it step by step; latency and throughput beside
 the floor of DESIGN.md sec. 5 (bytes / measured copy bandwidth; FLOPs / measured matmul rate), and with
-`--hf-peer` Hugging Face transformers on the same config in the same run.
+`--hf-peer` Hugging Face transformers on the same config in the same run. `--tp-size 1 2` runs each
+tensor-parallel size in turn (one spawned process per rank), beside the floor of one rank and the time the
+step's all-reduces take alone.
 
     mlaserve bench one-batch --model-path DIR --batch-size 1 16 64 --input-len 256 --output-len 32
     mlaserve bench one-batch --load-format dummy --model-config config.json --batch-size 1 16 64 --hf-peer
+    mlaserve bench one-batch --load-format dummy --model-config config.json --tp-size 1 2
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 from mlaserve.bench.floor import decode_step_bytes, prefill_flops
 from mlaserve.config import ServerConfig
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
+from mlaserve.distributed import RankGroup, spawn_ranks
 from mlaserve.engine.engine import ModelRunner, resolve_for_device
 from mlaserve.kvcache.allocator import ReqToTokenPool, TokenSlotAllocator
 
@@ -39,11 +43,13 @@ def model_dir(args: argparse.Namespace) -> str:
     return str(tmp)
 
 
-def build_runner(args: argparse.Namespace, path: str) -> tuple[ModelRunner, ReqToTokenPool, TokenSlotAllocator]:
+def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = None,
+                 device: str | None = None) -> tuple[ModelRunner, ReqToTokenPool, TokenSlotAllocator]:
     max_bs = max(args.batch_size)
     tokens = max_bs * (args.input_len + args.output_len) + 64
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
-                                    device=args.device, max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
+                                    tp_size=group.size if group else 1, device=device or args.device,
+                                    max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
                                     attention_backend=args.attention_backend,
                                     context_length=args.input_len + args.output_len + 8,
                                     enable_torch_compile=args.enable_torch_compile)
@@ -52,7 +58,7 @@ def build_runner(args: argparse.Namespace, path: str) -> tuple[ModelRunner, ReqT
         sched = replace(server.sched, cuda_graph_bs=None, cuda_graph_max_bs=max_bs,
                         torch_compile_max_bs=max_bs if args.enable_torch_compile else 0)
         server = resolve_for_device(replace(server, sched=sched), path)
-    runner = ModelRunner(server, path)
+    runner = ModelRunner(server, path, group)
     pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8, runner.device)
     runner.attach(pool.table)
     runner.init_cuda_graphs(pool.table, pool.alloc())
@@ -118,12 +124,39 @@ def graph_replay_s(runner: ModelRunner, bs: int) -> float | None:
     return statistics.median(times)
 
 
+def allreduce_s(runner: ModelRunner, bs: int) -> float:
+    """Time of the step's all-reduces alone (two per layer and the embedding's, [bs, hidden] in the activation
+    dtype), back to back: in a CUDA graph on GPUs, eagerly on the CPU. Collective: every rank calls it."""
+    tp, n = runner.group.tp, 2 * runner.cfg.num_hidden_layers + 1
+    x = torch.zeros(bs, runner.cfg.hidden_size, dtype=runner.dtype, device=runner.device)
+    if runner.device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tp.all_reduce(x)
+        return time.perf_counter() - t0
+    for _ in range(3):
+        tp.all_reduce(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            tp.all_reduce(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def add_floor(row: dict, runner: ModelRunner, ceil: dict) -> dict:
     cfg, bs = runner.cfg, row["batch_size"]
     ctx = row["input_len"] + row["output_len"] // 2
     kv_bytes = runner.pool.buffers[0].element_size()
     nbytes = decode_step_bytes(cfg, bs, ctx, fp8=cfg.is_fp8 and not runner.server.load.dequant_fp8,
-                               kv_bytes=kv_bytes)["total"]
+                               kv_bytes=kv_bytes, tp=runner.group.size)["total"]
     row["decode_floor_s"] = nbytes / ceil["copy_bps"]
     row["decode_frac_floor"] = row["decode_floor_s"] / row["decode_step_s"]
     flops = prefill_flops(cfg, row["input_len"]) * bs
@@ -135,17 +168,47 @@ def add_floor(row: dict, runner: ModelRunner, ceil: dict) -> dict:
 
 def table(rows: list[dict], title: str) -> str:
     lines = [f"### {title}", "", "| engine | bs | in | out | prefill ms | prefill tok/s | prefill TFLOP/s (of rate) | "
-             "decode step ms | GPU ms (graph replay) | decode tok/s | floor ms | of floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode step ms | GPU ms (graph replay) | all-reduces ms (of step) | decode tok/s | floor ms | of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pf = f"{r['prefill_tflops']:.0f} ({r['prefill_frac_rate']:.0%})" if "prefill_tflops" in r else "-"
         fl = f"{r['decode_floor_s'] * 1e3:.2f}" if "decode_floor_s" in r else "-"
         fr = f"{r['decode_frac_floor']:.0%}" if "decode_frac_floor" in r else "-"
         gs = f"{r['graph_replay_s'] * 1e3:.2f}" if r.get("graph_replay_s") else "-"
+        ar = f"{r['allreduce_s'] * 1e3:.2f} ({r['allreduce_s'] / r['decode_step_s']:.0%})" if r.get("allreduce_s") else "-"
         lines.append(f"| {r.get('engine', 'mlaserve')} | {r['batch_size']} | {r['input_len']} | {r['output_len']} | "
                      f"{r['prefill_s'] * 1e3:.1f} | {r['prefill_tok_s']:.0f} | {pf} | {r['decode_step_s'] * 1e3:.2f} | {gs} | "
-                     f"{r['decode_tok_s']:.0f} | {fl} | {fr} |")
+                     f"{ar} | {r['decode_tok_s']:.0f} | {fl} | {fr} |")
     return "\n".join(lines)
+
+
+def bench_rank(group: RankGroup | None, args: argparse.Namespace, path: str, ceil: dict) -> tuple[list, object, float]:
+    """Build one rank's runner and run every batch size (every rank runs the same batches; rank 0's rows count)."""
+    rank = group.info.rank if group else 0
+    device = f"cuda:{rank}" if group and torch.cuda.is_available() and args.device in ("auto", "cuda") else None
+    t0 = time.perf_counter()
+    runner, pool, alloc = build_runner(args, path, group, device)
+    startup = time.perf_counter() - t0
+    torch.manual_seed(0)                           # the same prompts on every rank
+    for bs in args.batch_size:                     # warm-up: Triton compiles every shape the runs will use
+        one_batch(runner, pool, alloc, bs, args.input_len, 3)
+    rows = []
+    for bs in args.batch_size:
+        if args.profile and bs == args.batch_size[-1] and rank == 0:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+                row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
+            Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(args.profile_dir) / f"one_batch_bs{bs}.json"))
+            (Path(args.profile_dir) / f"one_batch_bs{bs}.txt").write_text(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        else:
+            row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
+        if runner.group.size > 1:
+            row |= {"engine": f"mlaserve tp {runner.group.size}", "allreduce_s": allreduce_s(runner, bs)}
+        rows.append(add_floor(row, runner, ceil))
+        if rank == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    return rows, runner.cfg, startup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "torch"))
+    ap.add_argument("--tp-size", type=int, nargs="+", default=[1], help="tensor-parallel sizes to run in turn")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--enable-torch-compile", action="store_true", help="torch.compile the decode step (in graphs)")
     ap.add_argument("--profile", action="store_true", help="write a torch profiler trace of the last batch size")
@@ -173,26 +237,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ceil = Ceilings.measure() if torch.cuda.is_available() else {"copy_bps": float("nan"), "bf16_flops": float("nan"),
                                                                   "fp8_flops": float("nan")}
-    t0 = time.perf_counter()
-    runner, pool, alloc = build_runner(args, path)
-    startup = time.perf_counter() - t0
-    for bs in args.batch_size:                     # warm-up: Triton compiles every shape the runs will use
-        one_batch(runner, pool, alloc, bs, args.input_len, 3)
-    rows = []
-    for bs in args.batch_size:
-        if args.profile and bs == args.batch_size[-1]:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-                row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
-            Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(Path(args.profile_dir) / f"one_batch_bs{bs}.json"))
-            (Path(args.profile_dir) / f"one_batch_bs{bs}.txt").write_text(
-                prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    rows, cfg, startup = [], None, {}
+    for tp in args.tp_size:
+        if tp == 1:
+            got, cfg, startup[tp] = bench_rank(None, args, path, ceil)
         else:
-            row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
-        rows.append(add_floor(row, runner, ceil))
-        print(json.dumps(rows[-1]), flush=True)
-    cfg = runner.cfg
-    del runner, pool, alloc
+            device = "cuda" if torch.cuda.is_available() and args.device in ("auto", "cuda") else "cpu"
+            got, cfg, startup[tp] = spawn_ranks(bench_rank, tp, args, path, ceil, device=device)[0]
+        rows += got
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.hf_peer:
@@ -204,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"one-batch, {cfg.architecture} hidden {cfg.hidden_size} x {cfg.num_hidden_layers} layers, "
              f"{'FP8' if cfg.is_fp8 else args.dtype}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
              f"{datetime.date.today()}; copy {ceil['copy_bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} "
-             f"TFLOP/s, fp8 {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s; model build + load + graph capture {startup:.1f} s")
+             f"TFLOP/s, fp8 {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s; model build + load + graph capture "
+             + ", ".join(f"{s:.1f} s (tp {tp})" for tp, s in startup.items()))
     text = table(rows, title)
     print(text)
     if args.output_file:

@@ -1,1 +1,6 @@
+"""Ranks, process groups and the collectives the model and the scheduler call (DESIGN.md sec. 6)."""
+from mlaserve.distributed.parallel import (CollectiveError, ParallelInfo, RankGroup, TensorParallel,
+                                           init_distributed, shutdown_distributed, spawn_ranks)
 
+__all__ = ["CollectiveError", "ParallelInfo", "RankGroup", "TensorParallel", "init_distributed",
+           "shutdown_distributed", "spawn_ranks"]

@@ -13,6 +13,7 @@ from mlaserve.attention import create_attn_backend
 from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.config_resolve import describe_changes, probe_device, require_resolved, resolve_config
 from mlaserve.core import Batch, ForwardMode
+from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
@@ -75,12 +76,16 @@ def kv_pool_tokens(budget_bytes: float, bytes_per_token: int, min_tokens: int = 
 
 
 class ModelRunner:
-    """Builds and runs the model for a config already through `resolve_config` (no automatic choice here)."""
+    """Builds and runs the model for a config already through `resolve_config` (no automatic choice here).
 
-    def __init__(self, server: ServerConfig, model_path: str | None):
+    Under tensor parallelism one runner per rank, `group` joining them: each holds its shard of the weights and
+    a whole latent KV pool, of the size every rank can hold; every rank computes the same logits."""
+
+    def __init__(self, server: ServerConfig, model_path: str | None, group: RankGroup | None = None):
         require_resolved(server)
         load = server.load
         self.server = server
+        self.group = group or RankGroup(ParallelInfo(), TensorParallel(), None)
         self.device = torch.device(load.device)
         self.dtype = DTYPES[load.dtype]
         self.cfg = ModelConfig.from_hf(model_path) if model_path else None
@@ -90,11 +95,13 @@ class ModelRunner:
         kernels = load.attention_backend
         self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device, kernels=kernels,
                                          absorb=not load.disable_mla, dequant_fp8=load.dequant_fp8,
-                                         max_pos=self.context_len)
+                                         max_pos=self.context_len, tp=self.group.tp)
         load_weights(self.model, self.cfg, model_path, load_format=load.load_format,
-                     dequant_fp8=load.dequant_fp8, seed=load.seed)
+                     dequant_fp8=load.dequant_fp8, seed=load.seed, progress=self.group.info.is_leader)
+        logger.info("weights: %.2f GiB on rank %d of %d", weight_bytes(self.model) / 2**30, self.group.info.rank,
+                    self.group.size)
         kv_dtype = KV_CACHE_DTYPES[server.cache.kv_cache_dtype]
-        self.num_slots = self._pool_size(kv_dtype)
+        self.num_slots = self.group.min_int(self._pool_size(kv_dtype))          # every rank holds the whole cache
         self.pool = MLAKVPool(self.num_slots, self.model.num_kv_layers, self.cfg.kv_lora_rank,
                               self.cfg.qk_rope_head_dim, kv_dtype, self.device)
         self.attn_backend = create_attn_backend(kernels, self.cfg.softmax_scale, self.cfg.kv_lora_rank,
@@ -290,6 +297,11 @@ class ModelRunner:
 
     def eos_ids(self) -> list[int]:
         return [] if self.cfg.eos_token_id is None else [self.cfg.eos_token_id]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's parameters (its shards under tensor parallelism)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -46,7 +46,7 @@ class DecodeGraphRunner:
         self._capture(kv_pool, attn_backend, req_to_token, max_context)
 
     def _ctx(self, bs: int, kv_pool, attn_backend, req_to_token, max_context: int) -> ForwardContext:
-        splits = choose_num_kv_splits(decode_programs(bs, self.model.cfg.num_attention_heads), max_context)
+        splits = choose_num_kv_splits(decode_programs(bs, self.model.num_local_heads), max_context)
         return ForwardContext(
             mode=ForwardMode.DECODE, positions=self.positions[:bs], out_slots=self.out_slots[:bs],
             req_pool_idx=self.req_pool_idx[:bs], seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs,

@@ -1,7 +1,8 @@
 """Linear layers: bf16/fp32 or DeepSeek block-FP8 (e4m3 weight + float32 `weight_scale_inv` per 128x128 block).
 
-Tensor-parallel ready: `tp_dim=0` shards the output rows (column parallel), `tp_dim=1` the input columns
-(row parallel); each parameter carries a `weight_loader` that slices the full checkpoint tensor.
+Tensor parallel: `tp_dim=0` shards the output rows (column parallel), `tp_dim=1` the input columns (row
+parallel: the caller all-reduces the partial outputs); each parameter carries a `weight_loader` that slices the
+full checkpoint tensor (block-FP8 scales on the same 128-block boundaries).
 """
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.config import QuantConfig
+from mlaserve.distributed import TensorParallel
 from mlaserve.layers.ops import Ops
+
+SINGLE = TensorParallel()
 
 
 class ShapeError(ValueError):
@@ -26,15 +30,16 @@ def copy_checked(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded.to(param.dtype))
 
 
-def shard(t: torch.Tensor, dim: int | None, rank: int, size: int, unit: int = 1) -> torch.Tensor:
-    """Slice `t` along `dim` into `size` equal parts (in multiples of `unit` rows) and return part `rank`."""
-    if dim is None or size == 1:
+def shard(name: str, t: torch.Tensor, dim: int | None, tp: TensorParallel) -> torch.Tensor:
+    """Part `tp.rank` of `t` cut along `dim` into `tp.size` equal parts (ShapeError naming `name` otherwise)."""
+    if dim is None or tp.size == 1:
         return t
     n = t.shape[dim]
-    if n % size or (n // size) % unit:
-        raise ShapeError(f"dimension {n} cannot be split {size} ways in units of {unit}")
-    part = n // size
-    return t.narrow(dim, rank * part, part)
+    if n % tp.size:
+        raise ShapeError(f"{name}: dimension {dim} of shape {list(t.shape)} does not split into --tp-size {tp.size} "
+                         "equal parts")
+    part = n // tp.size
+    return t.narrow(dim, tp.rank * part, part)
 
 
 class Linear(torch.nn.Module):
@@ -43,13 +48,12 @@ class Linear(torch.nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, ops: Ops, bias: bool = False,
                  quant: QuantConfig | None = None, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", tp_dim: int | None = None, tp_rank: int = 0,
-                 tp_size: int = 1):
+                 device: torch.device | str = "cpu", tp: TensorParallel = SINGLE, tp_dim: int | None = None):
         super().__init__()
         self.ops = ops
-        self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
-        out_local = out_features // tp_size if tp_dim == 0 else out_features
-        in_local = in_features // tp_size if tp_dim == 1 else in_features
+        self.tp, self.tp_dim = tp, tp_dim
+        out_local = tp.split(out_features, "output features") if tp_dim == 0 else out_features
+        in_local = tp.split(in_features, "input features") if tp_dim == 1 else in_features
         self.in_features, self.out_features = in_local, out_local
         self.quant = quant
         wdtype = torch.float8_e4m3fn if quant else dtype
@@ -68,13 +72,14 @@ class Linear(torch.nn.Module):
             self.bias.weight_loader = self._load_bias
 
     def _load_weight(self, name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        copy_checked(name, param, shard(loaded, self.tp_dim, self.tp_rank, self.tp_size))
+        copy_checked(name, param, shard(name, loaded, self.tp_dim, self.tp))
 
-    def _load_scale(self, name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        copy_checked(name, param, shard(loaded, self.tp_dim, self.tp_rank, self.tp_size))
+    _load_scale = _load_weight           # [ceil(N/128), ceil(K/128)]: cut along the same dimension
 
     def _load_bias(self, name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        copy_checked(name, param, shard(loaded, 0 if self.tp_dim == 0 else None, self.tp_rank, self.tp_size))
+        if self.tp_dim == 1 and self.tp.rank:
+            loaded = torch.zeros_like(loaded)      # row parallel: the bias is added once, by rank 0, before the sum
+        copy_checked(name, param, shard(name, loaded, 0 if self.tp_dim == 0 else None, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
@@ -95,8 +100,7 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, out_parts: list[int], **kw):
         super().__init__(in_features, sum(out_parts), **kw)
-        tp = self.tp_size if self.tp_dim == 0 else 1
-        self.out_parts = [n // tp for n in out_parts]
+        self.out_parts = [n // self.tp.size for n in out_parts] if self.tp_dim == 0 else list(out_parts)
         if self.quant is not None and any(n % self.quant.block[0] for n in self.out_parts[:-1]):
             raise ShapeError(f"block-FP8 parts {self.out_parts} must be multiples of {self.quant.block[0]}")
 
@@ -107,4 +111,4 @@ class MergedLinear(Linear):
             dst = self.weight_scale_inv.narrow(0, start // bn, cdiv(n, bn))
         else:
             dst = self.weight.narrow(0, start, n)
-        copy_checked(name, dst, shard(loaded, self.tp_dim, self.tp_rank, self.tp_size))
+        copy_checked(name, dst, shard(name, loaded, self.tp_dim, self.tp))

@@ -1,9 +1,11 @@
 """Multi-head Latent Attention (DeepSeek-V2 sec. 2.1), both forms over the paged latent KV cache.
 
-Legend: `T` tokens, `H` local heads, `L` kv_lora_rank, `R` qk_rope_head_dim, `Dn` qk_nope_head_dim,
-`Dv` v_head_dim. Extend (prefill) runs the non-absorbed form: k_nope / v are expanded from the latent
-through kv_b_proj. Decode runs the absorbed form: W_UK folds into the query (q_nope @ w_kc -> [T, H, L])
-and W_UV after attention (o_latent @ w_vc -> [T, H, Dv]), so attention reads the 576-wide latent rows.
+Legend: `T` tokens, `H` local heads (num_attention_heads / tp), `L` kv_lora_rank, `R` qk_rope_head_dim,
+`Dn` qk_nope_head_dim, `Dv` v_head_dim. Under tensor parallelism each rank holds H heads (q_b_proj / q_proj and
+kv_b_proj column-parallel, o_proj row-parallel: the caller all-reduces) and the whole latent cache (q_a / kv_a
+replicated). Extend (prefill) runs the non-absorbed form: k_nope / v are expanded from the latent through
+kv_b_proj. Decode runs the absorbed form: W_UK folds into the query (q_nope @ w_kc -> [T, H, L]) and W_UV after
+attention (o_latent @ w_vc -> [T, H, Dv]), so attention reads the 576-wide latent rows.
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import torch
 
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode
+from mlaserve.distributed import TensorParallel
 from mlaserve.kernels.quant import block_dequant_ref
-from mlaserve.layers.linear import Linear
+from mlaserve.layers.linear import SINGLE, Linear
 from mlaserve.layers.ops import Ops
 from mlaserve.layers.rmsnorm import RMSNorm
 from mlaserve.layers.rope import RotaryEmbedding
@@ -21,24 +24,26 @@ from mlaserve.layers.rope import RotaryEmbedding
 class MLAAttention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *,
                  dtype: torch.dtype, device: torch.device | str, ops: Ops, absorb: bool = True,
-                 dequant_fp8: bool = False):
+                 dequant_fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_id, self.rotary, self.absorb, self.ops = layer_id, rotary, absorb, ops
-        self.h = cfg.num_attention_heads
+        heads = cfg.num_attention_heads
+        self.h = tp.split(heads, "num_attention_heads")
         self.dn, self.r, self.dv, self.l = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         quant = None if dequant_fp8 else cfg.quant
         kw = dict(dtype=dtype, device=device, quant=quant, ops=ops)
         hid, qk = cfg.hidden_size, cfg.qk_head_dim
+        cols, rows = dict(tp=tp, tp_dim=0), dict(tp=tp, tp_dim=1)           # split by heads
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(hid, self.h * qk, **kw)
+            self.q_proj = Linear(hid, heads * qk, **kw, **cols)
         else:
             self.q_a_proj = Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device, ops=ops)
-            self.q_b_proj = Linear(cfg.q_lora_rank, self.h * qk, **kw)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk, **kw, **cols)
         self.kv_a_proj_with_mqa = Linear(hid, self.l + self.r, bias=cfg.attention_bias, **kw)
         self.kv_a_layernorm = RMSNorm(self.l, cfg.rms_norm_eps, dtype, device, ops=ops)
-        self.kv_b_proj = Linear(self.l, self.h * (self.dn + self.dv), **kw)
-        self.o_proj = Linear(self.h * self.dv, hid, bias=cfg.attention_bias, **kw)
+        self.kv_b_proj = Linear(self.l, heads * (self.dn + self.dv), **kw, **cols)
+        self.o_proj = Linear(heads * self.dv, hid, bias=cfg.attention_bias, **kw, **rows)   # partial sums
         self.q_lora = cfg.q_lora_rank is not None
         # Absorbed weights, derived from kv_b_proj after loading (models/weights.py).
         self.register_buffer("w_kc", torch.empty(self.h, self.dn, self.l, dtype=dtype, device=device), persistent=False)

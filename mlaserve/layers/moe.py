@@ -1,7 +1,9 @@
 """DeepSeek feed-forward: dense SwiGLU MLP (dense-first layers, shared experts) and the routed MoE.
 
-Legend: `T` tokens, `h` hidden, `I` moe_intermediate_size, `E` routed experts, `K` experts per token.
-Routed experts are stacked at load time: w13 [E, 2I, h] (gate rows then up rows), w2 [E, h, I].
+Legend: `T` tokens, `h` hidden, `I` moe_intermediate_size / tp (this rank's share), `E` routed experts,
+`K` experts per token. Routed experts are stacked at load time: w13 [E, 2I, h] (gate rows then up rows),
+w2 [E, h, I]. Under tensor parallelism every expert (shared ones too) and the dense MLP are split along the
+intermediate dimension: gate/up rows and down columns; the caller all-reduces the partial outputs.
 """
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from mlaserve.config import ModelConfig, QuantConfig
-from mlaserve.layers.linear import Linear, MergedLinear, ShapeError, cdiv, copy_checked
+from mlaserve.distributed import TensorParallel
+from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
 from mlaserve.layers.ops import Ops
 
 # Up to this many tokens the shared experts run inside the fused-MoE call (decode: fewer, fuller launches);
@@ -21,11 +24,11 @@ class DenseMLP(torch.nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one stacked GEMM (checkpoint gate_proj / up_proj)."""
 
     def __init__(self, hidden: int, intermediate: int, *, quant: QuantConfig | None,
-                 dtype: torch.dtype, device: torch.device | str, ops: Ops):
+                 dtype: torch.dtype, device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE):
         super().__init__()
-        kw = dict(quant=quant, dtype=dtype, device=device, ops=ops)
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], **kw)
-        self.down_proj = Linear(intermediate, hidden, **kw)
+        kw = dict(quant=quant, dtype=dtype, device=device, ops=ops, tp=tp)
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], tp_dim=0, **kw)
+        self.down_proj = Linear(intermediate, hidden, tp_dim=1, **kw)               # partial sums
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,12 +74,12 @@ class RoutedExperts(torch.nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops):
+                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        h, i = cfg.hidden_size, tp.split(cfg.moe_intermediate_size, "moe_intermediate_size")
         self.n_routed, self.n_shared = cfg.n_routed_experts, cfg.n_shared_experts
         e = self.n_routed + self.n_shared
-        self.i, self.quant, self.ops = i, quant, ops
+        self.i, self.quant, self.ops, self.tp = i, quant, ops, tp
         wdtype = torch.float8_e4m3fn if quant else dtype
         self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, h, dtype=wdtype, device=device), requires_grad=False)
         self.w2 = torch.nn.Parameter(torch.empty(e, h, i, dtype=wdtype, device=device), requires_grad=False)
@@ -91,16 +94,17 @@ class RoutedExperts(torch.nn.Module):
                                                requires_grad=False)
 
     def load_expert(self, name: str, expert: int, proj: str, loaded: torch.Tensor, scale: bool) -> None:
-        """Copy one checkpoint tensor `mlp.experts.{expert}.{proj}.weight[_scale_inv]` into its stack."""
-        stack = (self.w2_scale if proj == "down_proj" else self.w13_scale) if scale else \
-            (self.w2 if proj == "down_proj" else self.w13)
+        """Copy this rank's share of checkpoint tensor `mlp.experts.{expert}.{proj}.weight[_scale_inv]` into its
+        stack (gate / up: rows of the intermediate dimension, down: its columns)."""
+        down = proj == "down_proj"
+        stack = (self.w2_scale if down else self.w13_scale) if scale else (self.w2 if down else self.w13)
         rows = stack.shape[1] // 2
         dst = stack[expert]
         if proj == "gate_proj":
             dst = dst[:rows]
         elif proj == "up_proj":
             dst = dst[rows:]
-        copy_checked(name, dst, loaded)
+        copy_checked(name, dst, shard(name, loaded, 1 if down else 0, self.tp))
 
     def load_shared(self, name: str, proj: str, loaded: torch.Tensor, scale: bool) -> None:
         """Split `mlp.shared_experts.{proj}.weight[_scale_inv]` into the n_shared expert slots after the routed ones."""
@@ -128,11 +132,13 @@ class RoutedExperts(torch.nn.Module):
 
 
 class MoE(torch.nn.Module):
+    """Router (replicated) + routed and shared experts; returns this rank's partial sum under TP."""
+
     def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops):
+                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE):
         super().__init__()
         self.gate = Router(cfg, dtype, device, ops=ops)
-        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops)
+        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp)
         e, ns = cfg.n_routed_experts, cfg.n_shared_experts
         self.register_buffer("shared_ids", torch.arange(e, e + ns, dtype=torch.int32, device=device)[None], persistent=False)
         self.register_buffer("shared_weights", torch.ones(1, ns, dtype=torch.float32, device=device), persistent=False)

@@ -1,6 +1,7 @@
 """DeepSeek V2 / V2-Lite / V3 / R1 decoder and its NextN (MTP) layer, one file, switched by config.
 
-Legend: `T` tokens in the batch, `h` hidden_size, `V` vocab_size.
+Legend: `T` tokens in the batch, `h` hidden_size, `V` vocab_size. Under tensor parallelism (`tp`) every layer
+holds its shard and each block all-reduces twice: after attention and after the MLP / MoE (DESIGN.md sec. 6).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext
+from mlaserve.distributed import TensorParallel
 from mlaserve.layers.embedding import LMHead, VocabEmbedding
 from mlaserve.layers.linear import Linear
 from mlaserve.layers.mla import MLAAttention
@@ -26,16 +28,17 @@ class ModelOutput(NamedTuple):
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool):
+                 device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool, tp: TensorParallel):
         super().__init__()
         quant = None if dequant_fp8 else cfg.quant
+        self.tp = tp
         self.self_attn = MLAAttention(cfg, layer_id, rotary, dtype=dtype, device=device, ops=ops, absorb=absorb,
-                                      dequant_fp8=dequant_fp8)
+                                      dequant_fp8=dequant_fp8, tp=tp)
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops)
+            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device,
-                                ops=ops)
+                                ops=ops, tp=tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
 
@@ -47,16 +50,16 @@ class DecoderLayer(torch.nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, ctx)
+        h = self.tp.all_reduce(self.self_attn(positions, h, ctx))          # sum of the heads' shares
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.tp.all_reduce(self.mlp(h)), residual                    # sum of the intermediate shares
 
 
 class DeepseekModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, **kw):
         super().__init__()
         dtype, device = kw["dtype"], kw["device"]
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=kw["tp"])
         self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, rotary, **kw) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=kw["ops"])
 
@@ -68,10 +71,11 @@ class DeepseekModel(torch.nn.Module):
 
 
 class SharedHead(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: Ops):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, ops: Ops,
+                 tp: TensorParallel):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
-        self.head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=tp)
 
 
 class NextNLayer(torch.nn.Module):
@@ -89,7 +93,7 @@ class NextNLayer(torch.nn.Module):
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype, device=device, ops=ops)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, rotary, **kw)
-        self.shared_head = SharedHead(cfg, dtype, device, ops)
+        self.shared_head = SharedHead(cfg, dtype, device, ops, kw["tp"])
 
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> ModelOutput:
@@ -103,23 +107,29 @@ class DeepseekForCausalLM(torch.nn.Module):
     """The whole model. `kernels` picks every op's implementation once: "triton" (the GPU fast path) or
     "torch" (the PyTorch references, any device; `--attention-backend torch`). `absorb=False` runs decode
     non-absorbed too (`--disable-mla`); `dequant_fp8=True` keeps an FP8 checkpoint's weights as `dtype`;
-    `load_mtp` builds the NextN layer."""
+    `load_mtp` builds the NextN layer; `tp` is this rank's tensor-parallel group (default: one process)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", kernels: str = "torch", absorb: bool = True,
-                 dequant_fp8: bool = False, load_mtp: bool = False, max_pos: int | None = None):
+                 dequant_fp8: bool = False, load_mtp: bool = False, max_pos: int | None = None,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        self.tp = tp or TensorParallel()
         self.ops = get_ops(kernels)
         self.rotary = RotaryEmbedding(cfg, max_pos, device)
-        kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8)
+        kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp)
         self.model = DeepseekModel(cfg, self.rotary, **kw)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=self.tp)
         self.mtp = None
         if load_mtp:
             if cfg.num_nextn_predict_layers < 1:
                 raise ValueError("this checkpoint has no MTP layer (num_nextn_predict_layers = 0)")
             self.mtp = NextNLayer(cfg, self.model.embed_tokens, self.rotary, **kw)
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.cfg.num_attention_heads // self.tp.size
 
     @property
     def num_kv_layers(self) -> int:

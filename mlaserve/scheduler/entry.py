@@ -1,4 +1,4 @@
-"""The scheduler process's spawn target, importable without the model stack: the HTTP process names it, the
+"""The scheduler processes' spawn target, importable without the model stack: the HTTP process names it, the
 spawned child imports the scheduler (models, kernels, Triton) when it runs."""
 from __future__ import annotations
 
@@ -6,9 +6,12 @@ from typing import Any
 
 from mlaserve.config import ServerConfig
 
+EXIT_LOST_RANK = 4        # exit code of a rank whose collective with the other ranks failed (not the first to go)
 
-def run_scheduler(server: ServerConfig, model_path: str, in_addr: str, out_addr: str, ready: Any) -> None:
-    """See `mlaserve.scheduler.scheduler.run_scheduler_process`."""
-    from mlaserve.scheduler.scheduler import run_scheduler_process
 
-    run_scheduler_process(server, model_path, in_addr, out_addr, ready)
+def run_scheduler(server: ServerConfig, model_path: str, in_addr: str, out_addr: str, ready: Any,
+                  rank: int = 0) -> None:
+    """See `mlaserve.scheduler.process.run_scheduler_process`."""
+    from mlaserve.scheduler.process import run_scheduler_process
+
+    run_scheduler_process(server, model_path, in_addr, out_addr, ready, rank)

@@ -96,12 +96,15 @@ class GrammarManager:
             constrained request is refused, saying why).
         vocab_size: the model's vocabulary (bitmask width; may exceed the tokenizer's).
         stop_ids: the model's eos ids (what a completed grammar allows).
+        synchronous: `submit` waits for the compile, so a request is ready at the next step whatever the timing
+            (every rank of a tensor-parallel group then admits it at the same step).
     """
 
-    def __init__(self, backend: str, tokenizer: tokenizers.Tokenizer | None, vocab_size: int, stop_ids: list[int]):
+    def __init__(self, backend: str, tokenizer: tokenizers.Tokenizer | None, vocab_size: int, stop_ids: list[int],
+                 synchronous: bool = False):
         if backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"unknown grammar backend {backend!r}; choices: {', '.join(GRAMMAR_BACKENDS)}")
-        self.backend, self.vocab_size = backend, vocab_size
+        self.backend, self.vocab_size, self.synchronous = backend, vocab_size, synchronous
         self.width = (vocab_size + 31) // 32
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.waiting: dict[str, tuple[Req, Future]] = {}      # rid -> (request, its compile)
@@ -139,6 +142,8 @@ class GrammarManager:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(key)
         self.waiting[req.rid] = (req, fut)
+        if self.synchronous:
+            fut.exception()               # waits for the compile (its error, if any, is read by `take_ready`)
 
     def _compile(self, kind: str, text: str) -> Future:
         if self.pool is None:
@@ -245,7 +250,8 @@ class GrammarManager:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def create_grammar_manager(backend: str, tokenizer_dir: str, vocab_size: int, stop_ids: list[int]) -> GrammarManager:
+def create_grammar_manager(backend: str, tokenizer_dir: str, vocab_size: int, stop_ids: list[int],
+                           synchronous: bool = False) -> GrammarManager:
     """The manager for `--grammar-backend`, reading `tokenizer.json` from `tokenizer_dir` (xgrammar only; without
     one, constrained requests are refused: the server always has one, bare test checkpoints may not)."""
     path = Path(tokenizer_dir) / "tokenizer.json"
@@ -253,7 +259,7 @@ def create_grammar_manager(backend: str, tokenizer_dir: str, vocab_size: int, st
         return GrammarManager(backend, None, vocab_size, stop_ids)
     import tokenizers
 
-    return GrammarManager(backend, tokenizers.Tokenizer.from_file(str(path)), vocab_size, stop_ids)
+    return GrammarManager(backend, tokenizers.Tokenizer.from_file(str(path)), vocab_size, stop_ids, synchronous)
 
 
 def _make_compiler(tokenizer: tokenizers.Tokenizer, vocab_size: int, stop_ids: list[int]) -> Any:

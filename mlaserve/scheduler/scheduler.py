@@ -1,18 +1,14 @@
 """The scheduler: a loop over a waiting queue and a running batch (continuous batching, chunked prefill,
-retraction), split into plan (CPU) -> run (model) -> process (CPU) so the two CPU parts can later overlap
-the GPU step. `run_scheduler_process` wraps it in a process that talks ZeroMQ to the tokenizer manager.
+retraction), split into plan (CPU) -> run (model) -> process (CPU) so the two CPU parts overlap the GPU step
+(the overlap scheduler). `scheduler/process.py` runs it in a process per rank.
 """
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import time
-import traceback
 
 from mlaserve.config import ServerConfig
-from mlaserve.config_resolve import resolved_args
 from mlaserve.core import Batch, FinishReason, ForwardMode, Req, RequestError, RequestLimits, check_request
+from mlaserve.distributed import RankGroup
 from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve_for_device
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
@@ -22,14 +18,16 @@ from mlaserve.scheduler.prefill import plan_prefill
 
 logger = logging.getLogger(__name__)
 
-MAX_STEP_FAILURES = 3     # consecutive failed steps before the scheduler gives up (the server then exits)
-
 
 class Scheduler:
-    def __init__(self, server: ServerConfig, model_path: str, runner: ModelRunner | None = None):
+    """One rank's scheduler. Under tensor parallelism every rank runs one over the same messages, applied at the
+    same step (SPMD), so all make the same decisions; `group` joins their model runners."""
+
+    def __init__(self, server: ServerConfig, model_path: str, runner: ModelRunner | None = None,
+                 group: RankGroup | None = None):
         server = resolve_for_device(server, model_path)        # NOTE: idempotent for a resolved config
         self.server, self.cfg = server, server.sched
-        self.runner = runner or ModelRunner(server, model_path)
+        self.runner = runner or ModelRunner(server, model_path, group)
         self.context_len = self.runner.context_len
         self.max_running = self.cfg.max_running_requests
         self.kv = KVCacheManager(self.runner.num_slots, self.max_running + 8,
@@ -39,8 +37,10 @@ class Scheduler:
         self.runner.init_cuda_graphs(self.kv.req_to_token, self.kv.req_pool.alloc())   # a row for padding
         self.eos_ids = set(self.runner.eos_ids())
         self.limits = RequestLimits(self.context_len, self.kv.num_slots, self.runner.cfg.vocab_size)
+        # NOTE: ranks must admit a request at the same step (SPMD): under TP, compiles finish before the next step
         self.grammar = create_grammar_manager(self.cfg.grammar_backend, server.load.tokenizer_path or model_path,
-                                              self.runner.cfg.vocab_size, sorted(self.eos_ids))
+                                              self.runner.cfg.vocab_size, sorted(self.eos_ids),
+                                              synchronous=self.runner.group.size > 1)
         self.live: dict[str, Req] = {}          # every unfinished request by rid, wherever it is
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -51,10 +51,12 @@ class Scheduler:
         self.overlap = not self.cfg.disable_overlap_schedule
         self.pending: PendingStep | None = None   # the step queued on the device, not yet processed
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0}
+        self.arrivals = 0                         # arrival order (the same on every rank, unlike a clock)
 
     # --- requests in ----------------------------------------------------------------------------
     def add_request(self, msg: m.GenerateReqMsg) -> None:
-        req = Req(**msg.spec_fields(), arrival=time.monotonic())
+        self.arrivals += 1
+        req = Req(**msg.spec_fields(), arrival=self.arrivals)
         try:   # NOTE: the manager checked it already; this cheap re-check only guards the loop
             req.params = check_request(req.input_ids, req.params, self.limits)
         except RequestError as e:
@@ -255,112 +257,3 @@ class Scheduler:
                 "free_tokens": self.kv.allocator.available, "cached_tokens_in_tree": self.kv.tree.total_size(),
                 "num_retracted": self.num_retracted, "grammar_states": len(self.grammar.states),
                 "grammar_waiting": len(self.grammar.waiting), **self.stats}
-
-
-# --- the scheduler process ----------------------------------------------------------------------
-
-def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, out_addr: str, ready) -> None:
-    """Entry point of a scheduler process: build, report readiness through `ready` (a Pipe end), then loop."""
-    import zmq
-
-    logging.basicConfig(level=server.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
-    try:
-        sched = Scheduler(server, model_path)
-    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
-        logger.error("scheduler failed to start: %s", e)
-        ready.send({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-        return
-    ctx = zmq.Context()
-    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    recv.connect(in_addr)
-    send.connect(out_addr)
-    cfg = sched.runner.cfg
-    # the resolved flags (no "auto" left), then what was measured at start
-    ready.send({"ok": True, **resolved_args(sched.server), "max_total_tokens": sched.kv.num_slots,
-                "context_length": sched.context_len, "max_running_requests": sched.max_running,
-                "vocab_size": cfg.vocab_size, "architecture": cfg.architecture})
-    watchdog = Watchdog(server.sched.watchdog_timeout)
-    poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
-    failures = 0
-    while True:
-        busy = sched.has_work
-        if busy or poller.poll(timeout=50):
-            while recv.poll(timeout=0):
-                reply = _handle(sched, recv.recv())
-                if reply is not None:
-                    send.send(m.encode(reply))
-        watchdog.beat()
-        outputs, failures = _step(sched, failures)
-        watchdog.idle()
-        if outputs:
-            send.send(m.encode(m.BatchOutMsg(outputs)))
-
-
-def _step(sched: Scheduler, failures: int) -> tuple[list[m.ReqOutput], int]:
-    """One loop iteration's step; a failing step fails the requests in flight (500) and the loop goes on,
-    unless steps keep failing (then the process exits and the server with it)."""
-    try:
-        return (sched.step() if sched.has_work else sched.step_outbox()), 0
-    except Exception as e:  # noqa: BLE001 - isolated to the requests in flight
-        if failures + 1 >= MAX_STEP_FAILURES:
-            raise
-        logger.exception("a scheduler step failed; ending the requests in flight")
-        sched.fail_all(f"internal error in a scheduler step: {type(e).__name__}: {e}")
-        return sched.step_outbox(), failures + 1
-
-
-def _handle(sched: Scheduler, data: bytes) -> object | None:
-    """Apply one message from the manager; an error ends only the request it concerns."""
-    msg = None
-    try:
-        msg = m.decode(data)
-        return _apply(sched, msg)
-    except Exception as e:  # noqa: BLE001 - isolated to this message
-        logger.exception("handling %s failed", type(msg).__name__)
-        error = f"internal error: {type(e).__name__}: {e}"
-        if isinstance(msg, (m.GenerateReqMsg, m.AbortReqMsg)):
-            sched.abort(msg.rid, FinishReason("abort", message=error, status_code=500))
-        elif isinstance(msg, m.FlushCacheReqMsg):
-            return m.FlushCacheRespMsg(False)
-        elif isinstance(msg, m.GetStatsReqMsg):
-            return m.StatsMsg({"error": error})
-        elif isinstance(msg, m.GrammarCheckReqMsg):
-            return m.GrammarCheckRespMsg(msg.key, error)
-        return None
-
-
-def _apply(sched: Scheduler, msg: object) -> object | None:
-    if isinstance(msg, m.GenerateReqMsg):
-        sched.add_request(msg)
-    elif isinstance(msg, m.AbortReqMsg):
-        sched.abort(msg.rid)
-    elif isinstance(msg, m.FlushCacheReqMsg):
-        return m.FlushCacheRespMsg(sched.flush_cache())
-    elif isinstance(msg, m.GetStatsReqMsg):
-        return m.StatsMsg(sched.get_stats())
-    elif isinstance(msg, m.GrammarCheckReqMsg):
-        return m.GrammarCheckRespMsg(msg.key, sched.grammar.check(msg.kind, msg.text))
-    return None
-
-
-class Watchdog:
-    """Exits the process (non-zero) when one step runs longer than `timeout` seconds."""
-
-    def __init__(self, timeout: float):
-        self.timeout, self.started = timeout, None
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def beat(self) -> None:
-        self.started = time.monotonic()
-
-    def idle(self) -> None:
-        self.started = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 4))
-            if self.started is not None and time.monotonic() - self.started > self.timeout:
-                logger.error("watchdog: a scheduler step has run for over %.0f s; exiting", self.timeout)
-                os._exit(3)
-

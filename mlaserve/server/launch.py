@@ -15,13 +15,14 @@ import os
 import signal
 import socket
 import tempfile
+import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.config_resolve import precheck
-from mlaserve.scheduler.entry import run_scheduler
+from mlaserve.scheduler.entry import EXIT_LOST_RANK, run_scheduler
 from mlaserve.server.manager import TokenizerManager
 from mlaserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -59,26 +60,47 @@ def remove_ipc_files(*addrs: str) -> None:
         Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
-# --- the scheduler process --------------------------------------------------------------------------
+# --- the scheduler processes (one per rank of this node) -----------------------------------------------
 
 @dataclass
 class SchedulerHandle:
-    process: mp.Process
+    """This node's rank processes (rank order; rank 0, the leader, first on node 0) and the leader's ready info."""
+
+    processes: list[mp.Process]
+    ranks: list[int]
     info: dict
-    send_addr: str
-    recv_addr: str
+    send_addr: str | None
+    recv_addr: str | None
     stopped: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         atexit.register(self.stop)          # a caller that never stops us still leaves nothing behind
 
+    @property
+    def process(self) -> mp.Process:
+        return self.processes[0]
+
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return all(p.is_alive() for p in self.processes)
+
+    def death(self) -> str | None:
+        """One line naming a rank process that is gone (one that went first rather than one that lost contact
+        with it), or None while all run."""
+        dead = [(r, p.exitcode) for r, p in zip(self.ranks, self.processes) if not p.is_alive()]
+        if not dead:
+            return None
+        rank, code = min(dead, key=lambda d: d[1] == EXIT_LOST_RANK)
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        return f"{_who(rank, len(self.processes))} died ({how})"
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the scheduler (terminate, then kill) and remove the ipc files; idempotent."""
-        _reap(self.process, timeout)
-        remove_ipc_files(self.send_addr, self.recv_addr)
+        """Stop every rank (terminate, then kill) and remove the ipc files; idempotent."""
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.processes:
+            _reap(proc, timeout)
+        remove_ipc_files(*(a for a in (self.send_addr, self.recv_addr) if a))
         if not self.stopped:
             self.stopped = True
             atexit.unregister(self.stop)
@@ -93,48 +115,87 @@ def _reap(proc: mp.Process, timeout: float = 5.0) -> None:
     proc.join(timeout)
 
 
-def _exit_reason(code: int | None) -> str:
+def _who(rank: int, world: int) -> str:
+    return "the scheduler process" if world == 1 and rank == 0 else f"rank {rank}'s scheduler process"
+
+
+def _how(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _exit_reason(rank: int, world: int, code: int | None) -> str:
     if code == NO_MAIN_GUARD_EXIT:
         return NO_MAIN_GUARD_MESSAGE
-    if code is not None and code < 0:
-        return f"the scheduler process was killed by {signal.Signals(-code).name} before it was ready"
-    return f"the scheduler process exited with code {code} before it was ready"
+    return f"{_who(rank, world)} {_how(code)} before it was ready"
 
 
-def start_scheduler(server: ServerConfig, model_path: str, send_addr: str, recv_addr: str,
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_scheduler(server: ServerConfig, model_path: str, send_addr: str | None, recv_addr: str | None,
                     timeout: float = 1800.0) -> SchedulerHandle:
-    """Spawn the scheduler process and wait until it is ready (LaunchError, child reaped, if it is not)."""
+    """Spawn this node's rank processes and wait until every one is ready (LaunchError naming the rank, all
+    reaped, if one is not). Without --dist-init-addr a single node's ranks meet on a free loopback port."""
+    p = server.parallel
+    local = p.tp_size // p.nnodes
+    if p.tp_size > 1 and p.dist_init_addr is None:
+        server = replace(server, parallel=replace(p, dist_init_addr=f"127.0.0.1:{free_port()}"))
+    ranks = list(range(p.node_rank * local, (p.node_rank + 1) * local))
     ctx = mp.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_scheduler, args=(server, model_path, send_addr, recv_addr, writer),
-                       daemon=True, name="mlaserve-scheduler")
-    proc.start()
-    writer.close()
+    procs, readers = [], []
     try:
-        info = _wait_ready(proc, reader, timeout)
+        for rank in ranks:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_scheduler, args=(server, model_path, send_addr, recv_addr, writer, rank),
+                               daemon=True, name=f"mlaserve-rank{rank}" if p.tp_size > 1 else "mlaserve-scheduler")
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            readers.append(reader)
+        infos = _wait_ready(procs, ranks, readers, p.tp_size, timeout)
     except BaseException:
-        _reap(proc)
+        for proc in procs:
+            _reap(proc)
         raise
     finally:
-        reader.close()
-    return SchedulerHandle(proc, info, send_addr, recv_addr)
+        for reader in readers:
+            reader.close()
+    return SchedulerHandle(procs, ranks, infos[0], send_addr, recv_addr)
 
 
-def _wait_ready(proc: mp.Process, reader, timeout: float) -> dict:
+def _wait_ready(procs: list, ranks: list[int], readers: list, world: int, timeout: float) -> list[dict]:
+    infos: dict[int, dict] = {}
     waited = 0.0
-    while not reader.poll(1.0):
-        waited += 1.0
-        if not proc.is_alive():
-            raise LaunchError(_exit_reason(proc.exitcode))
+    while len(infos) < len(procs):
+        for i, (proc, reader) in enumerate(zip(procs, readers)):
+            if i not in infos and reader.poll():
+                infos[i] = _ready_info(proc, ranks[i], reader, world)
+        if len(infos) == len(procs):
+            break
+        for i, proc in enumerate(procs):
+            if i not in infos and not proc.is_alive() and not readers[i].poll():
+                raise LaunchError(_exit_reason(ranks[i], world, proc.exitcode))
         if waited > timeout:
             raise LaunchError(f"the scheduler was not ready after {timeout:.0f} s")
+        time.sleep(0.2)
+        waited += 0.2
+    return [infos[i] for i in range(len(procs))]
+
+
+def _ready_info(proc: mp.Process, rank: int, reader, world: int) -> dict:
     try:
         info = reader.recv()
     except EOFError:                        # it died (the pipe closed) before reporting
         proc.join(5)
-        raise LaunchError(_exit_reason(proc.exitcode)) from None
+        raise LaunchError(_exit_reason(rank, world, proc.exitcode)) from None
     if "error" in info:
-        raise LaunchError(f"the scheduler failed to start: {info['error']}")
+        who = "the scheduler" if world == 1 else f"rank {rank}"
+        raise LaunchError(f"{who} failed to start: {info['error']}")
     return info
 
 
@@ -184,12 +245,25 @@ def _load_tokenizer(path: str) -> Tokenizer:
         raise LaunchError(f"cannot load the tokenizer from {path}: {e}") from None
 
 
-def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, TokenizerManager]:
-    """Start the scheduler process and build the tokenizer manager (call from the event loop's thread)."""
+def _checked_model_path(server: ServerConfig) -> str:
     if server.load.model_path is not None:
         check_model_path(server.load.model_path)
     path = server.load.model_path or str(demo_model_path())
     precheck(server, path)                   # a bad flag combination: one ConfigError line, no process started
+    return path
+
+
+def launch_ranks(server: ServerConfig) -> SchedulerHandle:
+    """A node other than node 0 (`--node-rank N`): start its ranks only (no HTTP, no tokenizer, no ZeroMQ)."""
+    return start_scheduler(server, _checked_model_path(server), None, None)
+
+
+def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, TokenizerManager]:
+    """Start the scheduler processes and build the tokenizer manager (call from the event loop's thread)."""
+    path = _checked_model_path(server)
+    if server.parallel.node_rank:
+        raise LaunchError(f"--node-rank {server.parallel.node_rank}: only node 0 serves requests; start the other "
+                          "nodes with `mlaserve serve --node-rank N`")
     tokenizer = _load_tokenizer(server.load.tokenizer_path or path)
     send_addr, recv_addr = ipc_addresses()
     handle = None

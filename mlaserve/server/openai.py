@@ -234,7 +234,8 @@ async def get_server_info(request: Request) -> JSONResponse:
     info = {**ctx.server.flat(), **getattr(ctx.manager, "info", {}), **stats}
     info.update(api_key=None if ctx.server.api_key is None else "<set>", model_path=request.app.state.model_path,
                 served_model_name=ctx.model_name, server_pid=os.getpid(),
-                scheduler_pid=handle.process.pid if handle is not None else None)
+                scheduler_pid=handle.process.pid if handle is not None else None,
+                rank_pids=[proc.pid for proc in handle.processes] if handle is not None else [])
     return JSONResponse(info)
 
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,6 +64,8 @@ def run(cfg: ServerConfig) -> int:
     from mlaserve.config import ConfigError
 
     signal.signal(signal.SIGTERM, _interrupt)   # during start-up: unwind; launch_backend reaps what it started
+    if cfg.parallel.node_rank > 0:
+        return run_ranks_only(cfg)
     sock = None
     try:
         chat_template = read_chat_template(cfg.chat_template)
@@ -80,6 +83,31 @@ def run(cfg: ServerConfig) -> int:
     finally:
         handle.stop()
         sock.close()
+
+
+def run_ranks_only(cfg: ServerConfig) -> int:
+    """`--node-rank N > 0`: run this node's ranks until a signal (-> 0) or until one of them ends (-> 1, one line
+    naming it; a rank ends when a collective fails, e.g. because node 0 went away)."""
+    from mlaserve.config import ConfigError
+    from mlaserve.server.launch import LaunchError, launch_ranks
+
+    try:
+        handle = launch_ranks(cfg)
+    except (LaunchError, ConfigError) as e:
+        logger.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    logger.info("node %d: ranks %s ready", cfg.parallel.node_rank, handle.ranks)
+    try:
+        while handle.alive():
+            time.sleep(MONITOR_INTERVAL_S)
+        logger.error("%s; stopping this node's ranks", handle.death())
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        handle.stop()
 
 
 def _close(sock: Any, code: int) -> int:
@@ -128,7 +156,7 @@ async def _monitor(server: uvicorn.Server, handle: Any, manager: Any, died: list
     if handle.alive():
         logger.error("%s; shutting the server down", manager.dead)
     else:
-        logger.error("the scheduler process died (exit code %s); shutting the server down", handle.process.exitcode)
+        logger.error("%s; shutting the server down", handle.death())
     died.append(True)
     await asyncio.sleep(DEAD_GRACE_S)
     server.should_exit = True

@@ -185,7 +185,7 @@ def test_failure_while_processing_one_request_ends_only_that_one(ckpt, monkeypat
 
 def test_failed_step_fails_requests_in_flight_and_the_loop_goes_on(ckpt, monkeypatch):
     from mlaserve.ipc import messages as m
-    from mlaserve.scheduler.scheduler import _handle, _step
+    from mlaserve.scheduler.process import _handle, _step
 
     sched = make(ckpt)
     launch, calls = sched.runner.launch, []

@@ -114,10 +114,12 @@ def test_server_info_reports_resolved_values(engine):
     assert info["context_length"] > 0 and info["load_format"] == "safetensors" and info["cuda_graph_bs"] == []
 
 
-def test_parallel_engine_is_rejected_not_ignored(ckpt):
+def test_unsupported_parallel_engine_is_rejected_not_ignored(ckpt):
     from mlaserve.config import ConfigError
-    with pytest.raises(ConfigError, match="--tp-size 8"):
+    with pytest.raises(ConfigError, match="--tp-size 8: .* has 4 heads"):          # the test model has 4 heads
         mlaserve.Engine(model_path=ckpt, device="cpu", tp_size=8)
+    with pytest.raises(ConfigError, match="--dp-size 2"):
+        mlaserve.Engine(model_path=ckpt, device="cpu", dp_size=2)
     with pytest.raises(ConfigError, match="--port, --enable-metrics: HTTP server options"):
         mlaserve.Engine(model_path=ckpt, device="cpu", port=8000, enable_metrics=True)
 

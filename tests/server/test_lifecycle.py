@@ -136,7 +136,9 @@ def test_serve_flags_are_generated_from_the_config(capsys):
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--tp-size", "2"], "--tp-size 2"),
+    (["--tp-size", "3"], "--tp-size 3: model.layers.0.self_attn.q_proj.weight has 16 heads"),
+    (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2: give --dist-init-addr"),
+    (["--tp-size", "2", "--device", "cuda:1"], "--device cuda:1 with --tp-size 2"),
     (["--dp-size", "2", "--enable-dp-attention"], "--dp-size 2"),
     (["--device", "cpu", "--enable-torch-compile"], "--enable-torch-compile"),
 ])

@@ -213,3 +213,23 @@ def test_forced_tool_calls_always_parse(reasoning_oai, demo_tokenizer, choice):
             if isinstance(choice, dict):
                 assert call.function.name == "add"
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_tensor_parallel_ranks_agree_under_grammars(start_server):
+    """tp 2 (gloo): every rank admits constrained requests at the same step and computes the same bitmasks,
+    or the collectives would hang; outputs validate, free neighbours are served too."""
+    srv = start_server("--tp-size", "2", "--max-total-tokens", "4096", "--log-level", "warning")
+    params = []
+    for s in range(4):
+        params += [{"json_schema": json.dumps(SCHEMAS[name]), "max_new_tokens": 200, "seed": s} for name in SCHEMAS]
+        params += [{"regex": REGEXES[s % len(REGEXES)], "max_new_tokens": 60, "seed": s},
+                   {"max_new_tokens": 8, "seed": s}]
+    with httpx.Client(base_url=srv.url, timeout=300, trust_env=False) as http:
+        outs = http.post("/generate", json={"text": ["Go."] * len(params), "sampling_params": params}).json()
+    for p, out in zip(params, outs):
+        if "json_schema" in p:
+            jsonschema.validate(json.loads(out["text"]), json.loads(p["json_schema"]))
+        elif "regex" in p:
+            assert re.fullmatch(p["regex"], out["text"])
+        else:
+            assert out["meta_info"]["completion_tokens"] == 8

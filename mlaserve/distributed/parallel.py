@@ -1,0 +1,235 @@
+"""Ranks and process groups of one server, and the collectives the model and the scheduler call.
+
+One process per rank. `ParallelInfo` says where a process sits (built once from the resolved config and its
+rank); `init_distributed` joins the ranks over torch.distributed: NCCL for tensors on GPUs, gloo on the CPU,
+and always a gloo group for host objects (the scheduler's step messages). Layers receive a `TensorParallel`
+(their shard index, the group size and the two collectives they need), never a global getter.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class CollectiveError(RuntimeError):
+    """A collective with the other ranks failed or timed out (a rank died, hung or never joined)."""
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """This process's place among the server's ranks (tensor parallel over every rank, spread over nodes).
+
+    Ranks are numbered node by node: node n runs ranks n * local_size .. (n + 1) * local_size - 1.
+    """
+
+    tp_size: int = 1
+    rank: int = 0
+    nnodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size
+
+    @property
+    def local_size(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 reads the requests and sends the outputs; the others follow its step messages."""
+        return self.rank == 0
+
+
+class TensorParallel:
+    """What a layer needs of tensor parallelism: its shard index, the group size, all-reduce and all-gather.
+
+    `TensorParallel()` is the single-process group (size 1: every collective is the identity).
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, group: "dist.ProcessGroup | None" = None,
+                 nccl: bool = False):
+        self.rank, self.size, self.group, self.nccl = rank, size, group, nccl
+
+    def __repr__(self) -> str:
+        return f"TensorParallel(rank={self.rank}, size={self.size})"
+
+    def split(self, n: int, what: str) -> int:
+        """n / size, the local share of a dimension of n (ValueError naming `what` when it does not divide)."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) cannot be split across --tp-size {self.size}")
+        return n // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks, in place (the partial outputs of row-parallel layers)."""
+        if self.size > 1:
+            _all_reduce(x, self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank r's part at columns r * n .. (r + 1) * n - 1."""
+        if self.size == 1:
+            return x
+        return _all_gather_last(x, self.size, self.group, self.nccl)
+
+
+@torch.compiler.disable
+def _all_reduce(x: torch.Tensor, group) -> None:
+    dist.all_reduce(x, group=group)
+
+
+@torch.compiler.disable
+def _all_gather_last(x: torch.Tensor, size: int, group, nccl: bool) -> torch.Tensor:
+    x = x.contiguous()
+    if nccl:
+        out = torch.empty((size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=group)         # [size, ..., n]
+        parts = out.unbind(0)
+    else:
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class RankGroup:
+    """The joined ranks of one server: the tensor-parallel group the model uses, and host-side collectives
+    over a gloo group (step messages, agreeing on sizes) for the scheduler. Every call is collective."""
+
+    def __init__(self, info: ParallelInfo, tp: TensorParallel, cpu_group: "dist.ProcessGroup | None"):
+        self.info, self.tp, self.cpu_group = info, tp, cpu_group
+
+    @property
+    def size(self) -> int:
+        return self.info.world_size
+
+    def broadcast(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank (the others pass None)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        self._guard(dist.broadcast_object_list, box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The minimum of `value` over the ranks (e.g. the KV-pool size every rank can hold)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        self._guard(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out: list[object] = [None] * self.size
+        self._guard(dist.all_gather_object, out, obj, group=self.cpu_group)
+        return out
+
+    def _guard(self, fn, *args, **kw) -> None:
+        try:
+            fn(*args, **kw)
+        except (RuntimeError, ValueError, OSError) as e:     # gloo / NCCL report a lost peer as RuntimeError
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CollectiveError(f"rank {self.info.rank}: a collective with the other ranks failed (a rank died "
+                                  f"or stopped responding): {first}") from None
+
+
+def init_distributed(info: ParallelInfo, init_addr: str, timeout_s: float | None,
+                     device: torch.device) -> RankGroup:
+    """Join the server's ranks at `init_addr` (host:port of rank 0's store). Single-rank servers create no
+    process group. Raises CollectiveError (one line) when the ranks cannot meet."""
+    if info.world_size == 1:
+        return RankGroup(info, TensorParallel(), None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    kw = {"timeout": timeout} if timeout is not None else {}
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://{init_addr}", world_size=info.world_size,
+                                rank=info.rank, **kw)
+        cpu_group = dist.new_group(backend="gloo", **kw) if backend == "nccl" else dist.group.WORLD
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveError(f"cannot join the other ranks at --dist-init-addr {init_addr}: {first}") from None
+    tp = TensorParallel(info.tp_rank, info.tp_size, dist.group.WORLD, nccl=backend == "nccl")
+    group = RankGroup(info, tp, cpu_group)
+    if backend == "nccl":
+        # NOTE: the NCCL communicator is created by the first collective; do it now, before any graph capture
+        tp.all_reduce(torch.zeros(1, device=device))
+    logger.info("rank %d of %d joined (%s, node %d of %d)", info.rank, info.world_size, backend, info.node_rank,
+                info.nnodes)
+    return group
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 3600.0) -> list:
+    """fn(group, *args) on `world` freshly spawned ranks joined on a free loopback port (rank r on `cuda:r` when
+    `device` is "cuda"); returns each rank's result in rank order. `fn` must be importable by name."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for rank in range(world):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, args=(fn, rank, world, addr, device, args, send), daemon=True)
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    try:
+        results = []
+        for rank, recv in enumerate(pipes):
+            if not recv.poll(timeout):
+                raise CollectiveError(f"rank {rank} gave no result in {timeout:.0f} s")
+            status, value = recv.recv()
+            if status != "ok":
+                raise CollectiveError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn) -> None:
+    import traceback
+
+    dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(1)
+    try:
+        group = init_distributed(ParallelInfo(world, rank), addr, 600, dev)
+        conn.send(("ok", fn(group, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the caller
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        shutdown_distributed()

@@ -1,0 +1,113 @@
+"""Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2, two
+"nodes" on loopback, a rank killed while serving, and a busy --dist-init-addr."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+import mlaserve
+from mlaserve.server.launch import free_port
+
+MODEL = "tp-test"
+
+
+@pytest.fixture(scope="module")
+def reference(demo_cache):
+    """Greedy completions of the demo model from the single-process Engine."""
+    from mlaserve.server.launch import demo_model_path
+
+    with mlaserve.Engine(device="cpu", log_level="warning") as engine:
+        outs = engine.generate(prompt=PROMPTS, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    return str(demo_model_path()), [o["text"] for o in outs]
+
+
+PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Tensor parallelism splits"]
+
+
+def complete(url: str, prompt: str) -> str:
+    client = OpenAI(base_url=url + "/v1", api_key="none")
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+
+def test_tp2_server_serves_the_openai_client_like_one_process(start_server, reference):
+    _, expected = reference
+    srv = start_server("--tp-size", "2", "--served-model-name", MODEL, "--max-total-tokens", "4096",
+                       "--log-level", "warning")
+    assert [complete(srv.url, p) for p in PROMPTS] == expected
+    client = OpenAI(base_url=srv.url + "/v1", api_key="none")
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    import httpx
+
+    info = httpx.get(srv.url + "/get_server_info").json()
+    assert info["tp_size"] == 2 and len(info["rank_pids"]) == 2
+    bad = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"})
+    assert bad.status_code == 400 and complete(srv.url, PROMPTS[0]) == expected[0]   # still serving after a 400
+
+
+def test_killing_a_rank_ends_the_server_in_one_line(start_server):
+    srv = start_server("--tp-size", "2", "--dist-timeout", "20", "--max-total-tokens", "4096", "--log-level",
+                       "warning")
+    import httpx
+
+    pids = httpx.get(srv.url + "/get_server_info").json()["rank_pids"]
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    code = srv.proc.wait(timeout=30)
+    assert code != 0 and time.monotonic() - t0 < 20 + 10
+    assert "rank 1's scheduler process died (killed by SIGKILL)" in srv.log(), srv.log()[-2000:]
+    time.sleep(1)
+    assert not [p for p in pids if _running(p)], "a rank process was left running"
+
+
+def test_two_nodes_on_loopback_equal_one_process(start_server, demo_cache, reference, tmp_path):
+    """Node 1 (`serve --node-rank 1`: ranks only) and node 0 (HTTP + rank 0) meet at --dist-init-addr."""
+    path, expected = reference
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--model-path", path, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
+              "--max-total-tokens", "4096", "--log-level", "warning"]
+    env = {**os.environ, "MLASERVE_CACHE": str(demo_cache)}
+    node1_log = tmp_path / "node1.log"
+    with open(node1_log, "w") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", *common, "--node-rank", "1"],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+    node0 = start_server(*common, "--node-rank", "0", "--served-model-name", MODEL, wait=False)
+    try:
+        node0.wait_healthy()
+        assert [complete(node0.url, p) for p in PROMPTS] == expected
+    finally:
+        node0.stop()
+    # node 0 went away: node 1's rank loses its collectives and the node exits with one line
+    assert node1.wait(timeout=60) != 0
+    lines = [ln for ln in node1_log.read_text().splitlines() if "ERROR" in ln or "error" in ln.lower()]
+    assert any("rank 1" in ln for ln in lines), node1_log.read_text()[-2000:]
+
+
+def test_busy_dist_init_addr_is_one_line(demo_cache, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--tp-size", "2", "--port",
+                              str(free_port()), "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "20",
+                              "--log-level", "warning"], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MLASERVE_CACHE": str(demo_cache)})
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip() and "loading weights" not in ln]
+    assert out.returncode != 0 and any(f"--dist-init-addr 127.0.0.1:{port}" in ln for ln in lines), lines
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").exists() and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
