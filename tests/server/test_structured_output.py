@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -42,6 +43,12 @@ EBNF_RE = r"(hello|hi) [a-z]{1,4}!"
 
 def json_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+
+
+def together(fn, args: list) -> list:
+    """fn(arg) for every arg at once (the server batches them), results in order."""
+    with ThreadPoolExecutor(len(args)) as pool:
+        return list(pool.map(fn, args))
 
 
 def chat(oai, **kw):
@@ -89,26 +96,31 @@ def test_regex_ebnf_and_free_requests_in_one_batch(http):
 
 def test_chat_json_schema_stream_equals_whole_and_n2(oai):
     schema = SCHEMAS["nested"]
-    for seed in range(3):
+
+    def whole_and_stream(seed: int) -> tuple:
         whole = chat(oai, response_format=json_format(schema), seed=seed, n=2)
+        stream = chat(oai, response_format=json_format(schema), seed=seed, stream=True)
+        return whole, "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+
+    for whole, streamed in together(whole_and_stream, list(range(3))):
         assert [c.finish_reason for c in whole.choices] == ["stop", "stop"]
         for c in whole.choices:
             jsonschema.validate(json.loads(c.message.content), schema)
-        stream = chat(oai, response_format=json_format(schema), seed=seed, stream=True)
-        text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
-        assert text == whole.choices[0].message.content
+        assert streamed == whole.choices[0].message.content
 
 
 def test_completions_response_format_and_json_object(oai):
     schema = SCHEMAS["optional"]
-    for seed in range(4):
-        out = oai.completions.create(model=MODEL, prompt="JSON:", max_tokens=100, seed=seed,
-                                     extra_body={"response_format": json_format(schema)})
+    outs = together(lambda seed: oai.completions.create(model=MODEL, prompt="JSON:", max_tokens=100, seed=seed,
+                                                        extra_body={"response_format": json_format(schema)}),
+                    list(range(4)))
+    for out in outs:
         jsonschema.validate(json.loads(out.choices[0].text), schema)
     # json_object: any object; random weights rarely close one in a few tokens, so what is checked is that the
     # output is an object's prefix and a finished one parses as an object
-    for seed in range(4):
-        out = chat(oai, response_format={"type": "json_object"}, seed=seed, max_tokens=40)
+    outs = together(lambda seed: chat(oai, response_format={"type": "json_object"}, seed=seed, max_tokens=40),
+                    list(range(4)))
+    for out in outs:
         content = out.choices[0].message.content
         assert content.startswith("{")
         if out.choices[0].finish_reason == "stop":
@@ -185,9 +197,9 @@ def think_end_bias(tok) -> dict:
 def test_reasoning_stays_free_and_the_answer_follows_the_schema(reasoning_oai, demo_tokenizer):
     schema = SCHEMAS["nested"]     # no free strings: `</think>` cannot occur in the answer
     reasoned = answered = 0
-    for seed in range(10):
-        out = chat(reasoning_oai, response_format=json_format(schema), seed=seed, max_tokens=300,
-                   logit_bias=think_end_bias(demo_tokenizer))
+    outs = together(lambda seed: chat(reasoning_oai, response_format=json_format(schema), seed=seed, max_tokens=300,
+                                      logit_bias=think_end_bias(demo_tokenizer)), list(range(10)))
+    for out in outs:
         msg = out.choices[0].message
         assert out.choices[0].finish_reason == "stop"
         reasoned += bool(msg.reasoning_content)
@@ -203,9 +215,9 @@ def test_reasoning_stays_free_and_the_answer_follows_the_schema(reasoning_oai, d
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_tool_calls_always_parse(reasoning_oai, demo_tokenizer, choice):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for seed in range(6):
-        out = chat(reasoning_oai, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=300,
-                   logit_bias=think_end_bias(demo_tokenizer))
+    outs = together(lambda seed: chat(reasoning_oai, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=300,
+                                      logit_bias=think_end_bias(demo_tokenizer)), list(range(6)))
+    for out in outs:
         assert out.choices[0].finish_reason == "tool_calls", out
         calls = out.choices[0].message.tool_calls
         assert calls
