@@ -304,6 +304,9 @@ class SchedConfig:
     enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs)")
     torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)")
     watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")
+    grammar_backend: str = opt("xgrammar", "structured output (json_schema / regex / ebnf / response_format / "
+                               "forced tool calls): xgrammar, or none to refuse such requests (400)",
+                               choices=("xgrammar", "none"))
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,9 @@ LogitBias = Annotated[dict[TokenId | Annotated[StrictStr, Field(pattern=r"^[0-9]
                            Annotated[Real, Field(ge=-100, le=100)]], AfterValidator(_token_keys)]
 
 
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")   # SGLang's names of the constraints
+
+
 class SamplingParams(BaseModel):
     """Per-request decoding controls, with SGLang names and defaults (OpenAI names are mapped onto these).
 
@@ -126,6 +129,11 @@ class SamplingParams(BaseModel):
     skip_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False
     logit_bias: LogitBias | None = None       # token id -> added to its logit (OpenAI: -100 .. 100)
+    # structured output (at most one): the output must match it (--grammar-backend)
+    json_schema: Text | None = None           # a JSON schema, as JSON text
+    regex: Text | None = None                 # a regular expression the whole output matches
+    ebnf: Text | None = None                  # a grammar in (xgrammar's) EBNF, start rule `root`
+    structural_tag: Text | None = None        # an xgrammar structural tag, as JSON text
 
     @field_validator("stop")
     @classmethod
@@ -139,6 +147,20 @@ class SamplingParams(BaseModel):
         if most is not None and v > most:
             raise ValueError(f"min_new_tokens ({v}) must not exceed max_new_tokens ({most})")
         return v
+
+    @field_validator(*GRAMMAR_KINDS)
+    @classmethod
+    def _one_grammar(cls, v: str | None, info: ValidationInfo) -> str | None:
+        other = next((k for k in GRAMMAR_KINDS if info.data.get(k) is not None), None)
+        if v is not None and other is not None:
+            raise ValueError(f"give at most one of {', '.join(GRAMMAR_KINDS)} (also got {other})")
+        return v
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint, or None."""
+        kind = next((k for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
+        return None if kind is None else (kind, getattr(self, kind))
 
     @property
     def is_greedy(self) -> bool:
@@ -237,6 +259,7 @@ class RequestSpec:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    grammar_start_id: int | None = None   # the grammar applies after this output token (`</think>`); None: from the start
 
     def spec_fields(self) -> dict:
         """The `RequestSpec` fields of this object, by name (input_ids copied)."""

@@ -81,3 +81,10 @@ def test_finish_reason_json_is_sglangs():
     assert FinishReason("abort").to_json() == {"type": "abort"}
     assert FinishReason("abort", message="boom", status_code=500).to_json() == {
         "type": "abort", "message": "boom", "status_code": 500}
+
+
+def test_at_most_one_grammar_and_its_kind():
+    assert SamplingParams(regex="a+").grammar == ("regex", "a+")
+    assert SamplingParams().grammar is None
+    with pytest.raises(ValidationError, match="at most one"):
+        SamplingParams(json_schema="{}", ebnf='root ::= "a"')

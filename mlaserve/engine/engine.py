@@ -36,6 +36,16 @@ class StepOutput(NamedTuple):
     input_top: list[list[list[tuple[float, int]]]]
 
 
+class ForwardStep(NamedTuple):
+    """A forward queued on the device, its sampling not yet (`ModelRunner.launch_sample`)."""
+
+    batch: Batch
+    logits: torch.Tensor                  # [len(rows), V] fp32
+    rows_dev: torch.Tensor                # [B] request rows on the device
+    prompt_rows: list[list[int]]
+    sample_row: list[int | None]
+
+
 class PendingStep(NamedTuple):
     """A step queued on the device: its sampled ids (and log-probs) arrive in host buffers at `event`."""
 
@@ -160,20 +170,37 @@ class ModelRunner:
         return self.resolve(self.launch(batch))
 
     @torch.no_grad()
-    def launch(self, batch: Batch) -> PendingStep:
+    def launch(self, batch: Batch, bitmask: torch.Tensor | None = None) -> PendingStep:
         """Queue the step on the GPU and return without waiting; `resolve` fetches its results.
 
         Decode inputs are read on the GPU from `token_buf` (written by the step that sampled them), so step
-        N + 1 can be queued before step N's tokens reach the CPU (the overlap scheduler)."""
+        N + 1 can be queued before step N's tokens reach the CPU (the overlap scheduler). `bitmask`: see
+        `launch_sample`."""
+        return self.launch_sample(self.launch_forward(batch), bitmask)
+
+    @torch.no_grad()
+    def launch_forward(self, batch: Batch) -> ForwardStep:
+        """Queue the model forward only; `launch_sample` queues the sampling (the CPU may work in between)."""
         rows, prompt_rows, sample_row = self._logit_rows(batch)
         rows_dev = torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64).to(self.device, non_blocking=True)
-        logits = self._logits(batch, rows, rows_dev)
-        samplers = [i for i in range(batch.size) if sample_row[i] is not None]
+        return ForwardStep(batch, self._logits(batch, rows, rows_dev), rows_dev, prompt_rows, sample_row)
+
+    @torch.no_grad()
+    def launch_sample(self, fwd: ForwardStep, bitmask: torch.Tensor | None = None) -> PendingStep:
+        """Queue the sampling of a forward queued by `launch_forward`.
+
+        Args:
+            bitmask: [B, W] int32 host tensor, one row per request of the batch: the tokens each may sample
+                (structured output; `layers/sampler.apply_token_bitmask`), or None for no constraint."""
+        batch, logits = fwd.batch, fwd.logits
+        samplers = [i for i in range(batch.size) if fwd.sample_row[i] is not None]
         ids = lp = top = None
         if samplers:
-            ids, lp, top = self._sample(batch, _take_rows(logits, [sample_row[i] for i in samplers]), samplers)
-            self.token_buf[_take_rows(rows_dev, samplers)] = ids
-        prompt = self._prompt_logprobs(batch, logits, prompt_rows)
+            mask = to_device(bitmask[samplers], self.device) if bitmask is not None else None
+            ids, lp, top = self._sample(batch, _take_rows(logits, [fwd.sample_row[i] for i in samplers]), samplers,
+                                        mask)
+            self.token_buf[_take_rows(fwd.rows_dev, samplers)] = ids
+        prompt = self._prompt_logprobs(batch, logits, fwd.prompt_rows)
         host = [t.to("cpu", non_blocking=True) if t is not None else None for t in (ids, lp)]
         top = tuple(t.to("cpu", non_blocking=True) for t in top) if top is not None else None
         event = None
@@ -220,15 +247,16 @@ class ModelRunner:
         ctx.logits_indices = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         return self.model(ids, ctx.positions, ctx).logits                    # [len(rows), V] fp32
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, samplers: list[int]):
+    def _sample(self, batch: Batch, logits: torch.Tensor, samplers: list[int], bitmask: torch.Tensor | None = None):
         """logits [n, V] of the sampling rows -> (ids [n], chosen log-probs | None, top (values, ids) | None)."""
         reqs = [batch.reqs[i] for i in samplers]
         steps = [self._step_index(batch, i) for i in samplers]
-        if self._plain_greedy(reqs, steps):
+        if bitmask is None and self._plain_greedy(reqs, steps):
             return logits.argmax(-1), None, None
         sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], steps,
                                  [r.input_ids for r in reqs], [r.output_ids for r in reqs], self.cfg.vocab_size,
                                  self.eos_ids(), self.device)
+        sb.token_bitmask = bitmask
         want_lp = any(r.return_logprob for r in reqs)
         k = max(r.top_logprobs_num for r in reqs)
         out = self.sampler(logits, sb, return_logprob=want_lp, top_logprobs_num=k if want_lp else 0)

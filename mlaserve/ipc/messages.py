@@ -29,6 +29,21 @@ class GetStatsReqMsg:
 
 
 @dataclass
+class GrammarCheckReqMsg:
+    """Is this grammar valid? (manager -> scheduler, answered at once with GrammarCheckRespMsg of the same key)."""
+
+    key: str
+    kind: str        # a core.GRAMMAR_KINDS name
+    text: str
+
+
+@dataclass
+class GrammarCheckRespMsg:
+    key: str
+    error: str | None        # None: valid; else why not, in one line
+
+
+@dataclass
 class ReqOutput:
     """What one step produced for one request (deltas since the last message)."""
 

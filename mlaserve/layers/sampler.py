@@ -80,6 +80,7 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None      # [B, V] bool: token in prompt or output (repetition penalty)
     stop_mask: torch.Tensor | None = None      # [B, V] bool: eos / stop_token_ids of rows with min_new_tokens
     logit_bias: torch.Tensor | None = None     # [B, V] f32: added to the logits (OpenAI logit_bias)
+    token_bitmask: torch.Tensor | None = None  # [B, W] int32: allowed tokens (structured output), bit t of row b
 
     @property
     def batch_size(self) -> int:
@@ -166,6 +167,14 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return values, ids
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Copy of logits [B, V] with the tokens whose bit is clear in bitmask [B, W] (W = ceil(V / 32) int32 words,
+    bit t % 32 of word t // 32 for token t) set to -inf."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[1]]     # [B, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Penalised copy of logits [B, V]: repetition first, then frequency and presence.
 
@@ -204,7 +213,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: 
 class Sampler:
     """Turns the last-token logits of a batch into next token ids (and raw log-probs when asked).
 
-    Per row, in order: penalties -> logit bias -> min_new_tokens masking of stop ids -> temperature -> top-k -> top-p ->
+    Per row, in order: penalties -> logit bias -> min_new_tokens masking of stop ids -> grammar bitmask -> temperature -> top-k -> top-p ->
     min-p -> Gumbel-max draw keyed by (seed, step, token id). Greedy rows (temperature 0 or top_k 1) take
     the argmax of the penalised logits (ties: lowest id). A request's token depends only on its own logits,
     params, seed and step: never on the other requests of the batch or on its row.
@@ -227,6 +236,8 @@ class Sampler:
         stop = batch.min_tokens_mask
         if stop is not None:
             x = x.masked_fill(stop, float("-inf"))
+        if batch.token_bitmask is not None:
+            x = apply_token_bitmask(x, batch.token_bitmask)
         next_ids = x.argmax(dim=-1) if batch.all_greedy else self._sample(x, batch)
         if not (return_logprob or top_logprobs_num > 0):
             return SampleOutput(next_ids, None, None)

@@ -13,8 +13,10 @@ if TYPE_CHECKING:
 
 def retract(sched: "Scheduler", req: Req) -> None:
     """Preempt `req`: its computed KV goes to the prefix tree, it waits at the head of the queue and later
-    resumes from prompt + outputs so far (with the same sampling seed and step, so identical results)."""
+    resumes from prompt + outputs so far (with the same sampling seed and step, so identical results); its
+    grammar matcher is dropped and rebuilt by replaying those outputs."""
     sched.kv.release(req)
+    sched.grammar.release_matcher(req)
     sched.running.remove(req)
     sched.waiting.insert(0, req)
     sched.num_retracted += 1

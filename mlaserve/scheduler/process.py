@@ -139,6 +139,8 @@ def _handle(sched: Scheduler, data: bytes) -> object | None:
             return m.FlushCacheRespMsg(False)
         elif isinstance(msg, m.GetStatsReqMsg):
             return m.StatsMsg({"error": error})
+        elif isinstance(msg, m.GrammarCheckReqMsg):
+            return m.GrammarCheckRespMsg(msg.key, error)
         return None
 
 
@@ -151,6 +153,8 @@ def _apply(sched: Scheduler, msg: object) -> object | None:
         return m.FlushCacheRespMsg(sched.flush_cache())
     elif isinstance(msg, m.GetStatsReqMsg):
         return m.StatsMsg(sched.get_stats())
+    elif isinstance(msg, m.GrammarCheckReqMsg):
+        return m.GrammarCheckRespMsg(msg.key, sched.grammar.check(msg.kind, msg.text))
     return None
 
 

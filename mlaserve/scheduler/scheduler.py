@@ -13,6 +13,7 @@ from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
 from mlaserve.scheduler.decode import plan_decode
+from mlaserve.scheduler.grammar import create_grammar_manager
 from mlaserve.scheduler.prefill import plan_prefill
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ class Scheduler:
         self.runner.init_cuda_graphs(self.kv.req_to_token, self.kv.req_pool.alloc())   # a row for padding
         self.eos_ids = set(self.runner.eos_ids())
         self.limits = RequestLimits(self.context_len, self.kv.num_slots, self.runner.cfg.vocab_size)
+        # NOTE: ranks must admit a request at the same step (SPMD): under TP, compiles finish before the next step
+        self.grammar = create_grammar_manager(self.cfg.grammar_backend, server.load.tokenizer_path or model_path,
+                                              self.runner.cfg.vocab_size, sorted(self.eos_ids),
+                                              synchronous=self.runner.group.size > 1)
         self.live: dict[str, Req] = {}          # every unfinished request by rid, wherever it is
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -57,8 +62,18 @@ class Scheduler:
         except RequestError as e:
             self._finish(req, FinishReason("abort", message=e.message, status_code=e.status_code))
             return
-        self.waiting.append(req)
         self.live[req.rid] = req
+        if req.params.grammar is not None:
+            self.grammar.submit(req)          # waits for its compiled grammar (`_admit_grammar_ready`)
+        else:
+            self.waiting.append(req)
+
+    def _admit_grammar_ready(self) -> None:
+        """Queue the requests whose grammar compiled; end those whose grammar failed (400)."""
+        ready, failed = self.grammar.take_ready()
+        self.waiting.extend(ready)
+        for req, reason in failed:
+            self.end(req, reason)
 
     def abort(self, rid: str, reason: FinishReason = FinishReason("abort")) -> None:
         """End request `rid` with `reason`, freeing its KV; a request not (or no longer) here still gets
@@ -83,13 +98,25 @@ class Scheduler:
     # --- one iteration: plan -> run -> process ----------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pending)
+        return bool(self.waiting or self.running or self.chunked or self.pending or self.grammar.waiting)
 
     def plan(self) -> Batch | None:
         return plan_prefill(self) or plan_decode(self)
 
     def run(self, batch: Batch) -> StepOutput:
-        return self.runner.forward(batch)
+        return self.runner.resolve(self.runner.launch(batch, self.grammar.bitmask(batch)))
+
+    def _launch_and_drain(self, batch: Batch | None) -> PendingStep | None:
+        """Queue `batch` on the device and process the step before it meanwhile. A batch under a grammar is
+        queued in two parts: the forward, then (after the previous step's tokens advanced the grammars) the
+        sampling with the bitmask filled on the CPU while the forward runs."""
+        if batch is None or not self.grammar.constrains(batch):
+            launched = self.runner.launch(batch) if batch is not None else None
+            self.drain()
+            return launched
+        fwd = self.runner.launch_forward(batch)
+        self.drain()
+        return self.runner.launch_sample(fwd, self.grammar.bitmask(batch))
 
     def process(self, batch: Batch, out: StepOutput) -> None:
         self.stats["steps"] += 1
@@ -127,18 +154,22 @@ class Scheduler:
         one wasted token in step N + 1 (discarded); sampling keys (seed, step index) do not change, so
         outputs are identical with overlap on or off.
         """
+        self._admit_grammar_ready()
         if not self.overlap:
             batch = self.plan()
             if batch is not None:
                 self.process(batch, self.run(batch))
+            self._idle_for_grammar()
             return self.step_outbox()
         if self.pending is not None and self._needs_history():
             self.drain()                      # penalties read the full output history
-        batch = self.plan()
-        launched = self.runner.launch(batch) if batch is not None else None
-        self.drain()
-        self.pending = launched
+        self.pending = self._launch_and_drain(self.plan())
+        self._idle_for_grammar()
         return self.step_outbox()
+
+    def _idle_for_grammar(self) -> None:
+        if not (self.waiting or self.running or self.chunked or self.pending):
+            self.grammar.wait(0.05)           # only compiles are left: wait for one instead of spinning
 
     def drain(self) -> None:
         """Process the step in flight (waits for it)."""
@@ -162,10 +193,12 @@ class Scheduler:
         if req.return_logprob:
             req.output_logprobs.append((logprob, tok))
             req.output_top_logprobs.append(top or [])
-        finished = None
+        finished = self.grammar.accept(req, tok)
         p = req.params
         n = len(req.output_ids)
-        if n >= p.min_new_tokens and ((tok in self.eos_ids and not p.ignore_eos)
+        if finished is not None:
+            pass
+        elif n >= p.min_new_tokens and ((tok in self.eos_ids and not p.ignore_eos)
                                       or (p.stop_token_ids and tok in p.stop_token_ids)):
             finished = FinishReason("stop", matched=tok)
         elif n >= p.max_new_tokens:
@@ -191,6 +224,7 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
         self.kv.release(req)
+        self.grammar.release(req)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished = reason
@@ -221,4 +255,5 @@ class Scheduler:
                 "num_waiting_reqs": len(self.waiting), "token_usage": self.kv.used() / self.kv.num_slots,
                 "used_tokens": self.kv.used(), "max_total_tokens": self.kv.num_slots,
                 "free_tokens": self.kv.allocator.available, "cached_tokens_in_tree": self.kv.tree.total_size(),
-                "num_retracted": self.num_retracted, **self.stats}
+                "num_retracted": self.num_retracted, "grammar_states": len(self.grammar.states),
+                "grammar_waiting": len(self.grammar.waiting), **self.stats}

@@ -123,7 +123,9 @@ class Engine:
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
     async def _prepare(self, objs: list[GenerateInput]) -> list:
-        return [self.manager.prepare(o) for o in objs]
+        reqs = [self.manager.prepare(o) for o in objs]
+        await self.manager.check_grammars(reqs)
+        return reqs
 
     async def _gather(self, reqs: list) -> list[dict]:
         return list(await asyncio.gather(*(self._final(r) for r in reqs)))

@@ -9,6 +9,7 @@ import logging
 import random
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2        # how often the scheduler process is checked for life
 CONTROL_TIMEOUT_S = 60.0      # the longest a flush / stats request waits for the scheduler's answer
+GRAMMAR_CHECKS_KEPT = 1024    # grammar check answers remembered (most recent)
 
 __all__ = ["EngineDeadError", "GenerateInput", "RequestError", "TokenizerManager"]
 
@@ -51,6 +53,7 @@ class GenerateInput:
     top_logprobs_num: int = 0
     stream: bool = False
     rid: str | None = None
+    grammar_start_id: int | None = None     # the grammar applies after this output token (reasoning models)
 
 
 @dataclass
@@ -94,6 +97,7 @@ class TokenizerManager:
         self._control: asyncio.Lock | None = None      # one control request (flush / stats) in flight at a time
         self._dead_fut: asyncio.Future | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._grammar_checks: OrderedDict[str, asyncio.Future] = OrderedDict()   # (kind, text) key -> error | None
 
     @property
     def context_len(self) -> int:
@@ -120,8 +124,8 @@ class TokenizerManager:
     def prepare(self, obj: GenerateInput) -> m.GenerateReqMsg:
         """Tokenize and check one request (the only check on its path) and choose its seed.
 
-        Raises RequestError naming the field (`text` / `input_ids`, `max_new_tokens`, `logit_bias`), or
-        EngineDeadError."""
+        Raises RequestError naming the field (`text` / `input_ids`, `max_new_tokens`, `logit_bias`, a grammar
+        with --grammar-backend none), or EngineDeadError. Grammars are checked by `check_grammars` (async)."""
         self._check_alive()
         if obj.input_ids is not None:
             ids = list(obj.input_ids)
@@ -133,13 +137,47 @@ class TokenizerManager:
             params = check_request(ids, obj.sampling_params, self.limits)
         except RequestError as e:
             raise (e if obj.input_ids is not None else e.renamed({"input_ids": "text"})) from None
+        if params.grammar is not None and self.info.get("grammar_backend") == "none":
+            raise RequestError("structured output is off: the server runs with --grammar-backend none",
+                               f"sampling_params.{params.grammar[0]}")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return m.GenerateReqMsg(obj.rid or uuid.uuid4().hex, ids, params, seed, obj.return_logprob,
-                                obj.logprob_start_len, obj.top_logprobs_num, obj.stream)
+                                obj.logprob_start_len, obj.top_logprobs_num, obj.stream,
+                                obj.grammar_start_id if params.grammar is not None else None)
+
+    async def check_grammars(self, reqs: list[m.GenerateReqMsg]) -> None:
+        """Have the scheduler check every grammar of `reqs` (once per distinct grammar; answers are cached):
+        raises RequestError naming `sampling_params.<kind>` and the reason for an invalid one."""
+        for req in reqs:
+            if req.params.grammar is None:
+                continue
+            kind, text = req.params.grammar
+            error = await self._check_grammar(kind, text)
+            if error is not None:
+                raise RequestError(f"invalid {kind}: {error}", f"sampling_params.{kind}")
+
+    async def _check_grammar(self, kind: str, text: str) -> str | None:
+        key = f"{kind}:{text}"
+        fut = self._grammar_checks.get(key)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = asyncio.get_running_loop().create_future()
+            self._grammar_checks[key] = fut
+            while len(self._grammar_checks) > GRAMMAR_CHECKS_KEPT:
+                self._grammar_checks.popitem(last=False)
+            try:
+                await self._send(m.GrammarCheckReqMsg(key, kind, text))
+            except BaseException as e:
+                fut.set_exception(e)
+                raise
+        self._grammar_checks.move_to_end(key)
+        await asyncio.wait({fut, self._dead_fut}, return_when=asyncio.FIRST_COMPLETED)
+        self._check_alive()
+        return fut.result()
 
     async def generate(self, req: m.GenerateReqMsg) -> AsyncIterator[dict]:
         """Run a prepared request; yield cumulative snapshots when streaming, else only the final one."""
         self._check_alive()
+        await self.check_grammars([req])      # NOTE: before the rid check: no await between it and registering
         if req.rid in self.states:
             raise RequestError(f"request id {req.rid!r} is already running", "rid")
         p = req.params
@@ -228,11 +266,18 @@ class TokenizerManager:
                 if isinstance(msg, m.BatchOutMsg):
                     for out in msg.outputs:
                         self._deliver(out)
+                elif isinstance(msg, m.GrammarCheckRespMsg):
+                    self._grammar_checked(msg)
                 else:
                     self._replies.put_nowait(msg)
         except Exception as e:  # noqa: BLE001 - a dead loop fails every request; the server then exits
             logger.debug("the receive loop failed", exc_info=True)
             self._die(f"the tokenizer manager's receive loop failed: {type(e).__name__}: {e}")
+
+    def _grammar_checked(self, msg: m.GrammarCheckRespMsg) -> None:
+        fut = self._grammar_checks.get(msg.key)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.error)
 
     def _deliver(self, out: m.ReqOutput) -> None:
         """Apply one request's output; an error here ends that request only (500)."""

@@ -22,7 +22,7 @@ from mlaserve.core import SamplingParams
 from mlaserve.server.engine import native_inputs
 from mlaserve.server.manager import EngineDeadError, GenerateInput, RequestError
 from mlaserve.server.openai_chat import chat_completion, chat_inputs, chat_stream
-from mlaserve.server.openai_common import ServingContext, check_model
+from mlaserve.server.openai_common import ServingContext, check_grammars, check_model
 from mlaserve.server.openai_completions import completion, completion_inputs, completion_stream
 from mlaserve.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
@@ -134,6 +134,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     check_model(ctx, req.model)
     if req.stream:
         inputs, parse_tools = chat_inputs(req, ctx)
+        await check_grammars(ctx, inputs)
         return SSEResponse(chat_stream(req, ctx, inputs, parse_tools))
     return JSONResponse(await unless_disconnected(request, chat_completion(req, ctx)))
 
@@ -144,6 +145,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     check_model(ctx, req.model)
     if req.stream:
         inputs, prompts = completion_inputs(req, ctx)
+        await check_grammars(ctx, inputs)
         return SSEResponse(completion_stream(req, ctx, inputs, prompts))
     return JSONResponse(await unless_disconnected(request, completion(req, ctx)))
 
@@ -156,6 +158,7 @@ async def generate(req: GenerateRequest, request: Request) -> Response:
     ctx = _ctx(request)
     objs, batch = native_inputs(req)
     reqs = [ctx.manager.prepare(o) for o in objs]      # every check before anything runs or streams
+    await ctx.manager.check_grammars(reqs)
     if req.stream:
         return SSEResponse(_native_stream(ctx, reqs[0]))
     results = await unless_disconnected(request, collect([ctx.manager.generate(r) for r in reqs]))

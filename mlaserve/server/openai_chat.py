@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from mlaserve.core import SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.server.manager import GenerateInput
 from mlaserve.server.openai_common import (
-    ServingContext, chat_logprobs, finish_reason, matched_stop, new_id, prepare, stream_end, usage,
+    ServingContext, chat_logprobs, check_grammars, finish_reason, matched_stop, new_id, prepare, stream_end, usage,
 )
 from mlaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from mlaserve.server.reasoning import create_reasoning_parser
 from mlaserve.server.sse import collect, merge, sse
+from mlaserve.server.structured import grammar_start_id, tool_call_tag
 from mlaserve.server.tool_parser import create_tool_parser, tool_finish_reason
 
 
@@ -89,16 +91,37 @@ def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServingContext, tools: list
 
 
 def chat_inputs(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[GenerateReqMsg], list[dict] | None]:
-    """One checked request per choice, and the tools the parser accepts."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError("response_format json_object / json_schema is not supported", "response_format.type")
+    """One checked request per choice (grammars not yet: `check_grammars`), and the tools the parser accepts."""
     template_tools, parse_tools = resolve_tools(req, ctx)
     ids = chat_prompt_ids(req, ctx, template_tools)
     top = (req.top_logprobs or 0) if req.logprobs else 0
-    inputs = [GenerateInput(input_ids=ids, sampling_params=req.sampling_params(req.max_new_tokens, i),
-                            return_logprob=req.logprobs, top_logprobs_num=top, stream=req.stream)
+    tag = forced_tool_tag(req, ctx, parse_tools)
+    start = grammar_start_id(ctx.tokenizer, ctx.server.reasoning_parser)
+    inputs = [GenerateInput(input_ids=ids, sampling_params=_with_tag(req.sampling_params(req.max_new_tokens, i), tag),
+                            return_logprob=req.logprobs, top_logprobs_num=top, stream=req.stream,
+                            grammar_start_id=start)
               for i in range(req.n)]
     return prepare(ctx, inputs, "messages"), parse_tools
+
+
+def forced_tool_tag(req: ChatCompletionRequest, ctx: ServingContext, parse_tools: list[dict] | None) -> str | None:
+    """The structural tag that makes the reply tool calls only (tool_choice "required" or a named function),
+    or None when tool calls are not forced."""
+    if parse_tools is None or not (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
+        return None
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError("response_format cannot be combined with tool_choice 'required' or a named function "
+                       "(the reply is tool calls)", "response_format")
+    return tool_call_tag(ctx.server.tool_call_parser, parse_tools, req.parallel_tool_calls is not False)
+
+
+def _with_tag(params: SamplingParams, tag: str | None) -> SamplingParams:
+    if tag is None:
+        return params
+    if params.grammar is not None:
+        raise APIError(f"{params.grammar[0]} cannot be combined with tool_choice 'required' or a named function "
+                       "(the reply is tool calls)", params.grammar[0])
+    return params.model_copy(update={"structural_tag": tag})
 
 
 def _parser(ctx: ServingContext, parse_tools: list[dict] | None) -> ChoiceParser:
@@ -109,6 +132,7 @@ def _parser(ctx: ServingContext, parse_tools: list[dict] | None) -> ChoiceParser
 
 async def chat_completion(req: ChatCompletionRequest, ctx: ServingContext) -> dict:
     inputs, parse_tools = chat_inputs(req, ctx)
+    await check_grammars(ctx, inputs)
     snaps = await collect([ctx.manager.generate(obj) for obj in inputs])
     choices = [_choice(i, s, req, ctx, _parser(ctx, parse_tools)) for i, s in enumerate(snaps)]
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": ctx.created, "model": ctx.model_name,

@@ -51,6 +51,15 @@ def prepare(ctx: ServingContext, inputs: list[GenerateInput], prompt_param: str)
         raise e.renamed(names) from None
 
 
+async def check_grammars(ctx: ServingContext, reqs: list[GenerateReqMsg]) -> None:
+    """The scheduler's check of every structured-output grammar, before anything runs or streams (400 naming the
+    field in OpenAI names: `response_format`, `regex`, `ebnf`, `tools`)."""
+    try:
+        await ctx.manager.check_grammars(reqs)
+    except RequestError as e:
+        raise e.renamed(OPENAI_NAMES) from None
+
+
 def finish_reason(meta: dict) -> str | None:
     """OpenAI finish_reason of a snapshot ("stop" / "length"); an aborted request becomes an APIError."""
     fr = meta.get("finish_reason")

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.server.manager import GenerateInput
 from mlaserve.server.openai_common import (
-    ServingContext, completion_logprobs, finish_reason, matched_stop, new_id, prepare, stream_end, usage,
+    ServingContext, check_grammars, completion_logprobs, finish_reason, matched_stop, new_id, prepare, stream_end, usage,
 )
 from mlaserve.server.protocol import APIError, CompletionRequest
 from mlaserve.server.sse import collect, merge, sse
@@ -49,6 +49,7 @@ def _logprobs(req: CompletionRequest, ctx: ServingContext, meta: dict, k: int, e
 
 async def completion(req: CompletionRequest, ctx: ServingContext) -> dict:
     inputs, prompts = completion_inputs(req, ctx)
+    await check_grammars(ctx, inputs)
     snaps = await collect([ctx.manager.generate(obj) for obj in inputs])
     choices = []
     for i, snap in enumerate(snaps):

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -17,7 +18,10 @@ from mlaserve.core import (
 MAX_N = 64              # most choices per request
 MAX_TOP_LOGPROBS = 20   # OpenAI's limit for chat top_logprobs
 # SamplingParams (SGLang) names -> the OpenAI request field a user wrote
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                "sampling_params.json_schema": "response_format", "sampling_params.regex": "regex",
+                "sampling_params.ebnf": "ebnf", "sampling_params.structural_tag": "tools"}
+JSON_OBJECT_SCHEMA = '{"type": "object", "additionalProperties": true}'    # response_format json_object
 
 
 def _utf8_deep(value: Any) -> Any:
@@ -96,6 +100,34 @@ class StreamOptions(APIModel):
     include_usage: StrictBool = False
 
 
+class JSONSchemaFormat(APIModel):
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")] = "response"
+    description: Text | None = None
+    schema_: Annotated[JSONObject, Field(alias="schema")] = {}
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(APIModel):
+    """OpenAI `response_format`: free text, any JSON object, or JSON matching `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object ({name, schema, strict})")
+        return self
+
+    def json_schema_text(self) -> str | None:
+        """The constraint as SamplingParams.json_schema (None for text)."""
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.type == "json_schema":
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
 class SamplingFields(APIModel):
     """The OpenAI names of the sampling parameters, typed as `core.SamplingParams` declares them."""
 
@@ -120,6 +152,10 @@ class SamplingFields(APIModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False
+    # structured output (SGLang's extra fields; response_format is OpenAI's)
+    response_format: ResponseFormat | None = None
+    regex: Text | None = None
+    ebnf: Text | None = None
 
     def sampling_params(self, max_new_tokens: int | None, index: int = 0) -> SamplingParams:
         """The SamplingParams of choice `index` (with a seed, choice i uses seed + i); RequestError in OpenAI names."""
@@ -132,6 +168,10 @@ class SamplingFields(APIModel):
                 p[name] = getattr(self, name)
         if self.seed is not None:
             p["seed"] = self.seed + index
+        schema = self.response_format.json_schema_text() if self.response_format is not None else None
+        for name, value in (("json_schema", schema), ("regex", self.regex), ("ebnf", self.ebnf)):
+            if value is not None:
+                p[name] = value
         try:
             return SamplingParams(**p)
         except ValidationError as e:
@@ -206,10 +246,6 @@ class NamedToolChoice(APIModel):
     function: NamedFunction
 
 
-class ResponseFormat(APIModel):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 # names the chat template is rendered with; a chat_template_kwargs key may not replace them
 TEMPLATE_ARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token",
                  "raise_exception", "strftime_now")
@@ -231,7 +267,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: Annotated[JSONObject, AfterValidator(_template_kwargs)] | None = None
 
     @property

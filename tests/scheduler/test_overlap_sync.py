@@ -101,3 +101,28 @@ def test_drain_never_syncs_with_sampling_penalties_and_eager_decode(ckpt, monkey
         outputs += sched.step()
     assert finished(outputs) == {f"r{i}" for i in range(len(LENGTHS))} and len(drains) >= max(LENGTHS) - 1
     assert sched.kv.allocator.available + sched.kv.tree.total_size() == sched.kv.num_slots
+
+
+def test_constrained_decode_fills_bitmasks_without_syncing(tmp_path_factory, monkeypatch) -> None:
+    d = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"first_k_dense_replace": 1}
+    cfg = make_config(d, num_layers=2, shrink=True, fp8=False)
+    path = str(write_checkpoint(cfg, tmp_path_factory.mktemp("sync-grammar") / "m", progress=False))
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=3, regex="[a-z]{%d}" % (n + 40)) for n in LENGTHS]
+    sched = start(path, params)
+    checked = []
+    for name in ("drain", "bitmask"):
+        owner = sched if name == "drain" else sched.grammar
+        inner = getattr(owner, name)
+
+        def no_sync_call(*args, _f=inner, **kw):     # process step N, then the bitmask of step N + 1
+            with no_sync():
+                out = _f(*args, **kw)
+            checked.append(1)
+            return out
+
+        monkeypatch.setattr(owner, name, no_sync_call)
+    outputs = run_to_first_decode(sched)
+    while sched.has_work:
+        outputs += sched.step()
+    assert finished(outputs) == {f"r{i}" for i in range(len(LENGTHS))} and len(checked) >= 2 * (max(LENGTHS) - 1)
+    assert not sched.grammar.states

@@ -155,6 +155,9 @@ class ScriptedManager:
     def prepare(self, obj):
         return obj
 
+    async def check_grammars(self, reqs) -> None:
+        """Scripted output follows no grammar: nothing to check."""
+
     async def generate(self, obj):
         import asyncio
 

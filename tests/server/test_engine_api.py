@@ -151,3 +151,24 @@ def test_dead_scheduler_raises_instead_of_waiting(ckpt):
         with pytest.raises(EngineDeadError):
             e.generate(prompt="later", sampling_params={"max_new_tokens": 2})   # ... and so does every later one
         assert time.monotonic() - start < 60, "the engine waited on a dead scheduler"
+
+
+def test_structured_output_through_the_engine(engine):
+    from mlaserve.core import RequestError
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    outs = engine.generate(prompt=["a", "b", "c"], sampling_params=[
+        {"json_schema": json.dumps(schema), "seed": 1, "max_new_tokens": 40},
+        {"regex": "(red|green)-[0-9]{2}", "seed": 2, "max_new_tokens": 40},
+        {"ebnf": 'root ::= "x" ("y" | "z")', "seed": 3, "max_new_tokens": 40}])
+    assert json.loads(outs[0]["text"])["n"] in range(10)
+    import re
+
+    assert re.fullmatch("(red|green)-[0-9]{2}", outs[1]["text"]) and outs[2]["text"] in ("xy", "xz")
+    with pytest.raises(RequestError) as info:
+        engine.generate(prompt="a", sampling_params={"ebnf": "root ::= ("})
+    assert info.value.param == "sampling_params.ebnf"
+    with pytest.raises(RequestError) as info:
+        engine.generate(prompt="a", sampling_params={"regex": "a", "json_schema": "{}"})
+    assert "at most one" in info.value.message

@@ -11,7 +11,7 @@ import zmq.asyncio
 
 from mlaserve.core import FinishReason, SamplingParams
 from mlaserve.ipc import messages as m
-from mlaserve.server.manager import EngineDeadError, GenerateInput, TokenizerManager
+from mlaserve.server.manager import EngineDeadError, GenerateInput, RequestError, TokenizerManager
 
 INFO = {"context_length": 256, "max_total_tokens": 512, "vocab_size": 4096}
 WAIT_S = 10.0     # far above what any step here takes: reaching it means a hang
@@ -121,3 +121,41 @@ def test_dead_loop_or_scheduler_fails_pending_and_later_requests(demo_tokenizer,
     message, dead = asyncio.run(go())
     assert message == dead
     assert ("receive loop failed" in dead) if how == "garbage" else ("scheduler process is not running" in dead)
+
+
+def test_grammar_checks_round_trip_once_per_grammar(demo_tokenizer, tmp_path):
+    async def go():
+        manager, fake = make(demo_tokenizer, tmp_path, 11)
+        manager.start()
+        try:
+            bad = manager.prepare(GenerateInput(text="x", sampling_params=SamplingParams(regex="(ab")))
+            again = manager.prepare(GenerateInput(text="y", sampling_params=SamplingParams(regex="(ab")))
+            checking = asyncio.ensure_future(manager.check_grammars([bad]))
+            msg = await fake.request()
+            assert isinstance(msg, m.GrammarCheckReqMsg) and (msg.kind, msg.text) == ("regex", "(ab")
+            await fake.outbox.send(m.encode(m.GrammarCheckRespMsg(msg.key, "the parenthesis is not closed")))
+            for call in (checking, manager.check_grammars([again])):     # the second answer comes from the cache
+                with pytest.raises(RequestError) as info:
+                    await asyncio.wait_for(call, WAIT_S)
+                assert info.value.param == "sampling_params.regex" and "not closed" in info.value.message
+            free = manager.prepare(GenerateInput(text="z"))
+            await asyncio.wait_for(manager.check_grammars([free]), WAIT_S)      # nothing to check, nothing sent
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(fake.inbox.recv(), 0.3)
+        finally:
+            fake.close()
+            await manager.aclose()
+
+    asyncio.run(go())
+
+
+def test_grammar_backend_none_refuses_constrained_requests(demo_tokenizer, tmp_path):
+    base = f"ipc://{tmp_path}/mgr-none"
+    manager = TokenizerManager(demo_tokenizer, base + "-req", base + "-out", INFO | {"grammar_backend": "none"})
+    try:
+        with pytest.raises(RequestError) as info:
+            manager.prepare(GenerateInput(text="x", sampling_params=SamplingParams(json_schema='{"type": "string"}')))
+        assert info.value.param == "sampling_params.json_schema" and "--grammar-backend none" in info.value.message
+        assert manager.prepare(GenerateInput(text="x")).params.grammar is None
+    finally:
+        manager.ctx.destroy(linger=0)
