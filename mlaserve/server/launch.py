@@ -16,6 +16,7 @@ import signal
 import socket
 import tempfile
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +28,6 @@ from mlaserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEMO_SOURCE = "deepseek-v3"
-DEMO_LAYERS = 4
 # Exit code of a spawned child that re-ran an unguarded `__main__` script (see `refuse_spawned_reimport`).
 NO_MAIN_GUARD_EXIT = 86
 NO_MAIN_GUARD_MESSAGE = ("mlaserve.Engine was created at the top level of a script without an "
@@ -206,36 +205,46 @@ def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, Tokenize
 
 # --- the demo model ------------------------------------------------------------------------------------
 
-def demo_model_path() -> Path:
-    """The built-in demo model: a shrunken DeepSeek-V3-architecture checkpoint with RANDOM weights
-    (MLA, noaux_tc MoE, MTP layer, tokenizer, chat template), built once into ~/.cache/mlaserve/
-    by a child process (building imports the model stack, which the HTTP process never does)."""
-    root = Path(os.environ.get("MLASERVE_CACHE", Path.home() / ".cache" / "mlaserve"))
-    path = root / f"demo-{DEMO_SOURCE}-{DEMO_LAYERS}l"
-    if (path / "tokenizer.json").exists() and (path / "model.safetensors.index.json").exists():
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MLASERVE_CACHE", Path.home() / ".cache" / "mlaserve"))
+
+
+def demo_model_path(fp8: bool = False) -> Path:
+    """The built-in demo model: a small DeepSeek-V3-architecture checkpoint trained on Python source
+    (`mlaserve train-demo`), shipped as package data. `fp8=True`: its block-FP8 copy, made once into the cache
+    directory by a child process (quantising imports the model stack, which the HTTP process never does)."""
+    if not (DEMO_DIR / "config.json").exists():
+        raise LaunchError(f"the built-in demo model is missing from {DEMO_DIR}; pass --model-path")
+    if not fp8:
+        return DEMO_DIR
+    path = cache_root() / f"demo-fp8-{_demo_version()}"
+    if (path / "model.safetensors").exists():
         return path
-    logger.warning("building the built-in demo model into %s (random weights: its text is gibberish)", path)
-    proc = mp.get_context("spawn").Process(target=_build_demo, args=(path,), name="mlaserve-demo-build")
+    logger.warning("quantising the built-in demo model to block FP8 into %s", path)
+    proc = mp.get_context("spawn").Process(target=_build_demo_fp8, args=(path,), name="mlaserve-demo-fp8")
     proc.start()
     proc.join()
     if proc.exitcode == NO_MAIN_GUARD_EXIT:
         raise LaunchError(NO_MAIN_GUARD_MESSAGE)
     if proc.exitcode != 0:
-        raise LaunchError(f"building the demo model into {path} failed (exit code {proc.exitcode})")
+        raise LaunchError(f"quantising the demo model into {path} failed (exit code {proc.exitcode})")
     return path
 
 
-def _build_demo(path: Path) -> None:
-    from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+def _demo_version() -> str:
+    """A checksum of the shipped weights: a retrained demo model gets a fresh FP8 copy."""
+    crc = 0
+    for f in sorted(DEMO_DIR.glob("*.safetensors")):
+        crc = zlib.crc32(f.read_bytes(), crc)
+    return f"{crc:08x}"
 
-    src = json.loads(_model_config_text(DEMO_SOURCE))
-    cfg = make_config(src, num_layers=DEMO_LAYERS, shrink=True, fp8=False)
+
+def _build_demo_fp8(path: Path) -> None:
+    from mlaserve.tools.quantize_fp8 import quantize_checkpoint
+
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write_checkpoint(cfg, tmp, seed=0, progress=False)
+    quantize_checkpoint(DEMO_DIR, tmp)
     tmp.rename(path)
-
-
-def _model_config_text(name: str) -> str:
-    from importlib.resources import files
-
-    return (files("mlaserve") / "tools" / "configs" / f"{name}.json").read_text()
