@@ -6,6 +6,7 @@ are documents back to back, each starting with BOS.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
 import site
@@ -45,7 +46,8 @@ def _py_files(root: Path) -> Iterator[Path]:
             yield path
 
 
-def training_files() -> list[Path]:
+@functools.cache
+def training_files() -> tuple[Path, ...]:
     """Every .py file under the stdlib and site-packages directories, pip's directory excluded, sorted."""
     held = heldout_dir()
     files: set[Path] = set()
@@ -54,7 +56,7 @@ def training_files() -> list[Path]:
             real = path.resolve()
             if not real.is_relative_to(held):
                 files.add(real)
-    return sorted(files)
+    return tuple(sorted(files))
 
 
 def heldout_files() -> list[Path]:
