@@ -140,12 +140,13 @@ def format_table(rows: list[Row], tokens: int, nbytes: int) -> str:
     return "\n".join(lines)
 
 
-def fp8_copy(path: str, demo: bool, tmp: Path) -> str:
-    if demo:
-        from mlaserve.server.launch import demo_model_path
-
-        return str(demo_model_path(fp8=True))
+def fp8_copy(path: str, is_demo: bool, tmp: Path) -> str:
+    """The block-FP8 version of the checkpoint: the demo model's cached copy, or a fresh one in `tmp`."""
+    from mlaserve import demo
     from mlaserve.tools.quantize_fp8 import quantize_checkpoint
+
+    if is_demo:
+        return str(demo.fp8_dir() if demo.has_fp8() else demo.build_fp8())
 
     return str(quantize_checkpoint(path, tmp / "fp8"))
 
@@ -173,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import tokenizers
 
-    from mlaserve.server.launch import demo_model_path
+    from mlaserve.demo import DEMO_DIR
     from mlaserve.tools import corpus
 
-    path = args.model_path or str(demo_model_path())
+    path = args.model_path or str(DEMO_DIR)
     tok = tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
     windows = corpus.heldout_windows(tok, args.window_len, args.windows)
     weights = torch.from_numpy(corpus.token_bytes(tok)[windows[:, 1:]])

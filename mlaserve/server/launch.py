@@ -16,10 +16,10 @@ import signal
 import socket
 import tempfile
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlaserve import demo
 from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.config_resolve import precheck
 from mlaserve.scheduler.entry import run_scheduler
@@ -205,26 +205,19 @@ def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, Tokenize
 
 # --- the demo model ------------------------------------------------------------------------------------
 
-DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MLASERVE_CACHE", Path.home() / ".cache" / "mlaserve"))
-
-
 def demo_model_path(fp8: bool = False) -> Path:
-    """The built-in demo model: a small DeepSeek-V3-architecture checkpoint trained on Python source
-    (`mlaserve train-demo`), shipped as package data. `fp8=True`: its block-FP8 copy, made once into the cache
-    directory by a child process (quantising imports the model stack, which the HTTP process never does)."""
-    if not (DEMO_DIR / "config.json").exists():
-        raise LaunchError(f"the built-in demo model is missing from {DEMO_DIR}; pass --model-path")
+    """The built-in demo model (`mlaserve.demo`: trained on Python source, shipped as package data).
+    `fp8=True`: its block-FP8 copy, made once into the cache directory by a child process (quantising
+    imports the model stack, which the HTTP process never does)."""
+    if not (demo.DEMO_DIR / "config.json").exists():
+        raise LaunchError(f"the built-in demo model is missing from {demo.DEMO_DIR}; pass --model-path")
     if not fp8:
-        return DEMO_DIR
-    path = cache_root() / f"demo-fp8-{_demo_version()}"
-    if (path / "model.safetensors").exists():
+        return demo.DEMO_DIR
+    path = demo.fp8_dir()
+    if demo.has_fp8():
         return path
     logger.warning("quantising the built-in demo model to block FP8 into %s", path)
-    proc = mp.get_context("spawn").Process(target=_build_demo_fp8, args=(path,), name="mlaserve-demo-fp8")
+    proc = mp.get_context("spawn").Process(target=demo.build_fp8, name="mlaserve-demo-fp8")
     proc.start()
     proc.join()
     if proc.exitcode == NO_MAIN_GUARD_EXIT:
@@ -232,19 +225,3 @@ def demo_model_path(fp8: bool = False) -> Path:
     if proc.exitcode != 0:
         raise LaunchError(f"quantising the demo model into {path} failed (exit code {proc.exitcode})")
     return path
-
-
-def _demo_version() -> str:
-    """A checksum of the shipped weights: a retrained demo model gets a fresh FP8 copy."""
-    crc = 0
-    for f in sorted(DEMO_DIR.glob("*.safetensors")):
-        crc = zlib.crc32(f.read_bytes(), crc)
-    return f"{crc:08x}"
-
-
-def _build_demo_fp8(path: Path) -> None:
-    from mlaserve.tools.quantize_fp8 import quantize_checkpoint
-
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    quantize_checkpoint(DEMO_DIR, tmp)
-    tmp.rename(path)

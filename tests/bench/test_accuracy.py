@@ -5,7 +5,7 @@ import tokenizers
 import torch
 
 from mlaserve.bench.accuracy import MODES, Mode, format_table, run_mode, selected_modes, summarise
-from mlaserve.server.launch import demo_model_path
+from mlaserve.demo import DEMO_DIR
 from mlaserve.tools import corpus
 
 FP32 = MODES[0]
@@ -15,7 +15,7 @@ MAX_BITS_PER_BYTE = 1.5
 
 
 def _heldout(n: int, length: int):
-    path = str(demo_model_path())
+    path = str(DEMO_DIR)
     tok = tokenizers.Tokenizer.from_file(f"{path}/tokenizer.json")
     wins = corpus.heldout_windows(tok, length, n)
     return path, wins, torch.from_numpy(corpus.token_bytes(tok)[wins[:, 1:]])

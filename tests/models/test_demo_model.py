@@ -8,7 +8,7 @@ from seq_runner import SeqRunner
 from mlaserve.config import ModelConfig
 from mlaserve.models.deepseek import DeepseekForCausalLM
 from mlaserve.models.weights import load_weights
-from mlaserve.server.launch import demo_model_path
+from mlaserve.demo import DEMO_DIR
 from mlaserve.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -18,7 +18,7 @@ NEW_TOKENS = 24
 
 
 def test_greedy_tokens_match_hf_fp32():
-    path = demo_model_path()
+    path = DEMO_DIR
     cfg = ModelConfig.from_hf(path)
     tok = load_tokenizer(path)
     assert cfg.vocab_size == tok.vocab_size
