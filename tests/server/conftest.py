@@ -1,4 +1,4 @@
-"""Server test fixtures: the demo model built once per session (MLASERVE_CACHE in a session tmp dir), one real
+"""Server test fixtures: a session MLASERVE_CACHE (tmp dir) beside the shipped demo model, one real
 `mlaserve serve` subprocess on a loopback port shared by the session, and a scripted stand-in for the tokenizer
 manager (fixed model text, for the tool-call / reasoning paths that random weights cannot exercise)."""
 from __future__ import annotations
@@ -73,7 +73,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """MLASERVE_CACHE for the session, with the demo model already built in it."""
+    """MLASERVE_CACHE for the session (the demo model itself is package data; derived copies go here)."""
     cache = tmp_path_factory.mktemp("mlaserve-cache")
     old = os.environ.get("MLASERVE_CACHE")
     os.environ["MLASERVE_CACHE"] = str(cache)
