@@ -39,7 +39,9 @@ class ServerProcess:
         self.model_path = Path(args[args.index("--model-path") + 1]) if "--model-path" in args else None
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "MLASERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+        # NOTE: one torch thread: several servers, the scheduler processes and pytest share 2 cores, and
+        # spinning intra-op threads there slow a decode step of the demo model ~8x
+        env = {**os.environ, "MLASERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.log_file = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--port", str(self.port), *args],
                                      stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
