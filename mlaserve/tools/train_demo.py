@@ -202,12 +202,15 @@ def complete(model: DemoTrainModel, tok: tokenizers.Tokenizer, prompt: str, n: i
 
 
 def function_headers(texts: list[str], k: int) -> list[str]:
-    """The first `k` top-level `def` lines with a docstring-free body, from held-out files."""
+    """The first top-level `def` line of each held-out file, up to `k` of them, as completion prompts.
+
+    NOTE: no trailing newline: the tokenizer joins a newline with the indentation after it, so a prompt ending
+    in a bare newline reads as column 0 (a new top-level statement)."""
     out = []
     for text in texts:
         for line in text.splitlines():
             if line.startswith("def ") and line.rstrip().endswith(":") and len(line) < 80:
-                out.append(line + "\n")
+                out.append(line.rstrip())
                 break
         if len(out) == k:
             break
