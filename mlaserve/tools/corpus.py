@@ -70,20 +70,33 @@ def read_source(path: Path) -> str | None:
         return None
 
 
-def read_sources(paths: Iterable[Path]) -> list[str]:
-    return [t for t in map(read_source, paths) if t]
+def read_sources(paths: Iterable[Path], max_bytes: int | None = None) -> list[str]:
+    """The UTF-8 texts of `paths` in order (unreadable or empty files skipped), stopping past `max_bytes`."""
+    out, size = [], 0
+    for path in paths:
+        if max_bytes is not None and size >= max_bytes:
+            break
+        text = read_source(path)
+        if text:
+            out.append(text)
+            size += len(text)
+    return out
 
 
 def sample_texts(texts: list[str], max_bytes: int, seed: int) -> list[str]:
     """A seeded random sample of whole documents, about `max_bytes` of text (the tokenizer's training set)."""
-    order = list(range(len(texts)))
-    random.Random(seed).shuffle(order)
     out, size = [], 0
-    for i in order:
+    for text in shuffled(texts, seed):
         if size >= max_bytes:
             break
-        out.append(texts[i])
-        size += len(texts[i])
+        out.append(text)
+        size += len(text)
+    return out
+
+
+def shuffled(items: Iterable, seed: int) -> list:
+    out = list(items)
+    random.Random(seed).shuffle(out)
     return out
 
 

@@ -266,9 +266,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_corpus(args: argparse.Namespace, log: dict) -> list[str]:
     files = corpus.training_files()
-    texts = corpus.read_sources(files)
-    if args.max_corpus_mb is not None:
-        texts = corpus.sample_texts(texts, int(args.max_corpus_mb * 2**20), args.seed)
+    if args.max_corpus_mb is None:
+        texts = corpus.read_sources(files)
+    else:                                   # a seeded sample of whole files
+        texts = corpus.read_sources(corpus.shuffled(files, args.seed), int(args.max_corpus_mb * 2**20))
     log["corpus"] = {"files": len(files), "documents": len(texts), "bytes": sum(len(t.encode()) for t in texts),
                      "heldout_dir": str(corpus.heldout_dir())}
     return texts
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     wins = corpus.heldout_windows(tok, args.seq_len + 2, args.eval_windows)
     log["heldout"] = evaluate(model, wins, corpus.token_bytes(tok), device)
     print(json.dumps({"heldout": log["heldout"]}), flush=True)
-    heldout_texts = corpus.read_sources(corpus.heldout_files())
+    heldout_texts = corpus.read_sources(corpus.heldout_files(), max_bytes=2**20)
     log["completions"] = {p: complete(model, tok, p, 48, device) for p in function_headers(heldout_texts, 6)}
     log["checkpoint_bytes"] = save_checkpoint(model, cfg_dict, out)
     log["wall_seconds"] = round(time.monotonic() - t_start, 1)

@@ -21,7 +21,7 @@ def test_training_corpus_never_holds_pip():
     assert any(f.name == "json" or f.parent.name == "json" for f in files)     # the stdlib is in
 
 
-def test_train_demo_tiny_writes_a_checkpoint_both_heads_learn(tmp_path):
+def test_train_demo_tiny_writes_a_checkpoint_both_heads_learn(tmp_path, one_thread):
     out = tmp_path / "demo"
     rc = cli(["train-demo", "--out", str(out), "--tiny", "--device", "cpu", "--max-corpus-mb", "0.5",
               "--tokenizer-sample-mb", "0.25", "--vocab-size", "600", "--steps", "40", "--log-every", "10",

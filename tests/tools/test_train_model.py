@@ -39,7 +39,7 @@ def _export(model: DemoTrainModel, path: Path) -> Path:
     return path
 
 
-def test_export_loads_and_matches_serving_and_hf_fp32(tmp_path):
+def test_export_loads_and_matches_serving_and_hf_fp32(tmp_path, one_thread):
     """Logits of the training model (fp32) = mlaserve's (fp32 prefill) = HF DeepseekV3ForCausalLM's; the MTP
     head's logits = the serving NextN layer's on the same inputs."""
     model = _random_trained().float()
