@@ -1,4 +1,4 @@
-"""`mlaserve` command line: serve | bench ... | tune ... | make-checkpoint (subcommands imported lazily)."""
+"""`mlaserve` command line: serve | bench ... | tune ... | make-checkpoint | train-demo (subcommands imported lazily)."""
 from __future__ import annotations
 
 import importlib
@@ -7,7 +7,9 @@ import sys
 COMMANDS = {
     "serve": ("mlaserve.server.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "make-checkpoint": ("mlaserve.tools.make_checkpoint", "create a synthetic DeepSeek checkpoint"),
+    "train-demo": ("mlaserve.tools.train_demo", "train the built-in demo model on this machine's Python source (GPU)"),
     "bench serving": ("mlaserve.bench.serving", "load-test an OpenAI-compatible server (ours or another)"),
+    "bench accuracy": ("mlaserve.bench.accuracy", "held-out bits/byte and greedy agreement with fp32, per serving mode"),
     "bench one-batch": ("mlaserve.bench.one_batch", "prefill + decode one batch, beside the floor (and HF)"),
     "bench offline": ("mlaserve.bench.offline", "throughput over many random prompts through the Engine"),
     "bench kernels": ("mlaserve.bench.kernels", "time every Triton kernel at DeepSeek shapes (GPU)"),

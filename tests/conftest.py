@@ -27,3 +27,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one intra-op thread for the test: small ops on a loaded 2-core machine run many times faster
+    (spinning OpenMP threads wait for a core the other processes hold)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -46,6 +46,16 @@ class SeqRunner:
         ids = torch.tensor([t for r in rids for t in batch[r]], device=self.device)
         return self.model(ids, ctx.positions, ctx)
 
+    def mtp_logits(self, next_ids: torch.Tensor, hidden: torch.Tensor, rid: int = 0) -> torch.Tensor:
+        """The NextN layer over request `rid`'s extended positions (its own KV-cache layer): all draft logits."""
+        n = len(next_ids)
+        slots = self.req_to_token[rid, :n].long()
+        ctx = build_context(ForwardMode.EXTEND, req_pool_idx=[rid], prefix_lens=[0], extend_lens=[n], out_slots=slots,
+                            req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.backend,
+                            device=self.device, last_token_logits=False)
+        with torch.no_grad():
+            return self.model.mtp(next_ids, hidden, ctx.positions, ctx).logits
+
     def decode(self, batch: dict[int, int]):
         rids = list(batch)
         ctx = self._ctx(ForwardMode.DECODE, rids, [1] * len(rids), False)

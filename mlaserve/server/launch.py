@@ -12,7 +12,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
 import tempfile
@@ -21,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from mlaserve import demo
 from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.config_resolve import precheck
 from mlaserve.scheduler.entry import EXIT_LOST_RANK, run_scheduler
@@ -29,8 +29,6 @@ from mlaserve.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEMO_SOURCE = "deepseek-v3"
-DEMO_LAYERS = 4
 # Exit code of a spawned child that re-ran an unguarded `__main__` script (see `refuse_spawned_reimport`).
 NO_MAIN_GUARD_EXIT = 86
 NO_MAIN_GUARD_MESSAGE = ("mlaserve.Engine was created at the top level of a script without an "
@@ -281,41 +279,23 @@ def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, Tokenize
 
 # --- the demo model ------------------------------------------------------------------------------------
 
-def demo_model_path() -> Path:
-    """The built-in demo model: a shrunken DeepSeek-V3-architecture checkpoint with RANDOM weights
-    (MLA, noaux_tc MoE, MTP layer, tokenizer, chat template), built once into ~/.cache/mlaserve/
-    by a child process (building imports the model stack, which the HTTP process never does)."""
-    root = Path(os.environ.get("MLASERVE_CACHE", Path.home() / ".cache" / "mlaserve"))
-    path = root / f"demo-{DEMO_SOURCE}-{DEMO_LAYERS}l"
-    if (path / "tokenizer.json").exists() and (path / "model.safetensors.index.json").exists():
+def demo_model_path(fp8: bool = False) -> Path:
+    """The built-in demo model (`mlaserve.demo`: trained on Python source, shipped as package data).
+    `fp8=True`: its block-FP8 copy, made once into the cache directory by a child process (quantising
+    imports the model stack, which the HTTP process never does)."""
+    if not (demo.DEMO_DIR / "config.json").exists():
+        raise LaunchError(f"the built-in demo model is missing from {demo.DEMO_DIR}; pass --model-path")
+    if not fp8:
+        return demo.DEMO_DIR
+    path = demo.fp8_dir()
+    if demo.has_fp8():
         return path
-    logger.warning("building the built-in demo model into %s (random weights: its text is gibberish)", path)
-    proc = mp.get_context("spawn").Process(target=_build_demo, args=(path,), name="mlaserve-demo-build")
+    logger.warning("quantising the built-in demo model to block FP8 into %s", path)
+    proc = mp.get_context("spawn").Process(target=demo.build_fp8, name="mlaserve-demo-fp8")
     proc.start()
     proc.join()
     if proc.exitcode == NO_MAIN_GUARD_EXIT:
         raise LaunchError(NO_MAIN_GUARD_MESSAGE)
     if proc.exitcode != 0:
-        raise LaunchError(f"building the demo model into {path} failed (exit code {proc.exitcode})")
+        raise LaunchError(f"quantising the demo model into {path} failed (exit code {proc.exitcode})")
     return path
-
-
-def _build_demo(path: Path) -> None:
-    from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
-
-    src = json.loads(_model_config_text(DEMO_SOURCE))
-    cfg = make_config(src, num_layers=DEMO_LAYERS, shrink=True, fp8=False)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write_checkpoint(cfg, tmp, seed=0, progress=False)
-    try:
-        tmp.rename(path)
-    except OSError:                          # another process built it first: keep theirs
-        if not (path / "model.safetensors.index.json").exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _model_config_text(name: str) -> str:
-    from importlib.resources import files
-
-    return (files("mlaserve") / "tools" / "configs" / f"{name}.json").read_text()

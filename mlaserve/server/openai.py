@@ -33,7 +33,7 @@ from mlaserve.server.sse import DONE, ClientGone, SSEResponse, collect, sse, unl
 logger = logging.getLogger(__name__)
 
 DEMO_NAME = "mlaserve-demo"
-DEMO_OWNER = "mlaserve-demo (random weights)"
+DEMO_OWNER = "mlaserve-demo (trained on Python source)"
 OPEN_PATHS = ("/health", "/metrics")   # reachable without the API key (probes, scrapers)
 HEALTH_TIMEOUT_S = 30.0
 CLIENT_CLOSED = 499                    # nginx's status for "client closed request"

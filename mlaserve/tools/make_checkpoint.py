@@ -25,6 +25,7 @@ SHRINK = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
               q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
               vocab_size=4096)
 TOKENIZER_VOCAB = 4096
+FP8_QUANT_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
 def shrink_config(d: dict) -> dict:
@@ -57,8 +58,7 @@ def make_config(src: dict, *, num_layers: int | None, shrink: bool, fp8: bool) -
         d["num_hidden_layers"] = num_layers
     d.pop("quantization_config", None)
     if fp8:
-        d["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                    "weight_block_size": [128, 128]}
+        d["quantization_config"] = dict(FP8_QUANT_CONFIG)
     # NOTE: token ids follow our own tokenizer (special tokens first: bos 0, eos 1).
     d["bos_token_id"], d["eos_token_id"] = 0, 1
     d["torch_dtype"] = "bfloat16"

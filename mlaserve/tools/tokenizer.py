@@ -9,7 +9,7 @@ import argparse
 import ast
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,11 +186,11 @@ def tokenizer_config(model_max_length: int = DEFAULT_MAX_LENGTH) -> dict[str, An
 
 
 def train_tokenizer(out_dir: str | Path, vocab_size: int = 4096, *,
-                    model_max_length: int = DEFAULT_MAX_LENGTH) -> int:
+                    model_max_length: int = DEFAULT_MAX_LENGTH, corpus: Iterable[str] | None = None) -> int:
     """Train a byte-level BPE tokenizer; write `tokenizer.json` and `tokenizer_config.json` to `out_dir`.
 
-    Deterministic: the same `vocab_size` (on the same Python) gives byte-identical files.
-    Returns the final vocabulary size (special tokens included), at most `vocab_size`.
+    `corpus` defaults to `build_corpus()`. Deterministic: the same `vocab_size` and corpus (on the same Python)
+    give byte-identical files. Returns the final vocabulary size (special tokens included), at most `vocab_size`.
     """
     if vocab_size < MIN_VOCAB:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB} (16 special tokens + 256 bytes), got {vocab_size}")
@@ -199,7 +199,7 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 4096, *,
         vocab_size=vocab_size, min_frequency=2, show_progress=False, max_token_length=16,
         special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(build_corpus(), trainer=trainer)
+    tok.train_from_iterator(build_corpus() if corpus is None else corpus, trainer=trainer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "tokenizer.json", _finish_tokenizer_json(tok))

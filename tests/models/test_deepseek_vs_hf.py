@@ -183,7 +183,7 @@ def test_mtp_draft_logits_match_definition(checkpoints):
     runner = SeqRunner(model, cfg)
     main = runner.extend({0: ids.tolist()}, all_logits=True)
     next_ids = torch.cat([ids[1:], main.logits[-1:].argmax(-1)])
-    draft = mtp_forward(runner, model, next_ids, main.hidden)
+    draft = runner.mtp_logits(next_ids, main.hidden)
 
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m3
     hf_cfg = transformers.AutoConfig.from_pretrained(path)
@@ -215,17 +215,3 @@ def test_mtp_draft_logits_match_definition(checkpoints):
         x = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=rotary(x[None], pos))[0]
     want = rms(x, w[f"{p}shared_head.norm.weight"]) @ w[f"{p}shared_head.head.weight"].t()
     assert (draft - want).abs().max() <= 1e-3 * want.abs().max()
-
-
-def mtp_forward(runner: SeqRunner, model: DeepseekForCausalLM, next_ids: torch.Tensor, hidden: torch.Tensor):
-    """Run the NextN layer over the same positions (its own KV-cache layer) and return all draft logits."""
-    from mlaserve.core import ForwardMode
-    from mlaserve.engine.forward_batch import build_context
-
-    n = len(next_ids)
-    slots = runner.req_to_token[0, :n].long()
-    ctx = build_context(ForwardMode.EXTEND, req_pool_idx=[0], prefix_lens=[0], extend_lens=[n], out_slots=slots,
-                        req_to_token=runner.req_to_token, kv_pool=runner.pool, attn_backend=runner.backend,
-                        device="cpu", last_token_logits=False)
-    with torch.no_grad():
-        return model.mtp(next_ids, hidden, ctx.positions, ctx).logits

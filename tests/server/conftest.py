@@ -1,4 +1,4 @@
-"""Server test fixtures: the demo model built once per session (MLASERVE_CACHE in a session tmp dir), one real
+"""Server test fixtures: a session MLASERVE_CACHE (tmp dir) beside the shipped demo model, one real
 `mlaserve serve` subprocess on a loopback port shared by the session, and a scripted stand-in for the tokenizer
 manager (fixed model text, for the tool-call / reasoning paths that random weights cannot exercise)."""
 from __future__ import annotations
@@ -41,7 +41,9 @@ class ServerProcess:
         self.model_path = Path(args[args.index("--model-path") + 1]) if "--model-path" in args else None
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "MLASERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+        # NOTE: one torch thread: several servers, the scheduler processes and pytest share 2 cores, and
+        # spinning intra-op threads there slow a decode step of the demo model ~8x
+        env = {**os.environ, "MLASERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.log_file = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", "--port", str(self.port), *args],
                                      stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
@@ -75,7 +77,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """MLASERVE_CACHE for the session, with the demo model already built in it."""
+    """MLASERVE_CACHE for the session (the demo model itself is package data; derived copies go here)."""
     cache = tmp_path_factory.mktemp("mlaserve-cache")
     old = os.environ.get("MLASERVE_CACHE")
     os.environ["MLASERVE_CACHE"] = str(cache)

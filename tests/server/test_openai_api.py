@@ -24,10 +24,10 @@ def sse_objects(text: str) -> list[dict]:
 
 # --- real server -------------------------------------------------------------------------------------------
 
-def test_models_say_the_demo_has_random_weights(oai):
+def test_models_say_what_the_demo_is(oai):
     (card,) = oai.models.list().data
     assert card.id == "mlaserve-demo"
-    assert "random weights" in card.owned_by
+    assert "trained on Python source" in card.owned_by
 
 
 def test_chat_whole_and_streamed_agree(oai, http):

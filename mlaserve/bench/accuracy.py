@@ -1,0 +1,196 @@
+"""`mlaserve bench accuracy`: held-out bits per byte and greedy agreement with fp32, one row per serving mode.
+
+Text: pip's source (never trained on; `tools/corpus.py`), cut into windows. Each window is prefilled for its first
+`--prefill` tokens, then decoded one token at a time, teacher-forced (the input of each step is the text's next
+token), so every mode reads its own KV cache through the decode path it serves with. A row's figures:
+bits per byte over every predicted token, the share of positions whose greedy token equals the fp32 row's, and
+whether bits per byte is within the mode's tolerance of fp32's.
+
+    mlaserve bench accuracy [--model-path DIR] [--windows 16 --window-len 256 --prefill 128]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    flags: dict                 # ServerConfig flat overrides
+    tolerance: float            # allowed relative bits-per-byte excess over fp32
+    fp8_weights: bool = False   # run the block-FP8 copy of the checkpoint
+    gpu_only: bool = False
+
+
+EAGER = {"disable_cuda_graph": True}
+# NOTE: the first mode is the reference every row is compared with. Adding a mode is one line.
+MODES = (
+    Mode("fp32", {"dtype": "float32", **EAGER}, 0.0),
+    Mode("bf16", {"dtype": "bfloat16", **EAGER}, 0.02),
+    Mode("bf16, non-absorbed (--disable-mla)", {"dtype": "bfloat16", "disable_mla": True}, 0.02),
+    Mode("bf16, CUDA graphs", {"dtype": "bfloat16"}, 0.02, gpu_only=True),
+    Mode("FP8 weights (block 128x128)", {"dtype": "bfloat16", **EAGER}, 0.05, fp8_weights=True),
+    Mode("FP8 weights, CUDA graphs", {"dtype": "bfloat16"}, 0.05, fp8_weights=True, gpu_only=True),
+    Mode("bf16, KV cache fp8_e4m3", {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", **EAGER}, 0.05),
+    Mode("bf16, KV cache fp8_e5m2", {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2", **EAGER}, 0.10),
+)
+
+
+class ModeResult(NamedTuple):
+    logprobs: torch.Tensor      # [N, S - 1] float64: log p(window[:, i + 1] | window[:, : i + 1])
+    greedy: torch.Tensor        # [N, S - 1] argmax at each position
+
+
+class TeacherForced:
+    """Drives one ModelRunner over N windows at once: a prefill of P tokens, then S - 1 - P decode steps.
+    Request b owns slots 1 + b * S ... (slot 0 is the CUDA-graph padding slot, row N the graphs' dummy)."""
+
+    def __init__(self, runner, n: int, s: int):
+        self.runner, self.n, self.s = runner, n, s
+        dev = runner.device
+        self.req_to_token = torch.zeros(n + 1, s, dtype=torch.int32, device=dev)
+        self.req_to_token[:n] = (1 + torch.arange(n * s, device=dev).view(n, s)).int()
+        runner.attach(self.req_to_token)
+        runner.init_cuda_graphs(self.req_to_token, dummy_req=n)
+
+    def _ctx(self, mode, start: int, length: int):
+        from mlaserve.engine.forward_batch import build_context
+
+        slots = self.req_to_token[: self.n, start:start + length].reshape(-1).long()
+        return build_context(mode, req_pool_idx=list(range(self.n)), prefix_lens=[start] * self.n,
+                             extend_lens=[length] * self.n, out_slots=slots, req_to_token=self.req_to_token,
+                             kv_pool=self.runner.pool, attn_backend=self.runner.attn_backend,
+                             device=self.runner.device, last_token_logits=False)
+
+    @torch.no_grad()
+    def run(self, tokens: torch.Tensor, prefill: int) -> ModeResult:
+        """tokens [N, S] (on the runner's device) -> log-probs and greedy tokens of positions 1 .. S-1."""
+        from mlaserve.core import ForwardMode
+
+        model, graphs = self.runner.model, self.runner.graphs
+        ctx = self._ctx(ForwardMode.EXTEND, 0, prefill)
+        logits = model(tokens[:, :prefill].reshape(-1), ctx.positions, ctx).logits.view(self.n, prefill, -1)
+        lp, greedy = [_score(logits, tokens[:, 1:prefill + 1])], [logits.argmax(-1)]
+        rows = torch.arange(self.n, device=tokens.device)
+        for i in range(prefill, self.s - 1):
+            ctx = self._ctx(ForwardMode.DECODE, i, 1)
+            if graphs is not None:
+                step = graphs.replay(tokens[:, i], ctx.positions, ctx.out_slots, rows, ctx.seq_lens)
+            else:
+                step = model(tokens[:, i], ctx.positions, ctx).logits            # [N, V]
+            lp.append(_score(step[:, None], tokens[:, i + 1:i + 2]))
+            greedy.append(step.argmax(-1)[:, None])
+        return ModeResult(torch.cat(lp, 1).cpu(), torch.cat(greedy, 1).cpu())
+
+
+def _score(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # logits [N, n, V], targets [N, n] -> log-probs [N, n] float64
+    return logits.double().log_softmax(-1).gather(-1, targets[..., None].long())[..., 0]
+
+
+def run_mode(path: str, mode: Mode, windows: np.ndarray, prefill: int, base: dict) -> ModeResult:
+    from mlaserve.config import ServerConfig
+    from mlaserve.engine.engine import ModelRunner, resolve_for_device
+
+    n, s = windows.shape
+    server = ServerConfig.from_flat(model_path=path, max_total_tokens=n * s + 16, context_length=s,
+                                    max_running_requests=n, log_level="warning", **base, **mode.flags)
+    runner = ModelRunner(resolve_for_device(server, path), path)
+    driver = TeacherForced(runner, n, s)
+    return driver.run(torch.from_numpy(windows.astype(np.int64)).to(runner.device), prefill)
+
+
+@dataclass
+class Row:
+    mode: str
+    bits_per_byte: float
+    rel: float                  # relative to fp32
+    agreement: float            # greedy tokens equal to fp32's
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel <= self.tolerance
+
+
+def summarise(mode: Mode, res: ModeResult, ref: ModeResult | None, weights: torch.Tensor) -> Row:
+    """weights [N, S - 1]: bytes of each target token (0 = special, not scored)."""
+    scored = weights > 0
+    bpb = float(-res.logprobs[scored].sum() / math.log(2) / weights.sum())
+    ref_bpb = bpb if ref is None else float(-ref.logprobs[scored].sum() / math.log(2) / weights.sum())
+    agree = 1.0 if ref is None else float((res.greedy == ref.greedy)[scored].float().mean())
+    return Row(mode.name, bpb, bpb / ref_bpb - 1, agree, mode.tolerance)
+
+
+def format_table(rows: list[Row], tokens: int, nbytes: int) -> str:
+    lines = [f"held-out: pip's source, {tokens} predicted tokens ({nbytes} bytes)", "",
+             "| mode | bits/byte | vs fp32 | greedy = fp32 | tolerance | ok |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.mode} | {r.bits_per_byte:.4f} | {100 * r.rel:+.2f}% | {100 * r.agreement:.2f}% "
+                     f"| {100 * r.tolerance:.0f}% | {'yes' if r.ok else 'NO'} |")
+    return "\n".join(lines)
+
+
+def fp8_copy(path: str, is_demo: bool, tmp: Path) -> str:
+    """The block-FP8 version of the checkpoint: the demo model's cached copy, or a fresh one in `tmp`."""
+    from mlaserve import demo
+    from mlaserve.tools.quantize_fp8 import quantize_checkpoint
+
+    if is_demo:
+        return str(demo.fp8_dir() if demo.has_fp8() else demo.build_fp8())
+
+    return str(quantize_checkpoint(path, tmp / "fp8"))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="mlaserve bench accuracy", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", default=None, help="a bf16 checkpoint (default: the built-in demo model)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--windows", type=int, default=16, help="held-out windows, run as one batch")
+    ap.add_argument("--window-len", type=int, default=256)
+    ap.add_argument("--prefill", type=int, default=128, help="tokens of each window prefilled; the rest decoded")
+    ap.add_argument("--modes", nargs="+", default=None, help="mode names to run (default: all that can run here)")
+    ap.add_argument("--output-file", help="write the rows as JSON")
+    return ap.parse_args(argv)
+
+
+def selected_modes(names: list[str] | None, gpu: bool) -> list[Mode]:
+    modes = [m for m in MODES if gpu or not m.gpu_only]
+    if names:
+        modes = [m for m in modes if m.name == MODES[0].name or m.name in names]
+    return modes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import tokenizers
+
+    from mlaserve.demo import DEMO_DIR
+    from mlaserve.tools import corpus
+
+    path = args.model_path or str(DEMO_DIR)
+    tok = tokenizers.Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    windows = corpus.heldout_windows(tok, args.window_len, args.windows)
+    weights = torch.from_numpy(corpus.token_bytes(tok)[windows[:, 1:]])
+    gpu = torch.cuda.is_available() and args.device != "cpu"
+    rows, ref = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in selected_modes(args.modes, gpu):
+            mpath = fp8_copy(path, args.model_path is None, Path(tmp)) if mode.fp8_weights else path
+            res = run_mode(mpath, mode, windows, args.prefill, {"device": args.device})
+            rows.append(summarise(mode, res, ref, weights))
+            ref = ref or res
+            print(f"{mode.name}: {rows[-1].bits_per_byte:.4f} bits/byte", flush=True)
+    print(format_table(rows, int((weights > 0).sum()), int(weights.sum())))
+    if args.output_file:
+        Path(args.output_file).write_text(json.dumps([r.__dict__ | {"ok": r.ok} for r in rows], indent=2) + "\n")
+    return 0 if all(r.ok for r in rows) else 1

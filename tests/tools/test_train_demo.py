@@ -1,0 +1,41 @@
+"""train-demo end to end at CPU size, and the corpus split it trains on (pip held out)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from mlaserve.cli import main as cli
+from mlaserve.config import ModelConfig
+from mlaserve.models.deepseek import DeepseekForCausalLM
+from mlaserve.models.weights import load_weights
+from mlaserve.tokenizer import load_tokenizer
+from mlaserve.tools import corpus
+
+
+def test_training_corpus_never_holds_pip():
+    held = corpus.heldout_dir()
+    files = corpus.training_files()
+    assert held.name == "pip" and corpus.heldout_files()
+    assert files and not [f for f in files if f.is_relative_to(held)]
+    assert any(f.name == "json" or f.parent.name == "json" for f in files)     # the stdlib is in
+
+
+def test_train_demo_tiny_writes_a_checkpoint_both_heads_learn(tmp_path, one_thread):
+    out = tmp_path / "demo"
+    rc = cli(["train-demo", "--out", str(out), "--tiny", "--device", "cpu", "--max-corpus-mb", "0.5",
+              "--tokenizer-sample-mb", "0.25", "--vocab-size", "600", "--steps", "40", "--log-every", "10",
+              "--seq-len", "32", "--batch-size", "8", "--lr", "1e-2", "--warmup", "5", "--eval-windows", "2"])
+    assert rc == 0
+    log = json.loads((out / "train_log.json").read_text())
+    curve = log["curve"]
+    assert [p["step"] for p in curve] == [10, 20, 30, 40]
+    assert curve[-1]["loss"] < curve[0]["loss"] - 0.5 and curve[-1]["mtp_loss"] < curve[0]["mtp_loss"] - 0.5
+    assert 0 < log["heldout"]["bits_per_byte"] < 8
+    cfg = ModelConfig.from_hf(out)
+    assert cfg.vocab_size == load_tokenizer(out).vocab_size
+    assert cfg.topk_method == "noaux_tc" and cfg.q_lora_rank and cfg.rope_scaling and cfg.num_nextn_predict_layers
+    model = DeepseekForCausalLM(cfg, dtype=torch.float32, load_mtp=True)
+    load_weights(model, cfg, out, progress=False)      # every tensor checked against checkpoint_specs
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.abs().max() > 0                        # moved by the aux-loss-free balancing
