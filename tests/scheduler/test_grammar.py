@@ -127,19 +127,20 @@ def test_retraction_replays_the_grammar(demo, tok):
 
 
 def test_grammar_starts_after_the_start_token(demo, tok):
-    """Free tokens, then `</think>`, then only what the regex allows. The trained demo model never saw `</think>`
-    in training, so its logit is nudged: the smallest bias of a ladder that ends the free part within 200 tokens
-    (but not at once) is used."""
+    """Without `</think>` the output stays free; once it is sampled, only what the regex allows follows. (The trained
+    demo model never saw `</think>`: a strong logit bias makes it come.)"""
     end = tok.token_to_id("</think>")
-    for bias in (8.0, 12.0, 16.0, 20.0, 25.0, 30.0, 40.0):
-        m = GenerateReqMsg("t", tok.encode("think"), SamplingParams(max_new_tokens=200, seed=5, regex="[0-9]{3}",
+
+    def sample(bias: float) -> list[int]:
+        m = GenerateReqMsg("t", tok.encode("think"), SamplingParams(max_new_tokens=40, seed=5, regex="[0-9]{3}",
                            logit_bias={str(end): bias}), seed=5, grammar_start_id=end)
-        ids = run(make(demo), [m])["t"]["ids"]
-        if end in ids and ids.index(end) > 0:
-            break
-    assert end in ids and ids.index(end) > 0, f"no bias ended the free part after a free token: {ids[:20]}"
-    after = tok.decode(ids[ids.index(end) + 1:])
-    assert re.fullmatch("[0-9]{3}", after)
+        return run(make(demo), [m])["t"]["ids"]
+
+    free = sample(0.0)
+    assert end not in free and not re.fullmatch("[0-9]{3}", tok.decode(free)), "the grammar applied before </think>"
+    ids = sample(40.0)
+    assert end in ids
+    assert re.fullmatch("[0-9]{3}", tok.decode(ids[ids.index(end) + 1:]))
 
 
 def test_grammar_error_is_one_line():
