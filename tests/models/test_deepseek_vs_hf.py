@@ -104,7 +104,9 @@ def test_triton_kernels_fp32_match_hf(checkpoints, variant, device):
 def test_prompt_logprobs_bf16(checkpoints, variant):
     path = checkpoints(variant)
     model, cfg = ours(path, torch.bfloat16)
-    ids = random_prompt(cfg, 40)
+    # NOTE: 120 positions: a bf16 rounding that flips one routed expert moves that position by up to ~5 nats (seen
+    # once in CI over 40 positions: mean 0.28 from two such positions, p90 0.24), so a short prompt's mean is noise
+    ids = random_prompt(cfg, 120)
     a, b = ours_prompt_logprobs(model, cfg, ids), hf_prompt_logprobs(hf(path, torch.bfloat16), ids)
     assert_close_stats(a - b, 0.2, 0.35, f"bf16 {variant}")
 
