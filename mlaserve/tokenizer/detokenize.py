@@ -73,10 +73,20 @@ class IncrementalDetokenizer:
         return [] if self._decode(context).endswith(REPLACEMENT_CHAR) else context
 
 
+def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(start, stop string) of the stop that a stream of `text` completes first: the earliest end, then the
+    earliest start; None when no stop string occurs. Empty stop strings are ignored.
+
+    NOTE: the earliest *end*, not start, so that any chunking of the stream finds the same stop ('\n' in "a\na"
+    with stops '\n' and 'a\na': the stream has completed '\n' before it could know 'a\na' follows)."""
+    hits = [(i + len(stop), i, stop) for stop in stops if stop and (i := text.find(stop)) >= 0]
+    return min(hits)[1:] if hits else None
+
+
 def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string starts in `text`, or None. Empty stop strings are ignored."""
-    hits = [i for stop in stops if stop and (i := text.find(stop)) >= 0]
-    return min(hits) if hits else None
+    """Index where the first completed stop string (see `first_stop`) starts in `text`, or None."""
+    hit = first_stop(text, stops)
+    return None if hit is None else hit[0]
 
 
 def stop_holdback(text: str, stops: Sequence[str]) -> int:
@@ -118,9 +128,9 @@ class StopStream:
         if not self.stops:
             return chunk
         text = self.held + chunk
-        index = find_stop(text, self.stops)
-        if index is not None:
-            self.matched = next(s for s in self.stops if text.startswith(s, index))
+        hit = first_stop(text, self.stops)
+        if hit is not None:
+            index, self.matched = hit
             self.held = ""
             return text[:index + (len(self.matched) if self.keep_stop else 0)]
         keep = stop_holdback(text, self.stops)
