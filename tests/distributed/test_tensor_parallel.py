@@ -137,14 +137,15 @@ def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
     shared = [rng.randrange(5, 4000) for _ in range(48)]
     prompts = [shared + [rng.randrange(5, 4000) for _ in range(rng.randint(1, 30))] for _ in range(5)]
     prompts += [[rng.randrange(5, 4000) for _ in range(rng.randint(4, 90))] for _ in range(8)]
-    msgs = [_msg(f"s{i}", p, 1 if i == 0 else rng.randint(1, 30)) for i, p in enumerate(prompts)]
+    msgs = [_msg(f"s{i}", p, 1 if i == 0 else rng.randint(1, 30) if i < 5 else rng.randint(15, 30))
+            for i, p in enumerate(prompts)]
     # s0 finishes first and leaves the shared prefix in the radix tree; s1..s4 arrive together right after it (a
     # hit before anything else can evict it), the others while those run; three of the others are aborted
-    arrivals = {m.rid: 0 if i == 0 else 4 if i < 5 else rng.randint(5, 20) for i, m in enumerate(msgs)}
+    arrivals = {m.rid: 0 if i == 0 else 4 if i < 5 else rng.randint(5, 8) for i, m in enumerate(msgs)}
     aborts = {m.rid: arrivals[m.rid] + rng.randint(0, 12) for m in rng.sample(msgs[5:], 3)}
     path = checkpoint("v3")
     big = drive_scheduler(_scheduler(path, max_total_tokens=8192), msgs, arrivals)
-    small = dict(max_total_tokens=300, max_running_requests=16, chunked_prefill_size=64,
+    small = dict(max_total_tokens=200, max_running_requests=16, chunked_prefill_size=64,
                  init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     one = drive_on_ranks(None, path, small, msgs, arrivals, aborts)
     ranks = spawn_ranks(drive_on_ranks, 2, path, small, msgs, arrivals, aborts, timeout=300)
