@@ -264,8 +264,13 @@ class LoadConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tp_size: int = opt(1, "tensor-parallel ranks (one process per GPU, or per CPU rank with gloo)")
-    dp_size: int = opt(1, "data-parallel ranks")
-    enable_dp_attention: bool = opt(False, "data-parallel attention (one latent KV cache per DP rank)")
+    dp_size: int = opt(1, "data-parallel attention groups (with --enable-dp-attention; must divide --tp-size)")
+    enable_dp_attention: bool = opt(False, "data-parallel attention: --dp-size groups of tp / dp ranks each run "
+                                    "attention on their own requests (one latent KV cache, scheduler and radix "
+                                    "tree per group); the MoE runs over all ranks")
+    load_balance_method: str = opt("shortest_queue", "how requests are spread over the DP-attention groups: "
+                                   "shortest_queue (fewest running + waiting tokens) or round_robin",
+                                   choices=("round_robin", "shortest_queue"))
     base_gpu_id: int = opt(0, "the first GPU this node uses (its ranks take base_gpu_id, base_gpu_id + 1, ...)")
     nnodes: int = opt(1, "nodes the ranks are spread over (--tp-size must be a multiple)")
     node_rank: int = opt(0, "this node's index: node 0 serves HTTP, the others run ranks only")

@@ -74,7 +74,7 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     load = _resolve_load(server.load, model, device)
     parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
-    sched = _resolve_sched(server.sched, load, device)
+    sched = _resolve_sched(server.sched, load, device, dp_attention=parallel.enable_dp_attention)
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 
@@ -112,7 +112,8 @@ def _reject(msg: str) -> None:
 
 def _check_choices(server: ServerConfig) -> None:
     # argparse checks `choices` on the command line; the Engine API's keyword arguments arrive unchecked.
-    owners = [(server.load, fields(server.load)), (server.cache, fields(server.cache)),
+    owners = [(server.load, fields(server.load)), (server.parallel, fields(server.parallel)),
+              (server.cache, fields(server.cache)),
               (server.sched, fields(server.sched)), (server, [f for f in fields(server) if f.name not in server.SECTIONS])]
     for owner, owned in owners:
         for f in owned:
@@ -127,11 +128,7 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
     for name in ("tp_size", "dp_size", "nnodes"):
         if getattr(p, name) < 1:
             _reject(f"{_flag(name)} {getattr(p, name)}: must be >= 1")
-    # NOTE: the one place that refuses data parallelism until its paths exist (DESIGN.md sec. 6).
-    if p.dp_size > 1:
-        _reject(f"--dp-size {p.dp_size}: data parallelism is not implemented yet")
-    if p.enable_dp_attention:
-        _reject("--enable-dp-attention: data-parallel attention is not implemented yet")
+    _check_dp_attention(p)
     if p.tp_size % p.nnodes:
         _reject(f"--tp-size {p.tp_size} --nnodes {p.nnodes}: every node runs the same number of ranks")
     if not 0 <= p.node_rank < p.nnodes:
@@ -146,36 +143,59 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
         _reject(f"--dist-timeout {p.dist_timeout}: must be > 0")
     if p.base_gpu_id < 0 or (p.base_gpu_id and device.type != "cuda"):
         _reject(f"--base-gpu-id {p.base_gpu_id}: must be >= 0, and picks GPUs only (the device is {device.type})")
-    check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8)
+    check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8,
+                    attn_tp=p.tp_size // p.dp_size if p.enable_dp_attention else None)
     return replace(p, dist_timeout=p.dist_timeout or DEFAULT_DIST_TIMEOUT)
 
 
-def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool) -> None:
-    """One line naming the first checkpoint tensor that does not split into `tp` shards (of whole 128-blocks
-    for block-FP8 weights)."""
-    if tp == 1:
+def _check_dp_attention(p: ParallelConfig) -> None:
+    """DP attention (DESIGN.md sec. 6): --dp-size groups of --tp-size / --dp-size ranks. Plain data parallelism
+    (whole replicas) does not exist; the combinations not built yet are refused here, in one place."""
+    if not p.enable_dp_attention:
+        if p.dp_size > 1:
+            _reject(f"--dp-size {p.dp_size}: data parallelism here is data-parallel attention; add "
+                    "--enable-dp-attention")
+        if p.load_balance_method != "shortest_queue":
+            _reject(f"--load-balance-method {p.load_balance_method}: acts only with --enable-dp-attention")
         return
+    if p.dp_size == 1:
+        _reject(f"--enable-dp-attention with --dp-size 1 is plain tensor parallelism; give --dp-size D "
+                f"(D divides --tp-size {p.tp_size}, e.g. --dp-size {p.tp_size})")
+    if p.tp_size % p.dp_size:
+        _reject(f"--tp-size {p.tp_size} --dp-size {p.dp_size}: --dp-size must divide --tp-size "
+                "(each DP group runs attention over tp / dp ranks)")
+    if p.nnodes > 1:
+        _reject(f"--enable-dp-attention with --nnodes {p.nnodes}: DP attention over several nodes is not "
+                "implemented yet (every group's leader must be on node 0)")
+
+
+def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool, attn_tp: int | None = None) -> None:
+    """One line naming the first checkpoint tensor that does not split into its shards (of whole 128-blocks
+    for block-FP8 weights): `tp` ways, except attention, embedding, lm_head and dense MLPs under DP attention,
+    which split `attn_tp` (tp / dp) ways."""
+    a = tp if attn_tp is None else attn_tp
     h, block = model.num_attention_heads, 128
     attn = "model.layers.0.self_attn."
     q = f"{attn}q_proj.weight" if model.q_lora_rank is None else f"{attn}q_b_proj.weight"
-    parts = [(q, "heads", h, 0), (f"{attn}kv_b_proj.weight", "heads", h, 0), (f"{attn}o_proj.weight", "heads", h, 0),
-             ("model.embed_tokens.weight", "vocab rows", model.vocab_size, 0)]
+    parts = [(q, "heads", h, 0, a), (f"{attn}kv_b_proj.weight", "heads", h, 0, a),
+             (f"{attn}o_proj.weight", "heads", h, 0, a), ("model.embed_tokens.weight", "vocab rows", model.vocab_size, 0, a)]
     if fp8:
-        parts += [(q, "rows", h * model.qk_head_dim, block),
-                  (f"{attn}kv_b_proj.weight", "rows", h * (model.qk_nope_head_dim + model.v_head_dim), block),
-                  (f"{attn}o_proj.weight", "columns", h * model.v_head_dim, block)]
+        parts += [(q, "rows", h * model.qk_head_dim, block, a),
+                  (f"{attn}kv_b_proj.weight", "rows", h * (model.qk_nope_head_dim + model.v_head_dim), block, a),
+                  (f"{attn}o_proj.weight", "columns", h * model.v_head_dim, block, a)]
     moe = [i for i in range(model.num_hidden_layers) if model.is_moe_layer(i)]
     if len(moe) < model.num_hidden_layers:
         dense = next(i for i in range(model.num_hidden_layers) if not model.is_moe_layer(i))
         parts.append((f"model.layers.{dense}.mlp.down_proj.weight", "columns", model.intermediate_size,
-                      block if fp8 else 0))
+                      block if fp8 else 0, a))
     if moe:
         parts.append((f"model.layers.{moe[0]}.mlp.experts.0.down_proj.weight", "columns",
-                      model.moe_intermediate_size, block if fp8 else 0))
-    for name, what, n, unit in parts:
-        if n % tp or (unit and (n // tp) % unit):
+                      model.moe_intermediate_size, block if fp8 else 0, tp))
+    for name, what, n, unit, ways in parts:
+        if ways > 1 and (n % ways or (unit and (n // ways) % unit)):
             blocks = f" of whole {unit}-wide blocks (block FP8)" if unit else ""
-            _reject(f"--tp-size {tp}: {name} has {n} {what}, which do not split into {tp} equal parts{blocks}")
+            flags = f"--tp-size {tp}" if ways == tp else f"--tp-size {tp} --dp-size {tp // ways}"
+            _reject(f"{flags}: {name} has {n} {what}, which do not split into {ways} equal parts{blocks}")
 
 
 def _below(device: DeviceInfo, capability: tuple[int, int]) -> bool:
@@ -254,11 +274,13 @@ def _check_sched_ranges(s: SchedConfig) -> None:
         _reject(f"--watchdog-timeout {s.watchdog_timeout}: must be > 0")
 
 
-def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> str | None:
+def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo, dp_attention: bool) -> str | None:
     if s.disable_cuda_graph:
         return "--disable-cuda-graph"
     if device.type != "cuda":
         return f"--device {device.type}"
+    if dp_attention:
+        return "--enable-dp-attention"            # decode graphs keyed by the global padded size: not built yet
     if load.attention_backend == "torch":
         return "--attention-backend torch"       # the reference attention loops over requests on the host
     if load.disable_mla:
@@ -266,10 +288,10 @@ def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> 
     return None
 
 
-def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> SchedConfig:
+def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo, dp_attention: bool = False) -> SchedConfig:
     _check_sched_ranges(s)
     s = replace(s, max_running_requests=s.max_running_requests or DEFAULT_MAX_RUNNING[device.type])
-    why_off = _graphs_off_reason(s, load, device)
+    why_off = _graphs_off_reason(s, load, device, dp_attention)
     if why_off is not None:
         # NOTE: 0 / [] are the resolved "no graphs" values, so resolving twice accepts them
         given = [_flag(n) for n, v in (("cuda_graph_bs", s.cuda_graph_bs), ("cuda_graph_max_bs", s.cuda_graph_max_bs),

@@ -20,6 +20,7 @@ if TYPE_CHECKING:    # NOTE: annotations only: the HTTP process imports this mod
 class ForwardMode(enum.Enum):
     EXTEND = "extend"   # prefill or chunked extend: new tokens of several requests, any count each
     DECODE = "decode"   # one new token per request (num_q > 1 only for speculative verification)
+    IDLE = "idle"       # no tokens: this DP-attention group takes part in the other groups' MoE collectives
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ForwardContext:
     num_q: int = 1                   # query tokens per request in DECODE mode
     logits_indices: torch.Tensor | None = None   # rows of T whose logits are wanted (None: all)
     num_kv_splits: int | None = None     # split-KV count of the decode kernel (fixed under CUDA graphs)
+    global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
 
     @property
     def batch_size(self) -> int:
@@ -324,6 +326,7 @@ class Batch:
     prefix_lens: list[int]
     extend_lens: list[int]
     sampling: list[bool]
+    global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
 
     @property
     def size(self) -> int:

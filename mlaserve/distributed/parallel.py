@@ -10,9 +10,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mlaserve.distributed.dp_attention import DPAttention
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +29,17 @@ class CollectiveError(RuntimeError):
 class ParallelInfo:
     """This process's place among the server's ranks (tensor parallel over every rank, spread over nodes).
 
-    Ranks are numbered node by node: node n runs ranks n * local_size .. (n + 1) * local_size - 1.
+    Ranks are numbered node by node: node n runs ranks n * local_size .. (n + 1) * local_size - 1. Under
+    data-parallel attention (`dp_size` > 1) rank r is in DP group r // attn_tp_size, as its attn_tp_rank:
+
+        ranks   | 0 .. a-1 | a .. 2a-1 | ... |    a = attn_tp_size = tp_size / dp_size
+        dp_rank |    0     |     1     | ... |    each group: its own scheduler, KV pool, radix tree
     """
 
     tp_size: int = 1
     rank: int = 0
     nnodes: int = 1
+    dp_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -53,9 +62,27 @@ class ParallelInfo:
         return self.rank % self.tp_size
 
     @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size // self.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.attn_tp_size
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.rank % self.attn_tp_size
+
+    @property
+    def leader_rank(self) -> int:
+        """The first rank of this rank's DP group (rank 0 without DP attention)."""
+        return self.dp_rank * self.attn_tp_size
+
+    @property
     def is_leader(self) -> bool:
-        """Rank 0 reads the requests and sends the outputs; the others follow its step messages."""
-        return self.rank == 0
+        """The first rank of each DP group (rank 0 without DP attention) reads the group's requests and sends its
+        outputs; the group's other ranks follow its step messages."""
+        return self.attn_tp_rank == 0
 
 
 class TensorParallel:
@@ -110,10 +137,15 @@ def _all_gather_last(x: torch.Tensor, size: int, group, nccl: bool) -> torch.Ten
 
 class RankGroup:
     """The joined ranks of one server: the tensor-parallel group the model uses, and host-side collectives
-    over a gloo group (step messages, agreeing on sizes) for the scheduler. Every call is collective."""
+    over a gloo group (step messages, agreeing on sizes) for the scheduler. Every call is collective.
 
-    def __init__(self, info: ParallelInfo, tp: TensorParallel, cpu_group: "dist.ProcessGroup | None"):
-        self.info, self.tp, self.cpu_group = info, tp, cpu_group
+    Under data-parallel attention `tp` is this rank's attention group (tp_size / dp_size ranks), `dp` the
+    gather / scatter around the MoE over all ranks, and `leader_cpu_group` the gloo group of this DP group."""
+
+    def __init__(self, info: ParallelInfo, tp: TensorParallel, cpu_group: "dist.ProcessGroup | None",
+                 dp: "DPAttention | None" = None, leader_cpu_group: "dist.ProcessGroup | None" = None):
+        self.info, self.tp, self.cpu_group, self.dp = info, tp, cpu_group, dp
+        self.leader_cpu_group = leader_cpu_group if dp is not None else cpu_group
 
     @property
     def size(self) -> int:
@@ -126,6 +158,23 @@ class RankGroup:
         box = [obj]
         self._guard(dist.broadcast_object_list, box, src=0, group=self.cpu_group)
         return box[0]
+
+    def broadcast_from_leader(self, obj: object) -> object:
+        """The DP group leader's `obj` on every rank of its group (all ranks without DP attention)."""
+        if self.info.attn_tp_size == 1:
+            return obj
+        box = [obj]
+        self._guard(dist.broadcast_object_list, box, src=self.info.leader_rank, group=self.leader_cpu_group)
+        return box[0]
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (the same length on every rank), in rank order: one small gloo all-gather."""
+        if self.size == 1:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        self._guard(dist.all_gather, out, mine, group=self.cpu_group)
+        return [t.tolist() for t in out]
 
     def min_int(self, value: int) -> int:
         """The minimum of `value` over the ranks (e.g. the KV-pool size every rank can hold)."""
@@ -158,6 +207,8 @@ def init_distributed(info: ParallelInfo, init_addr: str, timeout_s: float | None
     process group. Raises CollectiveError (one line) when the ranks cannot meet."""
     if info.world_size == 1:
         return RankGroup(info, TensorParallel(), None)
+    if info.tp_size % info.dp_size:
+        raise ValueError(f"--tp-size {info.tp_size} is not a multiple of --dp-size {info.dp_size}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     kw = {"timeout": timeout} if timeout is not None else {}
@@ -168,14 +219,35 @@ def init_distributed(info: ParallelInfo, init_addr: str, timeout_s: float | None
     except (RuntimeError, ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CollectiveError(f"cannot join the other ranks at --dist-init-addr {init_addr}: {first}") from None
-    tp = TensorParallel(info.tp_rank, info.tp_size, dist.group.WORLD, nccl=backend == "nccl")
-    group = RankGroup(info, tp, cpu_group)
+    world = TensorParallel(info.tp_rank, info.tp_size, dist.group.WORLD, nccl=backend == "nccl")
+    if info.dp_size > 1:
+        group = _dp_attention_group(info, world, cpu_group, backend, kw)
+    else:
+        group = RankGroup(info, world, cpu_group)
     if backend == "nccl":
-        # NOTE: the NCCL communicator is created by the first collective; do it now, before any graph capture
-        tp.all_reduce(torch.zeros(1, device=device))
+        # NOTE: the NCCL communicators are created by the first collective; do it now, before any graph capture
+        world.all_reduce(torch.zeros(1, device=device))
+        group.tp.all_reduce(torch.zeros(1, device=device))
     logger.info("rank %d of %d joined (%s, node %d of %d)", info.rank, info.world_size, backend, info.node_rank,
                 info.nnodes)
     return group
+
+
+def _dp_attention_group(info: ParallelInfo, world: TensorParallel, cpu_group, backend: str, kw: dict) -> RankGroup:
+    """The attention groups (tp_size / dp_size consecutive ranks each) over the joined world."""
+    from mlaserve.distributed.dp_attention import DPAttention
+
+    a = info.attn_tp_size
+    attn, attn_cpu = TensorParallel(), None
+    if a > 1:
+        for d in range(info.dp_size):          # NOTE: every rank creates every group, in the same order
+            ranks = list(range(d * a, (d + 1) * a))
+            g = dist.new_group(ranks, backend=backend, **kw)
+            g_cpu = dist.new_group(ranks, backend="gloo", **kw) if backend == "nccl" else g
+            if d == info.dp_rank:
+                attn, attn_cpu = TensorParallel(info.attn_tp_rank, a, g, nccl=backend == "nccl"), g_cpu
+    dp = DPAttention(info.dp_rank, info.dp_size, a, world)
+    return RankGroup(info, attn, cpu_group, dp=dp, leader_cpu_group=attn_cpu)
 
 
 def shutdown_distributed() -> None:
@@ -183,9 +255,10 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 3600.0) -> list:
+def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 3600.0, dp_size: int = 1) -> list:
     """fn(group, *args) on `world` freshly spawned ranks joined on a free loopback port (rank r on `cuda:r` when
-    `device` is "cuda"); returns each rank's result in rank order. `fn` must be importable by name."""
+    `device` is "cuda"; `dp_size` DP-attention groups); returns each rank's result in rank order. `fn` must be
+    importable by name."""
     import multiprocessing as mp
     import socket
 
@@ -196,7 +269,7 @@ def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 360
     pipes, procs = [], []
     for rank in range(world):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, args=(fn, rank, world, addr, device, args, send), daemon=True)
+        proc = ctx.Process(target=_rank_main, args=(fn, rank, world, addr, device, args, send, dp_size), daemon=True)
         proc.start()
         send.close()
         pipes.append(recv)
@@ -218,7 +291,7 @@ def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 360
                 proc.kill()
 
 
-def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn) -> None:
+def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn, dp_size: int = 1) -> None:
     import traceback
 
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
@@ -227,7 +300,7 @@ def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, c
     else:
         torch.set_num_threads(1)
     try:
-        group = init_distributed(ParallelInfo(world, rank), addr, 600, dev)
+        group = init_distributed(ParallelInfo(world, rank, dp_size=dp_size), addr, 600, dev)
         conn.send(("ok", fn(group, *args)))
     except BaseException:  # noqa: BLE001 - reported to the caller
         conn.send(("error", traceback.format_exc()))

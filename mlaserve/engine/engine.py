@@ -95,7 +95,7 @@ class ModelRunner:
         kernels = load.attention_backend
         self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device, kernels=kernels,
                                          absorb=not load.disable_mla, dequant_fp8=load.dequant_fp8,
-                                         max_pos=self.context_len, tp=self.group.tp)
+                                         max_pos=self.context_len, tp=self.group.tp, dp=self.group.dp)
         load_weights(self.model, self.cfg, model_path, load_format=load.load_format,
                      dequant_fp8=load.dequant_fp8, seed=load.seed, progress=self.group.info.is_leader)
         logger.info("weights: %.2f GiB on rank %d of %d", weight_bytes(self.model) / 2**30, self.group.info.rank,
@@ -230,6 +230,9 @@ class ModelRunner:
         return StepOutput(next_ids, next_lp, next_top, *p.prompt)
 
     def _logits(self, batch: Batch, rows: list[int], rows_dev: torch.Tensor) -> torch.Tensor:
+        if batch.mode is ForwardMode.IDLE:                                     # DP attention: no tokens here
+            self.model.forward_idle(batch.global_num_tokens)
+            return torch.empty(0, self.cfg.vocab_size, device=self.device)
         if batch.mode is ForwardMode.DECODE:
             ids = self.token_buf[rows_dev]                                     # [B] last sampled tokens
             if self.graphs is not None and self.graphs.can_run(batch.size):
@@ -245,6 +248,7 @@ class ModelRunner:
                             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
                             device=self.device, last_token_logits=False)
         ctx.logits_indices = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        ctx.global_num_tokens = batch.global_num_tokens
         return self.model(ids, ctx.positions, ctx).logits                    # [len(rows), V] fp32
 
     def _sample(self, batch: Batch, logits: torch.Tensor, samplers: list[int], bitmask: torch.Tensor | None = None):

@@ -2,6 +2,8 @@
 
 Legend: `T` tokens in the batch, `h` hidden_size, `V` vocab_size. Under tensor parallelism (`tp`) every layer
 holds its shard and each block all-reduces twice: after attention and after the MLP / MoE (DESIGN.md sec. 6).
+Under data-parallel attention (`dp`) `tp` is the attention group (attention, dense MLP, embedding, lm_head), and
+each MoE runs over all ranks on every group's tokens: gathered before it, each group's rows handed back after it.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext
-from mlaserve.distributed import TensorParallel
+from mlaserve.distributed import DPAttention, TensorParallel
 from mlaserve.layers.embedding import LMHead, VocabEmbedding
 from mlaserve.layers.linear import Linear
 from mlaserve.layers.mla import MLAAttention
@@ -28,14 +30,16 @@ class ModelOutput(NamedTuple):
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool, tp: TensorParallel):
+                 device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool, tp: TensorParallel,
+                 dp: DPAttention | None = None):
         super().__init__()
         quant = None if dequant_fp8 else cfg.quant
         self.tp = tp
         self.self_attn = MLAAttention(cfg, layer_id, rotary, dtype=dtype, device=device, ops=ops, absorb=absorb,
                                       dequant_fp8=dequant_fp8, tp=tp)
+        self.dp = dp if cfg.is_moe_layer(layer_id) else None        # dense layers stay within the attention group
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp)
+            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=dp.world if dp else tp)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device,
                                 ops=ops, tp=tp)
@@ -52,7 +56,13 @@ class DecoderLayer(torch.nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.tp.all_reduce(self.self_attn(positions, h, ctx))          # sum of the heads' shares
         h, residual = self.post_attention_layernorm(h, residual)
+        if self.dp is not None:
+            return self.dp_moe(h, ctx.global_num_tokens), residual
         return self.tp.all_reduce(self.mlp(h)), residual                    # sum of the intermediate shares
+
+    def dp_moe(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The MoE under DP attention: h [n, h] of this group -> all groups' [N, h] -> MoE -> this group's [n, h]."""
+        return self.dp.scatter(self.mlp(self.dp.gather(h, counts)), counts)
 
 
 class DeepseekModel(torch.nn.Module):
@@ -107,18 +117,20 @@ class DeepseekForCausalLM(torch.nn.Module):
     """The whole model. `kernels` picks every op's implementation once: "triton" (the GPU fast path) or
     "torch" (the PyTorch references, any device; `--attention-backend torch`). `absorb=False` runs decode
     non-absorbed too (`--disable-mla`); `dequant_fp8=True` keeps an FP8 checkpoint's weights as `dtype`;
-    `load_mtp` builds the NextN layer; `tp` is this rank's tensor-parallel group (default: one process)."""
+    `load_mtp` builds the NextN layer; `tp` is this rank's tensor-parallel group (default: one process), its
+    attention group under data-parallel attention (`dp`)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", kernels: str = "torch", absorb: bool = True,
                  dequant_fp8: bool = False, load_mtp: bool = False, max_pos: int | None = None,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, dp: DPAttention | None = None):
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
-        self.tp = tp or TensorParallel()
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.tp, self.dp = tp or TensorParallel(), dp
         self.ops = get_ops(kernels)
         self.rotary = RotaryEmbedding(cfg, max_pos, device)
-        kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp)
+        kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp,
+                  dp=dp)
         self.model = DeepseekModel(cfg, self.rotary, **kw)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=self.tp)
         self.mtp = None
@@ -140,3 +152,12 @@ class DeepseekForCausalLM(torch.nn.Module):
         hidden = self.model(input_ids, positions, ctx)
         rows = hidden if ctx.logits_indices is None else hidden[ctx.logits_indices]
         return ModelOutput(self.lm_head(rows), hidden)
+
+    @torch.no_grad()
+    def forward_idle(self, global_num_tokens: list[int]) -> None:
+        """The IDLE forward of a DP-attention group without tokens while others have some: it takes part in every
+        MoE's gather and scatter (all of its other collectives stay within its own, idle, group)."""
+        x = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)    # [0, h]
+        for layer in self.model.layers:
+            if layer.dp is not None:
+                layer.dp_moe(x, global_num_tokens)

@@ -35,7 +35,7 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
     """Entry point of rank `rank`'s process: join, build, report readiness through `ready` (a Pipe end), loop."""
     import torch
 
-    info = ParallelInfo(server.parallel.tp_size, rank, server.parallel.nnodes)
+    info = ParallelInfo(server.parallel.tp_size, rank, server.parallel.nnodes, server.parallel.dp_size)
     tag = "scheduler" if info.world_size == 1 else f"rank {rank}"
     logging.basicConfig(level=server.log_level.upper(), format=f"[%(asctime)s {tag}] %(message)s")
     try:
@@ -47,6 +47,9 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
         elif info.world_size > 1:            # CPU ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_size))
         group = init_distributed(info, server.parallel.dist_init_addr, server.parallel.dist_timeout, device)
+        if group.dp is not None and device.type == "cuda":
+            logger.warning("decode CUDA graphs are off under --enable-dp-attention (graphs keyed by the global "
+                           "padded batch are not built yet); decode runs eagerly")
         sched = Scheduler(server, model_path, group=group)
     except Exception as e:  # noqa: BLE001 - the parent reports it in one line
         ready.send({"error": str(e) if isinstance(e, CollectiveError) else f"{type(e).__name__}: {e}",
@@ -71,13 +74,16 @@ def _serve(sched: Scheduler, group: RankGroup, in_addr: str, out_addr: str, read
     inbox = Inbox(group, in_addr, out_addr)
     watchdog = Watchdog(sched.server.sched.watchdog_timeout)
     failures = 0
+    dp = sched.dp_sync
     while True:
-        for data in inbox.receive(wait=not sched.has_work):
+        # NOTE: under DP attention every rank steps every iteration (the step agrees with all ranks); a leader
+        # waits for messages only when no group had work, or it would hold up the groups that decode
+        for data in inbox.receive(wait=not (sched.has_work or (dp is not None and dp.busy))):
             reply = _handle(sched, data)
             if reply is not None:
                 inbox.send(reply)
         watchdog.beat()
-        outputs, failures = _step(sched, failures)
+        outputs, failures = _step(sched, failures, always=dp is not None)
         watchdog.idle()
         if outputs:
             inbox.send(m.BatchOutMsg(outputs))
@@ -85,7 +91,8 @@ def _serve(sched: Scheduler, group: RankGroup, in_addr: str, out_addr: str, read
 
 class Inbox:
     """The step's messages: the leader reads them from ZeroMQ (waiting up to IDLE_POLL_MS when idle) and
-    broadcasts them; the other ranks receive the broadcast. `send` goes out from the leader only."""
+    broadcasts them; the other ranks receive the broadcast. `send` goes out from the leader only. Under DP
+    attention each group's leader reads its own socket and broadcasts within its group."""
 
     def __init__(self, group: RankGroup, in_addr: str, out_addr: str):
         self.group, self.leader = group, group.info.is_leader
@@ -104,20 +111,22 @@ class Inbox:
             if self.recv.poll(timeout=IDLE_POLL_MS if wait else 0):
                 while self.recv.poll(timeout=0):
                     msgs.append(self.recv.recv())
-        return self.group.broadcast(msgs)              # NOTE: every rank, every iteration (a no-op for one rank)
+        return self.group.broadcast_from_leader(msgs)  # NOTE: every rank, every iteration (a no-op for one rank)
 
     def send(self, msg: object) -> None:
         if self.leader:
             self.send_sock.send(m.encode(msg))
 
 
-def _step(sched: Scheduler, failures: int) -> tuple[list[m.ReqOutput], int]:
+def _step(sched: Scheduler, failures: int, always: bool = False) -> tuple[list[m.ReqOutput], int]:
     """One loop iteration's step; a failing step fails the requests in flight (500) and the loop goes on,
-    unless steps keep failing (then the process exits and the server with it)."""
+    unless steps keep failing (then the process exits and the server with it). `always`: step even without work
+    (DP attention). Under DP attention a failed step ends the process: the groups' collectives would no longer
+    line up."""
     try:
-        return (sched.step() if sched.has_work else sched.step_outbox()), 0
+        return (sched.step() if always or sched.has_work else sched.step_outbox()), 0
     except Exception as e:  # noqa: BLE001 - isolated to the requests in flight
-        if failures + 1 >= MAX_STEP_FAILURES:
+        if always or failures + 1 >= MAX_STEP_FAILURES:
             raise
         logger.exception("a scheduler step failed; ending the requests in flight")
         sched.fail_all(f"internal error in a scheduler step: {type(e).__name__}: {e}")

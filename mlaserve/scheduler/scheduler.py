@@ -13,6 +13,7 @@ from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
 from mlaserve.scheduler.decode import plan_decode
+from mlaserve.scheduler.dp_sync import DPStepSync
 from mlaserve.scheduler.grammar import create_grammar_manager
 from mlaserve.scheduler.prefill import plan_prefill
 
@@ -52,6 +53,8 @@ class Scheduler:
         self.pending: PendingStep | None = None   # the step queued on the device, not yet processed
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0}
         self.arrivals = 0                         # arrival order (the same on every rank, unlike a clock)
+        # DP attention: every plan is agreed with all ranks (an IDLE batch when only other groups have work)
+        self.dp_sync = DPStepSync(self.runner.group) if self.runner.group.dp is not None else None
 
     # --- requests in ----------------------------------------------------------------------------
     def add_request(self, msg: m.GenerateReqMsg) -> None:
@@ -101,7 +104,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked or self.pending or self.grammar.waiting)
 
     def plan(self) -> Batch | None:
-        return plan_prefill(self) or plan_decode(self)
+        batch = plan_prefill(self) or plan_decode(self)
+        return batch if self.dp_sync is None else self.dp_sync.agree(batch)
 
     def run(self, batch: Batch) -> StepOutput:
         return self.runner.resolve(self.runner.launch(batch, self.grammar.bitmask(batch)))
@@ -119,6 +123,8 @@ class Scheduler:
         return self.runner.launch_sample(fwd, self.grammar.bitmask(batch))
 
     def process(self, batch: Batch, out: StepOutput) -> None:
+        if batch.mode is ForwardMode.IDLE:
+            return
         self.stats["steps"] += 1
         for i, req in enumerate(batch.reqs):
             if req.finished is not None:      # aborted while its step ran
@@ -256,4 +262,5 @@ class Scheduler:
                 "used_tokens": self.kv.used(), "max_total_tokens": self.kv.num_slots,
                 "free_tokens": self.kv.allocator.available, "cached_tokens_in_tree": self.kv.tree.total_size(),
                 "num_retracted": self.num_retracted, "grammar_states": len(self.grammar.states),
-                "grammar_waiting": len(self.grammar.waiting), **self.stats}
+                "grammar_waiting": len(self.grammar.waiting), **self.stats,
+                **({"dp_rank": self.runner.group.info.dp_rank} if self.dp_sync is not None else {})}

@@ -1,0 +1,46 @@
+"""The per-step agreement of data-parallel attention: before every forward all ranks exchange [tokens, mode] of
+the batch their group planned, so each knows whether anyone has work and every group's token count (the MoE
+gather's layout). A group with nothing planned while another has work runs an IDLE batch, so the collectives of
+all ranks line up; when no group has work, no rank runs a forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from mlaserve.core import Batch, ForwardMode
+from mlaserve.distributed import RankGroup
+
+MODE_CODES = {None: 0, ForwardMode.EXTEND: 1, ForwardMode.DECODE: 2, ForwardMode.IDLE: 3}
+
+
+def idle_batch() -> Batch:
+    return Batch(ForwardMode.IDLE, [], [], torch.empty(0, dtype=torch.int64), [], [], [])
+
+
+class DPStepSync:
+    """Owned by each rank's scheduler under DP attention; `agree` is collective (one per loop iteration, every rank).
+
+    `busy` says whether any group had work at the last agreement (an idle leader then does not wait for messages,
+    which would hold up the groups that decode)."""
+
+    def __init__(self, group: RankGroup):
+        self.group, self.busy = group, False
+        self.modes: list[ForwardMode | None] = []      # each group's mode at the last agreement (None: nothing)
+
+    def agree(self, batch: Batch | None) -> Batch | None:
+        """`batch` with `global_num_tokens` set, an IDLE batch when only other groups have work, or None."""
+        info = self.group.info
+        # NOTE: a decode batch reads its input ids on the device (batch.input_ids is empty): count extend_lens
+        mine = [sum(batch.extend_lens), MODE_CODES[batch.mode]] if batch is not None else [0, 0]
+        assert batch is None or mine[0] > 0, "a planned batch has tokens"
+        rows = self.group.all_gather_ints(mine)[:: info.attn_tp_size]     # one rank per DP group
+        counts = [n for n, _ in rows]
+        codes = {c: m for m, c in MODE_CODES.items()}
+        self.modes = [codes[c] for _, c in rows]
+        self.busy = any(counts)
+        if not self.busy:
+            return None
+        if batch is None:
+            batch = idle_batch()
+        batch.global_num_tokens = counts
+        return batch

@@ -1,0 +1,153 @@
+"""Data-parallel attention on the CPU (gloo, two ranks, tp 2 dp 2: two attention groups, the MoE over both ranks)
+against the single process: the model through the Engine API (V2-Lite and V3 shapes), and the groups' schedulers
+side by side (one idle while the other decodes, aborts, radix hits, retraction on one group)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+import mlaserve
+from mlaserve.config import ServerConfig
+from mlaserve.core import ForwardMode, SamplingParams
+from mlaserve.distributed import spawn_ranks
+from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+from seq_runner import drive_scheduler
+
+CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
+DP = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
+# name -> (source config, overrides): V2-Lite (no q_lora, softmax greedy routing, first layer dense) and V3 (q_lora,
+# sigmoid + noaux_tc, a dense first layer)
+VARIANTS = {"v2-lite": ("deepseek-v2-lite.json", {}),
+            "v3": ("deepseek-v3.json", {"first_k_dense_replace": 1})}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp")
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            src, overrides = VARIANTS[name]
+            cfg = make_config(json.loads((CONFIGS / src).read_text()) | overrides, num_layers=3, shrink=True,
+                              fp8=False)
+            built[name] = str(write_checkpoint(cfg, root / name, progress=False))
+        return built[name]
+    return get
+
+
+def _seeded() -> random.Random:
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    return random.Random(seed)
+
+
+# --- the model through the Engine API: tp 2 dp 2 == tp 1 ------------------------------------------------------
+
+def generate(path: str, prompts: list[list[int]], **server) -> tuple[list[dict], dict]:
+    with mlaserve.Engine(model_path=path, device="cpu", log_level="warning", **server) as engine:
+        greedy = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0},
+                                 return_logprob=True, logprob_start_len=0)
+        return greedy, engine.get_server_info()
+
+
+def prompt_logprobs(out: dict) -> list[float]:
+    return [lp for lp, _tok in out["meta_info"]["input_token_logprobs"][1:]]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dp_attention_equals_tp1_through_the_engine(checkpoint, variant):
+    rng = _seeded()
+    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    path = checkpoint(variant)
+    ref, _ = generate(path, prompts)
+    got, info = generate(path, prompts, **DP, load_balance_method="round_robin")
+    assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (2, 2, True)
+    assert [g["dp_rank"] for g in info["dp_groups"]] == [0, 1]
+    assert all(g["prompt_tokens"] > 0 for g in info["dp_groups"]), "round robin left a group without requests"
+    diff = max(abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b)))
+    assert diff <= 1e-4, diff
+    assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
+
+
+# --- the groups' schedulers side by side (each group its own messages, every rank stepping together) ----------
+
+def _msg(rid: str, ids: list[int], max_new: int) -> GenerateReqMsg:
+    return GenerateReqMsg(rid, ids, SamplingParams(max_new_tokens=max_new, temperature=0.0), seed=1234)
+
+
+def _scheduler(path: str, group=None, **flags):
+    from mlaserve.scheduler.scheduler import Scheduler
+
+    dp = DP if group is not None else {}
+    args = dict(model_path=path, device="cpu", dtype="float32", log_level="warning") | dp | flags
+    return Scheduler(ServerConfig.from_flat(**args), path, group=group)
+
+
+def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]]) -> dict:
+    """One rank of tp 2 dp 2: its group's scheduler adds work[dp_rank]'s messages at their steps and every rank
+    steps every iteration (as the scheduler processes do) until no group has anything left."""
+    sched = _scheduler(path, group, **flags)
+    msgs, arrivals, aborts = work[group.info.dp_rank]
+    results = {x.rid: {"ids": [], "finished": None, "cached": 0} for x in msgs}
+    pending = sorted(msgs, key=lambda x: arrivals.get(x.rid, 0))
+    modes, idle_steps = [], 0
+    for step in range(3000):
+        while pending and arrivals.get(pending[0].rid, 0) <= step:
+            sched.add_request(pending.pop(0))
+        for rid, at in aborts.items():
+            if at == step:
+                sched.abort(rid)
+        for out in sched.step():
+            r = results[out.rid]
+            r["ids"] += out.new_ids
+            r["cached"] = out.cached_tokens
+            if out.finished:
+                r["finished"] = out.finished
+        modes.append(tuple(sched.dp_sync.modes))
+        idle_steps += sched.pending is not None and sched.pending.batch.mode is ForwardMode.IDLE
+        if not any(n for (n,) in group.all_gather_ints([bool(pending) or sched.has_work])):
+            break
+    kv = sched.kv
+    clean = kv.tree.protected_size == 0 and kv.allocator.available + kv.tree.total_size() == kv.num_slots
+    return {"results": results, "retracted": sched.num_retracted, "clean": clean, "modes": modes,
+            "idle_steps": idle_steps, "dp_rank": sched.get_stats()["dp_rank"]}
+
+
+def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint):
+    """Group 0: one long request decoding alone, a shared-prefix pair (radix hit) and an abort; group 1: a burst
+    that retracts in its small pool, with the same kind of shared-prefix pair. Each group's outputs equal the same
+    requests run by one process; the group without work runs IDLE steps (no hang)."""
+    rng = _seeded()
+    tok = lambda n: [rng.randrange(5, 4000) for _ in range(n)]   # noqa: E731
+    shared0, shared1 = tok(40), tok(40)
+    g0 = [_msg("a-long", tok(12), 60), _msg("a-pre", shared0 + tok(5), 1), _msg("a-hit", shared0 + tok(7), 6),
+          _msg("a-abort", tok(20), 40)]
+    g1 = [_msg("b-pre", shared1 + tok(3), 1), _msg("b-hit", shared1 + tok(9), 5)]
+    g1 += [_msg(f"b{i}", tok(rng.randint(20, 60)), rng.randint(20, 30)) for i in range(8)]
+    # group 1 starts late (group 0 decodes alone, group 1 idles), its burst arrives together after its radix hit
+    arr0 = {"a-long": 0, "a-pre": 2, "a-hit": 6, "a-abort": 6}
+    arr1 = {"b-pre": 12, "b-hit": 16} | {f"b{i}": 17 for i in range(8)}
+    ab0 = {"a-abort": 10}
+    work = [(g0, arr0, ab0), (g1, arr1, {})]
+    small = dict(max_total_tokens=220, max_running_requests=16, chunked_prefill_size=64,
+                 init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    path = checkpoint("v3")
+    alone = [drive_scheduler(_scheduler(path, **small), m, a, ab) for m, a, ab in work]
+    ranks = spawn_ranks(drive_dp, 2, path, small, work, timeout=300, dp_size=2)
+    assert [r["dp_rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"
+    # group 0 decoded alone while group 1 ran IDLE forwards (its ranks took part in every MoE)
+    assert (ForwardMode.DECODE, None) in ranks[0]["modes"] and ranks[1]["idle_steps"] > 0
+    assert ranks[1]["retracted"] > 0 and ranks[0]["retracted"] == 0, "retraction was meant for group 1 only"
+    assert all(r["clean"] for r in ranks)
+    assert ranks[0]["results"]["a-hit"]["cached"] >= 40 and ranks[1]["results"]["b-hit"]["cached"] >= 40
+    assert ranks[0]["results"]["a-abort"]["finished"].kind == "abort"
+    for rank, ref in zip(ranks, alone):
+        for rid, want in ref.items():
+            got = rank["results"][rid]
+            assert (got["ids"], got["finished"]) == (want["ids"], want["finished"]), rid
