@@ -24,6 +24,7 @@ from mlaserve import demo
 from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.config_resolve import precheck
 from mlaserve.scheduler.entry import EXIT_LOST_RANK, run_scheduler
+from mlaserve.server.dp_controller import dp_addresses
 from mlaserve.server.manager import TokenizerManager
 from mlaserve.tokenizer import Tokenizer, load_tokenizer
 
@@ -68,7 +69,7 @@ class SchedulerHandle:
     processes: list[mp.Process]
     ranks: list[int]
     info: dict
-    send_addr: str | None
+    send_addr: str | list[str] | None          # one per DP-attention group under DP attention
     recv_addr: str | None
     stopped: bool = field(default=False, repr=False)
 
@@ -99,7 +100,8 @@ class SchedulerHandle:
                 proc.terminate()
         for proc in self.processes:
             _reap(proc, timeout)
-        remove_ipc_files(*(a for a in (self.send_addr, self.recv_addr) if a))
+        sends = self.send_addr if isinstance(self.send_addr, list) else [self.send_addr]
+        remove_ipc_files(*(a for a in (*sends, self.recv_addr) if a))
         if not self.stopped:
             self.stopped = True
             atexit.unregister(self.stop)
@@ -136,10 +138,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_scheduler(server: ServerConfig, model_path: str, send_addr: str | None, recv_addr: str | None,
+def start_scheduler(server: ServerConfig, model_path: str, send_addr: str | list[str] | None, recv_addr: str | None,
                     timeout: float = 1800.0) -> SchedulerHandle:
     """Spawn this node's rank processes and wait until every one is ready (LaunchError naming the rank, all
-    reaped, if one is not). Without --dist-init-addr a single node's ranks meet on a free loopback port."""
+    reaped, if one is not). Without --dist-init-addr a single node's ranks meet on a free loopback port.
+    `send_addr`: a list under DP attention, group d's leader (rank d * tp / dp) reading the d-th."""
     p = server.parallel
     local = p.tp_size // p.nnodes
     if p.tp_size > 1 and p.dist_init_addr is None:
@@ -150,7 +153,8 @@ def start_scheduler(server: ServerConfig, model_path: str, send_addr: str | None
     try:
         for rank in ranks:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_scheduler, args=(server, model_path, send_addr, recv_addr, writer, rank),
+            in_addr = send_addr[rank // (p.tp_size // p.dp_size)] if isinstance(send_addr, list) else send_addr
+            proc = ctx.Process(target=run_scheduler, args=(server, model_path, in_addr, recv_addr, writer, rank),
                                daemon=True, name=f"mlaserve-rank{rank}" if p.tp_size > 1 else "mlaserve-scheduler")
             proc.start()
             writer.close()
@@ -265,15 +269,17 @@ def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, Tokenize
                           "nodes with `mlaserve serve --node-rank N`")
     tokenizer = _load_tokenizer(server.load.tokenizer_path or path)
     send_addr, recv_addr = ipc_addresses()
+    sends = dp_addresses(send_addr, server.parallel.dp_size)
+    to_schedulers = sends if len(sends) > 1 else send_addr
     handle = None
     try:
-        handle = start_scheduler(server, path, send_addr, recv_addr)
-        return path, handle, TokenizerManager(tokenizer, send_addr, recv_addr, handle.info, seed=server.load.seed,
-                                              alive=handle.alive)
+        handle = start_scheduler(server, path, to_schedulers, recv_addr)
+        return path, handle, TokenizerManager(tokenizer, to_schedulers, recv_addr, handle.info,
+                                              seed=server.load.seed, alive=handle.alive)
     except BaseException:
         if handle is not None:
             handle.stop()
-        remove_ipc_files(send_addr, recv_addr)
+        remove_ipc_files(*sends, recv_addr)
         raise
 
 

@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from mlaserve.core import FinishReason, RequestError, RequestLimits, SamplingParams, check_request
 from mlaserve.ipc import messages as m
+from mlaserve.server.dp_controller import DataParallelController
 from mlaserve.tokenizer import Tokenizer
 from mlaserve.tokenizer.detokenize import IncrementalDetokenizer, StopStream
 
@@ -75,18 +76,24 @@ class _State:
 
 class TokenizerManager:
     """Args:
+        send_addr: the scheduler's request socket, or one per DP-attention group (then a DataParallelController
+            routes the requests by info["load_balance_method"]).
         info: what the scheduler reported when ready (context_length, max_total_tokens, vocab_size, ...).
         seed: seeds the RNG that draws the sampling seed of every request without one (--seed).
         alive: tells whether the scheduler process still runs (None: not watched).
     """
 
-    def __init__(self, tokenizer: Tokenizer, send_addr: str, recv_addr: str, info: dict,
+    def __init__(self, tokenizer: Tokenizer, send_addr: str | list[str], recv_addr: str, info: dict,
                  metrics: Any | None = None, *, seed: int = 0, alive: Callable[[], bool] | None = None):
         self.tokenizer, self.info, self.metrics = tokenizer, info, metrics
         self.limits = RequestLimits(info["context_length"], info["max_total_tokens"], info["vocab_size"])
         self.ctx = zmq.asyncio.Context()
-        self.send = self.ctx.socket(zmq.PUSH)
-        self.send.bind(send_addr)
+        self.send = self.dp = None
+        if isinstance(send_addr, str):
+            self.send = self.ctx.socket(zmq.PUSH)
+            self.send.bind(send_addr)
+        else:
+            self.dp = DataParallelController(self.ctx, send_addr, info.get("load_balance_method", "shortest_queue"))
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(recv_addr)
         self.states: dict[str, _State] = {}
@@ -202,6 +209,8 @@ class TokenizerManager:
                 state.finished = FinishReason("abort")
                 await self.abort(req.rid)
             self.states.pop(req.rid, None)
+            if self.dp is not None:
+                self.dp.forget(req.rid)
 
     async def abort(self, rid: str) -> None:
         if self.dead is None:
@@ -219,25 +228,30 @@ class TokenizerManager:
     async def _request(self, msg: object) -> Any:
         async with self._control:         # NOTE: replies carry no id: never two control requests at once
             await self._send(msg)
-            reply = asyncio.ensure_future(self._replies.get())
-            await asyncio.wait({reply, self._dead_fut}, timeout=CONTROL_TIMEOUT_S,
-                               return_when=asyncio.FIRST_COMPLETED)
-            if reply.done():
-                return reply.result()
-            reply.cancel()
-            self._check_alive()
-            raise TimeoutError(f"the scheduler did not answer in {CONTROL_TIMEOUT_S:.0f} s")
+            replies = []
+            for _ in range(1 if self.dp is None else self.dp.replies_expected(msg)):   # one per DP group
+                reply = asyncio.ensure_future(self._replies.get())
+                await asyncio.wait({reply, self._dead_fut}, timeout=CONTROL_TIMEOUT_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done():
+                    reply.cancel()
+                    self._check_alive()
+                    raise TimeoutError(f"the scheduler did not answer in {CONTROL_TIMEOUT_S:.0f} s")
+                replies.append(reply.result())
+            return replies[0] if self.dp is None else self.dp.merge(replies)
 
     async def _send(self, msg: object) -> None:
         """Send to the scheduler; never waits forever (a PUSH with no live peer blocks until one connects)."""
         self._check_alive()
-        sent = self.send.send(m.encode(msg))
-        if not sent.done():
-            await asyncio.wait({sent, self._dead_fut}, return_when=asyncio.FIRST_COMPLETED)
+        data = m.encode(msg)
+        for sock in [self.send] if self.dp is None else self.dp.targets(msg):
+            sent = sock.send(data)
             if not sent.done():
-                sent.cancel()
-                self._check_alive()
-        sent.result()
+                await asyncio.wait({sent, self._dead_fut}, return_when=asyncio.FIRST_COMPLETED)
+                if not sent.done():
+                    sent.cancel()
+                    self._check_alive()
+            sent.result()
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -281,6 +295,8 @@ class TokenizerManager:
 
     def _deliver(self, out: m.ReqOutput) -> None:
         """Apply one request's output; an error here ends that request only (500)."""
+        if self.dp is not None:
+            self.dp.on_output(out)
         state = self.states.get(out.rid)
         if state is None or state.finished is not None:
             return

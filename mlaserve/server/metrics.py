@@ -31,19 +31,27 @@ GAUGES = (
 
 
 class _StatsCollector(Collector):
-    """Yields the counters and gauges of the last `get_stats()` snapshot."""
+    """Yields the counters and gauges of the last `get_stats()` snapshot: one sample each, or under DP attention
+    one per DP group, labelled `dp_rank`."""
 
     def __init__(self) -> None:
         self.stats: dict = {}
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats
-        for key, name, help_ in COUNTERS:
-            yield CounterMetricFamily(PREFIX + name, help_, value=float(s.get(key, 0)))
-        for key, name, help_ in GAUGES:
-            yield GaugeMetricFamily(PREFIX + name, help_, value=float(s.get(key, 0)))
-        yield GaugeMetricFamily(PREFIX + "cache_hit_rate", "share of prompt tokens served from the prefix cache",
-                                value=cache_hit_rate(s))
+        groups = self.stats.get("dp_groups")
+        for family, table in ((CounterMetricFamily, COUNTERS), (GaugeMetricFamily, GAUGES)):
+            for key, name, help_ in table:
+                yield self._family(family, name, help_, lambda s, k=key: float(s.get(k, 0)), groups)
+        yield self._family(GaugeMetricFamily, "cache_hit_rate", "share of prompt tokens served from the prefix cache",
+                           cache_hit_rate, groups)
+
+    def _family(self, family, name: str, help_: str, value, groups: list[dict] | None) -> Metric:
+        if not groups:
+            return family(PREFIX + name, help_, value=value(self.stats))
+        metric = family(PREFIX + name, help_, labels=["dp_rank"])
+        for g in groups:
+            metric.add_metric([str(g.get("dp_rank", 0))], value(g))
+        return metric
 
 
 def cache_hit_rate(stats: dict) -> float:
