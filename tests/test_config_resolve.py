@@ -104,7 +104,16 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (CPU, V2_LITE, dict(dist_timeout=0.0), "--dist-timeout 0.0"),
     (CPU, V2_LITE, dict(base_gpu_id=1), "--base-gpu-id 1"),
     (H100, V2_LITE, dict(dp_size=4), "--dp-size 4"),
-    (H100, V2_LITE, dict(enable_dp_attention=True), "--enable-dp-attention"),
+    (H100, V2_LITE, dict(enable_dp_attention=True), "--enable-dp-attention with --dp-size 1"),
+    (H100, V2_LITE, dict(tp_size=4, dp_size=3, enable_dp_attention=True), "--tp-size 4 --dp-size 3"),
+    (H100, V2_LITE, dict(tp_size=64, dp_size=2, enable_dp_attention=True),
+     "--tp-size 64 --dp-size 2: model.layers.0.self_attn.q_proj.weight has 16 heads"),
+    (CPU, V2_LITE, dict(tp_size=4, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="h:1"),
+     "--enable-dp-attention with --nnodes 2"),
+    (CPU, V2_LITE, dict(load_balance_method="round_robin"), "--load-balance-method round_robin"),
+    (CPU, V2_LITE, dict(load_balance_method="random"), "--load-balance-method random: choose one of"),
+    (H100, V2_LITE, dict(tp_size=2, dp_size=2, enable_dp_attention=True, cuda_graph_max_bs=8),
+     "off with --enable-dp-attention"),
     (H100, V2_LITE, dict(tp_size=0), "--tp-size 0"),
     (CPU, V2_LITE, dict(enable_torch_compile=True), "--enable-torch-compile"),
     (CPU, V2_LITE, dict(cuda_graph_bs=[1, 2]), "--cuda-graph-bs"),
@@ -145,6 +154,17 @@ def test_tensor_parallel_configs_resolve():
     assert resolve(H100, V3_FP8, tp_size=8).parallel.tp_size == 8           # DeepSeek-V3 FP8 on one 8-GPU node
     assert resolve(H100, V3_FP8, tp_size=16, nnodes=2, dist_init_addr="10.0.0.1:5000").parallel.nnodes == 2
     assert resolve(CPU, V2_LITE, tp_size=2) == resolve_config(r, V2_LITE, CPU)  # idempotent
+
+
+def test_dp_attention_configs_resolve():
+    r = resolve(CPU, V2_LITE, tp_size=2, dp_size=2, enable_dp_attention=True)
+    assert (r.parallel.dp_size, r.parallel.load_balance_method) == (2, "shortest_queue")
+    assert r == resolve_config(r, V2_LITE, CPU)                                # idempotent
+    # SGLang's 8-GPU recipe (--tp 8 --dp 8) and 2 groups of 8 (attention over 8 ranks, the MoE over 16)
+    r = resolve(H100, V3_FP8, tp_size=8, dp_size=8, enable_dp_attention=True, load_balance_method="round_robin")
+    assert r.parallel.load_balance_method == "round_robin"
+    assert r.sched.disable_cuda_graph and r.sched.cuda_graph_bs == []       # decode graphs under DP: not built yet
+    assert resolve(H100, V3_FP8, tp_size=16, dp_size=2, enable_dp_attention=True).parallel.dp_size == 2
 
 
 def test_triton_on_the_cpu_needs_the_interpreter():

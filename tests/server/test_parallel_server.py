@@ -1,5 +1,6 @@
-"""Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2, two
-"nodes" on loopback, a rank killed while serving, and a busy --dist-init-addr."""
+"""Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2 and against
+data-parallel attention (--tp-size 2 --dp-size 2), two "nodes" on loopback, a rank killed while serving, and a busy
+--dist-init-addr."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,36 @@ def test_tp2_server_serves_the_openai_client_like_one_process(start_server, refe
     assert info["tp_size"] == 2 and len(info["rank_pids"]) == 2
     bad = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"})
     assert bad.status_code == 400 and complete(srv.url, PROMPTS[0]) == expected[0]   # still serving after a 400
+
+
+def test_dp_attention_server_serves_the_openai_client_like_one_process(start_server, reference):
+    """Two DP-attention groups (one rank each, the MoE over both): requests spread over both groups give the single
+    process's completions; a stream closed early is aborted on its group; stats and metrics per group."""
+    import httpx
+
+    _, expected = reference
+    srv = start_server("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--load-balance-method",
+                       "round_robin", "--enable-metrics", "--served-model-name", MODEL, *CPU_ARGS)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:                 # together: both groups busy, or one idle
+        assert list(pool.map(lambda p: complete(srv.url, p), PROMPTS)) == expected
+    assert [complete(srv.url, p) for p in PROMPTS] == expected     # one at a time: the other group idles
+    client = OpenAI(base_url=srv.url + "/v1", api_key="none")
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=900, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()                                                 # the client goes away: abort on its group
+    deadline = time.monotonic() + 30
+    while (info := httpx.get(srv.url + "/get_server_info").json())["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert info["num_running_reqs"] == 0 and info["generation_tokens"] < 2 * 3 * 12 + 900, info
+    assert info["dp_size"] == 2 and len(info["rank_pids"]) == 2
+    groups = info["dp_groups"]
+    assert [g["dp_rank"] for g in groups] == [0, 1] and all(g["prompt_tokens"] > 0 for g in groups), groups
+    assert info["max_total_tokens"] == sum(g["max_total_tokens"] for g in groups)   # one KV pool per group
+    metrics = httpx.get(srv.url + "/metrics").text
+    for rank in (0, 1):
+        assert f'mlaserve:prompt_tokens_total{{dp_rank="{rank}"}}' in metrics, metrics
+    assert complete(srv.url, PROMPTS[1]) == expected[1]
 
 
 def test_killing_a_rank_ends_the_server_in_one_line(start_server):
