@@ -72,6 +72,19 @@ class KVCacheManager:
         for r in reqs:
             r.kv_len += 1
 
+    def extend_each(self, reqs: list[Req], slots: torch.Tensor, k: int) -> None:
+        """Speculative decode: k new slots per request (slots [len(reqs) * k], request by request)."""
+        for i, r in enumerate(reqs):
+            self.extend(r, slots[i * k:(i + 1) * k])
+
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Keep the KV of the first `kv_len` positions of `req` only, freeing its slots past them (the rejected
+        drafts of a speculative step)."""
+        assert req.prefix_len <= kv_len <= req.kv_len, f"cannot truncate {req.kv_len} positions to {kv_len}"
+        if kv_len < req.kv_len:
+            self.allocator.free(self.req_pool.host[req.req_pool_idx, kv_len:req.kv_len].to(torch.int64))
+            req.kv_len = kv_len
+
     def release(self, req: Req) -> None:
         """Hand the request's computed KV to the tree (or free it), unlock, and free its row."""
         if req.req_pool_idx is None:

@@ -103,4 +103,6 @@ def merge_stats(groups: list[dict]) -> dict:
         total["error"] = errors[0]
     if total.get("max_total_tokens"):
         total["token_usage"] = total.get("used_tokens", 0) / total["max_total_tokens"]
+    if "avg_spec_accept_length" in total:
+        total["avg_spec_accept_length"] = total.get("spec_tokens", 0) / max(total.get("spec_verify_steps", 0), 1)
     return {**total, "dp_groups": groups}
