@@ -19,10 +19,14 @@ from seq_runner import drive_scheduler
 
 CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 DP = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
-# name -> (source config, overrides): V2-Lite (no q_lora, softmax greedy routing, first layer dense) and V3 (q_lora,
-# sigmoid + noaux_tc, a dense first layer)
-VARIANTS = {"v2-lite": ("deepseek-v2-lite.json", {}),
-            "v3": ("deepseek-v3.json", {"first_k_dense_replace": 1})}
+# name -> (source config, overrides, fp8, widths set after shrinking): V2-Lite (no q_lora, softmax greedy routing,
+# first layer dense), V3 (q_lora, sigmoid + noaux_tc, a dense first layer, 16 experts), and V3 in block FP8 with
+# widths whose per-rank expert shards are whole 128-blocks
+VARIANTS = {"v2-lite": ("deepseek-v2-lite.json", {}, False, {}),
+            "v3": ("deepseek-v3.json", {"first_k_dense_replace": 1}, False, {}),
+            "v3-fp8": ("deepseek-v3.json", {"first_k_dense_replace": 1}, True,
+                       {"qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "moe_intermediate_size": 256,
+                        "intermediate_size": 512})}
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +36,9 @@ def checkpoint(tmp_path_factory):
 
     def get(name: str) -> str:
         if name not in built:
-            src, overrides = VARIANTS[name]
+            src, overrides, fp8, after = VARIANTS[name]
             cfg = make_config(json.loads((CONFIGS / src).read_text()) | overrides, num_layers=3, shrink=True,
-                              fp8=False)
+                              fp8=fp8) | after
             built[name] = str(write_checkpoint(cfg, root / name, progress=False))
         return built[name]
     return get
@@ -51,27 +55,52 @@ def _seeded() -> random.Random:
 def generate(path: str, prompts: list[list[int]], **server) -> tuple[list[dict], dict]:
     with mlaserve.Engine(model_path=path, device="cpu", log_level="warning", **server) as engine:
         greedy = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0},
-                                 return_logprob=True, logprob_start_len=0)
+                                 return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
         return greedy, engine.get_server_info()
 
 
 def prompt_logprobs(out: dict) -> list[float]:
-    return [lp for lp, _tok in out["meta_info"]["input_token_logprobs"][1:]]
+    return [lp for lp, _tok, *_ in out["meta_info"]["input_token_logprobs"][1:]]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_dp_attention_equals_tp1_through_the_engine(checkpoint, variant):
+def clear_prefix(out: dict, margin: float) -> int:
+    """Output tokens before the first greedy choice within `margin` nats of the runner-up."""
+    for i, (first, second) in enumerate(out["meta_info"]["output_top_logprobs"]):
+        if first[0] - second[0] < margin:
+            return i
+    return len(out["output_ids"])
+
+
+# case -> (checkpoint, tp, dp): two groups of one rank (the MoE over both), and two groups of two ranks (attention
+# split within each group, the MoE over all four; four processes on the CPU: slow)
+CASES = {"v2-lite": ("v2-lite", 2, 2), "v3": ("v3", 2, 2), "v3-fp8": ("v3-fp8", 2, 2),
+         "v3-tp4-dp2": pytest.param(("v3", 4, 2), marks=pytest.mark.slow)}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_dp_attention_equals_tp1_through_the_engine(checkpoint, case):
     rng = _seeded()
     prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    variant, tp, dp = case
     path = checkpoint(variant)
     ref, _ = generate(path, prompts)
-    got, info = generate(path, prompts, **DP, load_balance_method="round_robin")
-    assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (2, 2, True)
-    assert [g["dp_rank"] for g in info["dp_groups"]] == [0, 1]
+    got, info = generate(path, prompts, tp_size=tp, dp_size=dp, enable_dp_attention=True,
+                         load_balance_method="round_robin")
+    assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (tp, dp, True)
+    assert [g["dp_rank"] for g in info["dp_groups"]] == list(range(dp))
     assert all(g["prompt_tokens"] > 0 for g in info["dp_groups"]), "round robin left a group without requests"
-    diff = max(abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b)))
-    assert diff <= 1e-4, diff
-    assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
+    diffs = sorted(abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b)))
+    if not VARIANTS[variant][2]:
+        assert diffs[-1] <= 1e-4, diffs[-1]
+        assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
+        return
+    # block FP8: the experts' partial sums over two ranks round differently from one GEMM, now and then flipping an
+    # e4m3 rounding downstream; held to the bounds of the tp 2 FP8 test (tests/distributed/test_tensor_parallel.py)
+    mean, p90 = sum(diffs) / len(diffs), diffs[int(0.9 * len(diffs))]
+    assert mean <= 0.1 and p90 <= 0.3, (mean, p90, diffs[-1])
+    for a, b in zip(ref, got):
+        n = clear_prefix(a, 0.5)
+        assert a["output_ids"][:n] == b["output_ids"][:n]
 
 
 # --- the groups' schedulers side by side (each group its own messages, every rank stepping together) ----------
