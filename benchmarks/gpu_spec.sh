@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Speculative decoding on one GPU (issue 13): the GPU tests of the spec path, then benchmarks/spec_decode.py.
+# Run from the repository root on the device: bash benchmarks/gpu_spec.sh  (writes under $OUT)
+set -u
+export PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+pip install -q --no-deps .whl/*.whl >/dev/null 2>&1 || true
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
+timeout 240 python3 -m pytest -q -x tests/engine/test_spec.py -k gpu -p no:cacheprovider 2>&1 | tail -15 > "$OUT/tests.txt"
+cat "$OUT/tests.txt"
+timeout 200 python3 benchmarks/spec_decode.py cost 2>&1 | grep -v "loading weights" | tee "$OUT/cost.jsonl"
+timeout 280 python3 benchmarks/spec_decode.py demo 2>&1 | grep -v "loading weights" | tee "$OUT/demo.jsonl"
