@@ -2,10 +2,10 @@
 # Speculative decoding on one GPU (issue 13): the GPU tests of the spec path, then benchmarks/spec_decode.py.
 # Run from the repository root on the device: bash benchmarks/gpu_spec.sh  (writes under $OUT)
 set -u
-export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-pip install -q --no-deps .whl/*.whl >/dev/null 2>&1 || true
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 timeout 240 python3 -m pytest -q -x tests/engine/test_spec.py -k gpu -p no:cacheprovider 2>&1 | tail -15 > "$OUT/tests.txt"
