@@ -8,7 +8,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
-timeout 240 python3 -m pytest -q -x tests/engine/test_spec.py -k gpu -p no:cacheprovider 2>&1 | tail -15 > "$OUT/tests.txt"
-cat "$OUT/tests.txt"
-timeout 200 python3 benchmarks/spec_decode.py cost 2>&1 | grep -v "loading weights" | tee "$OUT/cost.jsonl"
+PART=${1:-all}
+[ "$PART" = all ] && timeout 240 python3 -m pytest -q -x tests/engine/test_spec.py -k gpu -p no:cacheprovider 2>&1 | tail -15 > "$OUT/tests.txt"
+[ "$PART" = all ] && cat "$OUT/tests.txt"
+[ "$PART" != demo ] && timeout 200 python3 benchmarks/spec_decode.py cost 2>&1 | grep -v "loading weights" | tee "$OUT/cost.jsonl"
 timeout 280 python3 benchmarks/spec_decode.py demo 2>&1 | grep -v "loading weights" | tee "$OUT/demo.jsonl"

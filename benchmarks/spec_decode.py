@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import tempfile
@@ -36,7 +37,8 @@ def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256) -> dict
     from mlaserve.tokenizer import load_tokenizer
 
     path = str(DEMO_DIR)
-    flags = dict(model_path=path, log_level="warning", cuda_graph_bs=[bs], max_running_requests=max(bs, 8))
+    flags = dict(model_path=path, log_level="warning", cuda_graph_bs=[bs], max_running_requests=max(bs, 8),
+                 max_total_tokens=65536)
     if spec:
         flags |= dict(speculative_algorithm="EAGLE", speculative_num_steps=spec[0], speculative_eagle_topk=spec[1],
                       speculative_num_draft_tokens=spec[2])
@@ -63,6 +65,7 @@ def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256) -> dict
     st = sched.get_stats()
     decoded = sum(len(v) for v in ids.values()) - start_tokens
     del sched
+    gc.collect()
     torch.cuda.empty_cache()
     return {"bs": bs, "spec": spec, "decode_tok_s": decoded / dt, "decode_s": dt,
             "accept_length": st["avg_spec_accept_length"] if spec else 1.0, "ids": ids}
