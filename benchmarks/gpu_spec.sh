@@ -4,7 +4,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+[ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true

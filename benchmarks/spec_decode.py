@@ -72,15 +72,30 @@ def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256) -> dict
 
 
 def demo() -> None:
+    """Each configuration in a process of its own (a clean GPU and allocator), the baseline first."""
+    import subprocess
+
     for bs in (1, 8, 32):
-        base = demo_run(bs, None)
-        print(json.dumps({k: v for k, v in base.items() if k != "ids"}), flush=True)
-        for spec in ((1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5)):
-            r = demo_run(bs, spec)
-            same = sum(r["ids"][k] == base["ids"][k] for k in base["ids"])
-            row = {k: v for k, v in r.items() if k != "ids"} | {"speedup": r["decode_tok_s"] / base["decode_tok_s"],
-                                                                  "identical_requests": f"{same}/{bs}"}
-            print(json.dumps(row), flush=True)
+        rows = {}
+        for spec in (None, (1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5)):
+            arg = "none" if spec is None else ",".join(map(str, spec))
+            proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "demo-one", str(bs), arg],
+                                  capture_output=True, text=True, timeout=240)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("{")), None)
+            if proc.returncode or line is None:
+                print(json.dumps({"bs": bs, "spec": spec, "error": proc.stderr[-2000:]}), flush=True)
+                continue
+            rows[spec] = r = json.loads(line)
+            base = rows.get(None)
+            if spec is not None and base is not None:
+                same = sum(r["ids"][k] == base["ids"][k] for k in base["ids"])
+                r |= {"speedup": r["decode_tok_s"] / base["decode_tok_s"], "identical_requests": f"{same}/{bs}"}
+            print(json.dumps({k: v for k, v in r.items() if k != "ids"}), flush=True)
+
+
+def demo_one(bs: str, spec: str) -> None:
+    s = None if spec == "none" else tuple(int(x) for x in spec.split(","))
+    print(json.dumps(demo_run(int(bs), s)), flush=True)
 
 
 def cost(context: int = 512, steps: int = 3) -> None:
@@ -136,4 +151,4 @@ def cost(context: int = 512, steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    {"demo": demo, "cost": cost}[sys.argv[1]]()
+    {"demo": demo, "demo-one": demo_one, "cost": cost}[sys.argv[1]](*sys.argv[2:])
