@@ -98,14 +98,14 @@ def demo_one(bs: str, spec: str) -> None:
     print(json.dumps(demo_run(int(bs), s)), flush=True)
 
 
-def cost(context: int = 512, steps: int = 3) -> None:
+def cost(layers: str = "4", context: int = 512, steps: int = 3) -> None:
     from mlaserve.bench.timing import time_cuda
     from mlaserve.engine.engine import ModelRunner, resolve_for_device
     from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
     from mlaserve.kvcache.allocator import ReqToTokenPool
 
     cfg = json.loads((Path(__file__).parents[1] / "mlaserve/tools/configs/deepseek-v3.json").read_text())
-    cfg["num_hidden_layers"] = 4
+    cfg["num_hidden_layers"] = int(layers)
     tmp = Path(tempfile.mkdtemp(prefix="spec-v3-"))
     (tmp / "config.json").write_text(json.dumps(cfg))
     k, max_bs = steps + 1, 32
@@ -141,7 +141,7 @@ def cost(context: int = 512, steps: int = 3) -> None:
              "verify": time_cuda(lambda: spec.verify(rows_d, base, slots, drafts, None, split[k])),
              "repair": time_cuda(lambda: spec.accept(rows_d, base, slots, drafts, target, hidden, None,
                                                       split[steps]))}
-        print(json.dumps({"bs": bs, "context": context, "steps": steps, "ms": t,
+        print(json.dumps({"layers": int(layers), "bs": bs, "context": context, "steps": steps, "ms": t,
                           "verify_over_decode": t["verify"] / t["decode"],
                           "drafts_over_decode": t["drafts"] / t["decode"],
                           "drafts_and_repair_over_decode": (t["drafts"] + t["repair"]) / t["decode"],
@@ -150,5 +150,20 @@ def cost(context: int = 512, steps: int = 3) -> None:
             pool.free(r)
 
 
+def profile(bs: str, spec: str) -> None:
+    """Where the host time of a demo run goes (cProfile, top functions by own time)."""
+    import cProfile
+    import pstats
+
+    s = None if spec == "none" else tuple(int(x) for x in spec.split(","))
+    demo_run(int(bs), s, new=32)                  # warm: Triton compiles, graphs
+    prof = cProfile.Profile()
+    prof.enable()
+    r = demo_run(int(bs), s)
+    prof.disable()
+    print(json.dumps({k: v for k, v in r.items() if k != "ids"}))
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 if __name__ == "__main__":
-    {"demo": demo, "demo-one": demo_one, "cost": cost}[sys.argv[1]](*sys.argv[2:])
+    {"demo": demo, "demo-one": demo_one, "cost": cost, "profile": profile}[sys.argv[1]](*sys.argv[2:])
