@@ -290,8 +290,6 @@ def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo, dp_
         return "--attention-backend torch"       # the reference attention loops over requests on the host
     if load.disable_mla:
         return "--disable-mla"                   # non-absorbed decode reads lengths on the host
-    if s.speculative_algorithm:
-        return "--speculative-algorithm"         # draft and verify steps are not captured yet
     return None
 
 
@@ -347,6 +345,9 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
     if drafts != steps + 1:
         _reject(f"--speculative-num-draft-tokens {drafts}: a chain (topk 1) verifies its {steps} draft tokens and "
                 f"the token before them, so it must be {steps + 1} with --speculative-num-steps {steps}")
+    if s.enable_torch_compile:
+        _reject("--enable-torch-compile with --speculative-algorithm: the draft and verify graphs are not compiled "
+                "yet; drop one of them")
     path = s.speculative_draft_model_path
     if path is not None and (load.model_path is None or os.path.realpath(path) != os.path.realpath(load.model_path)):
         _reject(f"--speculative-draft-model-path {path}: a separate draft checkpoint is not supported yet; the draft "

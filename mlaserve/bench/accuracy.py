@@ -29,6 +29,7 @@ class Mode:
     tolerance: float            # allowed relative bits-per-byte excess over fp32
     fp8_weights: bool = False   # run the block-FP8 copy of the checkpoint
     gpu_only: bool = False
+    verify_tokens: int = 1      # decode this many text tokens per step, as a speculative verify step does
 
 
 EAGER = {"disable_cuda_graph": True}
@@ -42,6 +43,7 @@ MODES = (
     Mode("FP8 weights, CUDA graphs", {"dtype": "bfloat16"}, 0.05, fp8_weights=True, gpu_only=True),
     Mode("bf16, KV cache fp8_e4m3", {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3", **EAGER}, 0.05),
     Mode("bf16, KV cache fp8_e5m2", {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2", **EAGER}, 0.10),
+    Mode("bf16, speculative verify (4 tokens a step)", {"dtype": "bfloat16", **EAGER}, 0.02, verify_tokens=4),
 )
 
 
@@ -62,18 +64,20 @@ class TeacherForced:
         runner.attach(self.req_to_token)
         runner.init_cuda_graphs(self.req_to_token, dummy_req=n)
 
-    def _ctx(self, mode, start: int, length: int):
+    def _ctx(self, mode, start: int, length: int, num_q: int = 1):
         from mlaserve.engine.forward_batch import build_context
 
         slots = self.req_to_token[: self.n, start:start + length].reshape(-1).long()
         return build_context(mode, req_pool_idx=list(range(self.n)), prefix_lens=[start] * self.n,
                              extend_lens=[length] * self.n, out_slots=slots, req_to_token=self.req_to_token,
                              kv_pool=self.runner.pool, attn_backend=self.runner.attn_backend,
-                             device=self.runner.device, last_token_logits=False)
+                             device=self.runner.device, num_q=num_q, last_token_logits=False)
 
     @torch.no_grad()
-    def run(self, tokens: torch.Tensor, prefill: int) -> ModeResult:
-        """tokens [N, S] (on the runner's device) -> log-probs and greedy tokens of positions 1 .. S-1."""
+    def run(self, tokens: torch.Tensor, prefill: int, verify_tokens: int = 1) -> ModeResult:
+        """tokens [N, S] (on the runner's device) -> log-probs and greedy tokens of positions 1 .. S-1.
+        With `verify_tokens` k > 1 each decode step takes the text's next k tokens at once (a speculative verify
+        step whose drafts are the text: the multi-query decode path)."""
         from mlaserve.core import ForwardMode
 
         model, graphs = self.runner.model, self.runner.graphs
@@ -81,7 +85,13 @@ class TeacherForced:
         logits = model(tokens[:, :prefill].reshape(-1), ctx.positions, ctx).logits.view(self.n, prefill, -1)
         lp, greedy = [_score(logits, tokens[:, 1:prefill + 1])], [logits.argmax(-1)]
         rows = torch.arange(self.n, device=tokens.device)
-        for i in range(prefill, self.s - 1):
+        for i in range(prefill, self.s - 1, verify_tokens) if verify_tokens > 1 else ():
+            k = min(verify_tokens, self.s - 1 - i)
+            ctx = self._ctx(ForwardMode.DECODE, i, k, num_q=k)
+            step = model(tokens[:, i:i + k].reshape(-1), ctx.positions, ctx).logits.view(self.n, k, -1)
+            lp.append(_score(step, tokens[:, i + 1:i + 1 + k]))
+            greedy.append(step.argmax(-1))
+        for i in range(prefill, self.s - 1) if verify_tokens == 1 else ():
             ctx = self._ctx(ForwardMode.DECODE, i, 1)
             if graphs is not None:
                 step = graphs.replay(tokens[:, i], ctx.positions, ctx.out_slots, rows, ctx.seq_lens)
@@ -106,7 +116,7 @@ def run_mode(path: str, mode: Mode, windows: np.ndarray, prefill: int, base: dic
                                     max_running_requests=n, log_level="warning", **base, **mode.flags)
     runner = ModelRunner(resolve_for_device(server, path), path)
     driver = TeacherForced(runner, n, s)
-    return driver.run(torch.from_numpy(windows.astype(np.int64)).to(runner.device), prefill)
+    return driver.run(torch.from_numpy(windows.astype(np.int64)).to(runner.device), prefill, mode.verify_tokens)
 
 
 @dataclass

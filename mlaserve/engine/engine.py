@@ -131,7 +131,8 @@ class ModelRunner:
     def _graph_reserve(self) -> int:
         """Memory kept out of the KV pool for decode activations and CUDA-graph buffers (logits dominate)."""
         sched = self.server.sched
-        return 512 * 2**20 + 3 * sched.cuda_graph_max_bs * self.cfg.vocab_size * 4
+        rows = sched.cuda_graph_max_bs * (sched.speculative_num_steps + 1 if sched.speculative_algorithm else 1)
+        return 512 * 2**20 + 3 * rows * self.cfg.vocab_size * 4
 
     def init_cuda_graphs(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
         """Capture decode graphs unless the resolved config turned them off (CPU, torch kernels, --disable-mla,
@@ -140,6 +141,12 @@ class ModelRunner:
 
         sched = self.server.sched
         if sched.disable_cuda_graph:
+            return
+        if self.spec is not None:                 # every decode step is a speculative one
+            from mlaserve.engine.graph import SpecGraphRunner
+
+            self.spec.graphs = SpecGraphRunner(self.spec, req_to_token, dummy_req, sched.cuda_graph_bs,
+                                               min(self.context_len, self.num_slots), self.device)
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                         sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,

@@ -16,7 +16,9 @@ One step (`SpecDecoder.step`), on the device:
           d_j is accepted while it equals the target's token before it, so the output is exactly what decoding
           without speculation would give, token for token, greedy or sampled
   repair  the draft pairs of the accepted drafts are rewritten with the target's hidden states (the draft wrote
-          them with its own), as one NextN extend over all S (rejected ones are freed, so what lands there is moot)
+          them with its own): one NextN forward over all S drafts (`num_q = S`; the rejected ones' slots are
+          freed, so what lands there is moot). Every step is device work of fixed shape, so on the GPU the
+          draft + verify and the accept + repair run as two CUDA graphs (`engine/graph.py`)
 Prefill: after the target's extend the NextN layer extends over the same tokens (pairs for all but the first
 token of each request). A request extending from a cached prefix p > 0 recomputes token p - 1 in the target
 (its KV goes to the scratch slot 0; the cached copy stays) to get the hidden state its first pair needs.
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from mlaserve.core import Batch, ForwardMode
+from mlaserve.core import Batch, ForwardContext, ForwardMode
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.layers.sampler import SamplingBatch
@@ -86,6 +88,7 @@ class SpecDecoder:
         self.model = runner.model
         assert self.model.mtp is not None, "the model was built without its NextN layer"
         self.hidden_buf: torch.Tensor | None = None       # [rows, h]: target hidden at each request's last KV position
+        self.graphs = None                                # SpecGraphRunner (engine/graph.py) on the GPU
         self.verify_steps = 0
         self.verified_tokens = 0
 
@@ -129,38 +132,21 @@ class SpecDecoder:
     # --- one decode step: draft, verify, accept, repair -------------------------------------------
     @torch.no_grad()
     def step(self, batch: Batch) -> SpecOutput:
-        r, s = self.runner, self.steps
+        s = self.steps
         k, b, dev = s + 1, batch.size, self.runner.device
-        rows = [q.req_pool_idx for q in batch.reqs]
-        rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), dev)
-        base = batch.prefix_lens                                          # L: tokens with KV before this step
+        rows = to_device(torch.tensor([q.req_pool_idx for q in batch.reqs], dtype=torch.int64), dev)
+        base = to_device(torch.tensor(batch.prefix_lens, dtype=torch.int64), dev)   # L: tokens with KV before
         slots = to_device(batch.out_slots, dev).view(b, k)                # token L + j -> slots[:, j]
-        last = r.token_buf[rows_dev]                                      # [B] token L (sampled, no KV yet)
-
-        tok, hid, drafts = last, self.hidden_buf[rows_dev], []
-        for j in range(s):            # pair (token L + j, hidden L + j - 1) at draft position L + j - 1
-            ctx = self._ctx(ForwardMode.DECODE, rows, [x + j - 1 for x in base], [1] * b, slots[:, j], draft=True)
-            out = self.model.mtp(tok, hid, ctx.positions, ctx)
-            tok, hid = out.logits.argmax(-1), out.hidden
-            drafts.append(tok)
-        draft_ids = torch.stack(drafts, dim=1)                            # [B, S]
-
-        ids = torch.cat([last[:, None], draft_ids], dim=1).reshape(-1)    # [B * k]
-        ctx = self._ctx(ForwardMode.DECODE, rows, base, [k] * b, slots.reshape(-1), draft=False, num_q=k)
-        out = self.model(ids, ctx.positions, ctx)                         # logits [B * k, V], hidden [B * k, h]
-        target, lp, top = self._target_tokens(batch, out.logits, draft_ids)          # [B, k]
-        match = (draft_ids == target[:, :s]).to(torch.int64)
-        accepted = match.cumprod(dim=1).sum(dim=1)                        # [B] leading drafts equal to the target's
-        hidden = out.hidden.view(b, k, -1)
-
-        # repair: pairs (d_j, target hidden L + j - 1) for j = 1 .. S at draft positions L .. L + S - 1
-        ctx = self._ctx(ForwardMode.EXTEND, rows, list(base), [s] * b, slots[:, 1:].reshape(-1), draft=True)
-        ctx.logits_indices = torch.empty(0, dtype=torch.int64, device=dev)
-        self.model.mtp(draft_ids.reshape(-1), hidden[:, :s].reshape(b * s, -1), ctx.positions, ctx)
-
-        pick = torch.arange(b, device=dev)
-        self.hidden_buf[rows_dev] = hidden[pick, accepted]
-        r.token_buf[rows_dev] = target[pick, accepted]
+        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(b) else None
+        if graphs is not None:
+            draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots)
+        else:
+            draft_ids, logits, hidden = self.draft_verify(rows, base, slots, batch.prefix_lens)
+        target, lp, top = self._target_tokens(batch, logits, draft_ids)          # [B, k]
+        if graphs is not None:
+            accepted = graphs.accept(target)
+        else:
+            accepted = self.accept(rows, base, slots, draft_ids, target, hidden, batch.prefix_lens)
         n_acc = accepted.tolist()
         tokens = target.tolist()
         lps = lp.tolist() if lp is not None else None
@@ -176,6 +162,70 @@ class SpecDecoder:
         self.verify_steps += 1
         self.verified_tokens += sum(n_acc) + b
         return SpecOutput(out_tokens, out_lp, out_top, n_acc)
+
+    def _decode_ctx(self, rows: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
+                    out_slots: torch.Tensor, num_q: int, draft: bool, seq_cpu: list[int] | None,
+                    splits: int | None) -> ForwardContext:
+        """A DECODE context from device tensors only (so CUDA graphs can capture it); `seq_cpu` are the same
+        lengths on the host for the reference attention (None under graphs, where nothing reads them)."""
+        r = self.runner
+        b = rows.shape[0]
+        return ForwardContext(
+            mode=ForwardMode.DECODE, positions=positions, out_slots=out_slots, req_pool_idx=rows,
+            seq_lens=seq_lens.to(torch.int32), seq_lens_cpu=seq_cpu if seq_cpu is not None else [num_q] * b,
+            extend_lens_cpu=[num_q] * b, req_to_token=r.req_to_token[:, 1:] if draft else r.req_to_token,
+            kv_pool=r.pool, attn_backend=r.attn_backend, num_q=num_q, logits_indices=None, num_kv_splits=splits)
+
+    def draft_verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor,
+                     base_cpu: list[int] | None, splits: tuple[int, int] | None = None):
+        """S draft steps, then the target over [last token, d_1 .. d_S]: (drafts [B, S], logits [B * k, V],
+        hidden [B * k, h]). Device work only (`base_cpu` feeds the reference attention)."""
+        draft_ids = self.draft(rows, base, slots, base_cpu, splits and splits[0])
+        return (draft_ids, *self.verify(rows, base, slots, draft_ids, base_cpu, splits and splits[1]))
+
+    def draft(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, base_cpu: list[int] | None,
+              splits: int | None = None) -> torch.Tensor:
+        """The chain of S drafts [B, S]: step j pairs token L + j with hidden L + j - 1 at draft position
+        L + j - 1 (the target's hidden for j = 0, the draft's own after)."""
+        tok, hid, drafts = self.runner.token_buf[rows], self.hidden_buf[rows], []
+        for j in range(self.steps):
+            pos = base + (j - 1)
+            cpu = [x + j for x in base_cpu] if base_cpu is not None else None
+            ctx = self._decode_ctx(rows, base + j, pos, slots[:, j], 1, True, cpu, splits)
+            out = self.model.mtp(tok, hid, pos, ctx)
+            tok, hid = out.logits.argmax(-1), out.hidden
+            drafts.append(tok)
+        return torch.stack(drafts, dim=1)
+
+    def verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, draft_ids: torch.Tensor,
+               base_cpu: list[int] | None, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over [token L, d_1 .. d_S] at positions L .. L + S: (logits [B * k, V], hidden [B * k, h])."""
+        k = self.steps + 1
+        ids = torch.cat([self.runner.token_buf[rows][:, None], draft_ids], dim=1).reshape(-1)     # [B * k]
+        pos = (base[:, None] + torch.arange(k, device=base.device)).reshape(-1)
+        cpu = [x + k for x in base_cpu] if base_cpu is not None else None
+        ctx = self._decode_ctx(rows, base + k, pos, slots.reshape(-1), k, False, cpu, splits)
+        out = self.model(ids, pos, ctx)
+        return out.logits, out.hidden
+
+    def accept(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, draft_ids: torch.Tensor,
+               target: torch.Tensor, hidden: torch.Tensor, base_cpu: list[int] | None,
+               splits: int | None = None) -> torch.Tensor:
+        """Accepted drafts per request [B] (leading drafts equal to the target's token before them); repairs
+        their draft pairs and leaves each request's newest token and hidden state in the runner's buffers."""
+        s, b = self.steps, rows.shape[0]
+        accepted = (draft_ids == target[:, :s]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        hidden = hidden.view(b, s + 1, -1)
+        # repair: pairs (d_j, target hidden L + j - 1), j = 1 .. S, at draft positions L .. L + S - 1
+        pos = (base[:, None] + torch.arange(s, device=base.device)).reshape(-1)
+        cpu = [x + s for x in base_cpu] if base_cpu is not None else None
+        ctx = self._decode_ctx(rows, base + s, pos, slots[:, 1:].reshape(-1), s, True, cpu, splits)
+        ctx.logits_indices = torch.empty(0, dtype=torch.int64, device=base.device)
+        self.model.mtp(draft_ids.reshape(-1), hidden[:, :s].reshape(b * s, -1), pos, ctx)
+        pick = torch.arange(b, device=base.device)
+        self.hidden_buf[rows] = hidden[pick, accepted]
+        self.runner.token_buf[rows] = target[pick, accepted]
+        return accepted
 
     def _target_tokens(self, batch: Batch, logits: torch.Tensor, drafts: torch.Tensor):
         """The target's token at every verified position (logits [B * k, V]): what decoding without speculation

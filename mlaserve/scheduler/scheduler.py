@@ -139,16 +139,21 @@ class Scheduler:
         if batch.mode is ForwardMode.IDLE:
             return
         self.stats["steps"] += 1
-        one = self._process_spec if isinstance(out, SpecOutput) else self._process_one
+        spec = isinstance(out, SpecOutput)
+        freed: list = []                      # rejected drafts' slots, freed at once after the step
         for i, req in enumerate(batch.reqs):
             if req.finished is not None:      # aborted while its step ran
                 continue
             try:
-                one(batch, out, i, req)
+                if spec:
+                    self._process_spec(out, i, req, freed)
+                else:
+                    self._process_one(batch, out, i, req)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 logger.exception("processing request %s failed", req.rid)
                 self.end(req, FinishReason("abort", message=f"internal error: {type(e).__name__}: {e}",
                                             status_code=500))
+        self.kv.free_all(freed)
 
     def _process_one(self, batch: Batch, out: StepOutput, i: int, req: Req) -> None:
         if batch.mode is ForwardMode.EXTEND:
@@ -166,7 +171,7 @@ class Scheduler:
         if req.finished is None and batch.mode is ForwardMode.EXTEND:
             self.running.append(req)
 
-    def _process_spec(self, batch: Batch, out: SpecOutput, i: int, req: Req) -> None:
+    def _process_spec(self, out: SpecOutput, i: int, req: Req, freed: list) -> None:
         """A verify step's tokens for one request: taken in order up to the first that ends it; the slots past
         the last kept token's KV (rejected drafts, or tokens after the end) are freed first."""
         toks = out.tokens[i]
@@ -180,7 +185,7 @@ class Scheduler:
         self.stats["spec_verify_steps"] += 1
         self.stats["spec_tokens"] += n
         # fill_ids gains n tokens; every one of them but the newest has KV
-        self.kv.truncate(req, len(req.fill_ids) + n - 1)
+        self.kv.truncate(req, len(req.fill_ids) + n - 1, freed)
         for j in range(n):
             lp = out.logprobs[i][j] if out.logprobs[i] is not None else None
             self._append(req, toks[j], lp, out.top[i][j] if out.top[i] is not None else None, emit=j == n - 1)

@@ -38,6 +38,10 @@ def test_decode_steps_score_like_the_prefill(one_thread):
     rows = [summarise(FP32, full, None, weights), summarise(bf16, stepped, full, weights)]
     assert rows[0].agreement == 1.0 and rows[1].agreement == 1.0 and abs(rows[1].rel) < 1e-6
     assert "| bf16 | " in format_table(rows, 46, int(weights.sum()))
+    # four text tokens a step through the multi-query decode (the speculative verify path): the same log-probs
+    verify = Mode("fp32 verify", FP32.flags, 0.0, verify_tokens=4)
+    multi = run_mode(path, verify, wins, 9, {"device": "cpu"})
+    assert (full.logprobs - multi.logprobs).abs().max() < 1e-4
 
 
 def test_modes_on_the_cpu_skip_cuda_graphs_and_keep_the_reference():

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 import mlaserve
 from mlaserve.config import ServerConfig
@@ -197,4 +198,19 @@ def test_structured_output_request_refused(demo_prompts):
     res = run(s, [msg("g", demo_prompts[0], regex="[a-z]+"), msg("ok", demo_prompts[1], max_new=4)])
     assert res["g"]["finished"].status_code == 400 and "speculative" in res["g"]["finished"].message
     assert res["ok"]["finished"].kind == "length"
+    assert_no_leak(s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs):
+    """On the GPU in fp32: the Triton kernels (multi-query mla_decode for verify and repair) and the draft +
+    verify CUDA graphs give the tokens of decoding without speculation."""
+    flags = dict(device="cuda", dtype="float32", disable_cuda_graph=not graphs, max_running_requests=8)
+    msgs = [msg(f"g{i}", p, max_new=40) for i, p in enumerate(demo_prompts)]
+    base = run(make(DEMO, **flags), msgs)
+    s = spec(DEMO, **flags)
+    assert (s.runner.spec.graphs is not None) == graphs
+    same(base, run(s, msgs, arrivals={m.rid: 2 * i for i, m in enumerate(msgs)}))
+    assert accept_length(s) > 2.0
     assert_no_leak(s)
