@@ -57,12 +57,13 @@ def test_tp2_server_serves_the_openai_client_like_one_process(start_server, refe
 
 def test_dp_attention_server_serves_the_openai_client_like_one_process(start_server, reference):
     """Two DP-attention groups (one rank each, the MoE over both): requests spread over both groups give the single
-    process's completions; a stream closed early is aborted on its group; stats and metrics per group."""
+    process's completions; a stream closed early is aborted on its group; stats and metrics per group; a killed
+    rank ends the server in one line."""
     import httpx
 
     _, expected = reference
     srv = start_server("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--load-balance-method",
-                       "round_robin", "--enable-metrics", "--served-model-name", MODEL, *CPU_ARGS)
+                       "round_robin", "--enable-metrics", "--dist-timeout", "20", "--served-model-name", MODEL, *CPU_ARGS)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:                 # together: both groups busy, or one idle
         assert list(pool.map(lambda p: complete(srv.url, p), PROMPTS)) == expected
     assert [complete(srv.url, p) for p in PROMPTS] == expected     # one at a time: the other group idles
@@ -83,6 +84,9 @@ def test_dp_attention_server_serves_the_openai_client_like_one_process(start_ser
     for rank in (0, 1):
         assert f'mlaserve:prompt_tokens_total{{dp_rank="{rank}"}}' in metrics, metrics
     assert complete(srv.url, PROMPTS[1]) == expected[1]
+    os.kill(info["rank_pids"][1], signal.SIGKILL)                 # group 1's only rank, while both groups idle
+    assert srv.proc.wait(timeout=30) != 0
+    assert "rank 1's scheduler process died (killed by SIGKILL)" in srv.log(), srv.log()[-2000:]
 
 
 def test_killing_a_rank_ends_the_server_in_one_line(start_server):
