@@ -56,7 +56,9 @@ def generate(path: str, prompts: list[list[int]], **server) -> tuple[list[dict],
     with mlaserve.Engine(model_path=path, device="cpu", log_level="warning", **server) as engine:
         greedy = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0},
                                  return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
-        return greedy, engine.get_server_info()
+        info = engine.get_server_info()
+        assert engine.flush_cache(), "flush refused with every group idle"
+        return greedy, info | {"tree_after_flush": engine.get_server_info()["cached_tokens_in_tree"]}
 
 
 def prompt_logprobs(out: dict) -> list[float]:
@@ -89,6 +91,7 @@ def test_dp_attention_equals_tp1_through_the_engine(checkpoint, case):
     assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (tp, dp, True)
     assert [g["dp_rank"] for g in info["dp_groups"]] == list(range(dp))
     assert all(g["prompt_tokens"] > 0 for g in info["dp_groups"]), "round robin left a group without requests"
+    assert all(g["cached_tokens_in_tree"] > 0 for g in info["dp_groups"]) and info["tree_after_flush"] == 0
     diffs = sorted(abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b)))
     if not VARIANTS[variant][2]:
         assert diffs[-1] <= 1e-4, diffs[-1]
