@@ -11,6 +11,7 @@ from mlaserve.core import Batch, ForwardMode
 from mlaserve.distributed import RankGroup
 
 MODE_CODES = {None: 0, ForwardMode.EXTEND: 1, ForwardMode.DECODE: 2, ForwardMode.IDLE: 3}
+MODES = {code: mode for mode, code in MODE_CODES.items()}
 
 
 def idle_batch() -> Batch:
@@ -35,8 +36,7 @@ class DPStepSync:
         assert batch is None or mine[0] > 0, "a planned batch has tokens"
         rows = self.group.all_gather_ints(mine)[:: info.attn_tp_size]     # one rank per DP group
         counts = [n for n, _ in rows]
-        codes = {c: m for m, c in MODE_CODES.items()}
-        self.modes = [codes[c] for _, c in rows]
+        self.modes = [MODES[c] for _, c in rows]
         self.busy = any(counts)
         if not self.busy:
             return None
