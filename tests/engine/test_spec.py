@@ -202,15 +202,16 @@ def test_structured_output_request_refused(demo_prompts):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs+compile"])
 def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs):
-    """On the GPU in fp32: the Triton kernels (multi-query mla_decode for verify and repair) and the draft +
-    verify CUDA graphs give the tokens of decoding without speculation."""
-    flags = dict(device="cuda", dtype="float32", disable_cuda_graph=not graphs, max_running_requests=8)
+    """On the GPU in fp32: the Triton kernels (multi-query mla_decode for verify and repair), the draft +
+    verify CUDA graphs and torch.compile inside them give the tokens of decoding without speculation."""
+    flags = dict(device="cuda", dtype="float32", disable_cuda_graph=graphs == "eager", max_running_requests=8,
+                 enable_torch_compile=graphs == "graphs+compile")
     msgs = [msg(f"g{i}", p, max_new=40) for i, p in enumerate(demo_prompts)]
     base = run(make(DEMO, **flags), msgs)
     s = spec(DEMO, **flags)
-    assert (s.runner.spec.graphs is not None) == graphs
+    assert (s.runner.spec.graphs is not None) == (graphs != "eager")
     same(base, run(s, msgs, arrivals={m.rid: 2 * i for i, m in enumerate(msgs)}))
     assert accept_length(s) > 2.0
     assert_no_leak(s)
