@@ -345,9 +345,6 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
     if drafts != steps + 1:
         _reject(f"--speculative-num-draft-tokens {drafts}: a chain (topk 1) verifies its {steps} draft tokens and "
                 f"the token before them, so it must be {steps + 1} with --speculative-num-steps {steps}")
-    if s.enable_torch_compile:
-        _reject("--enable-torch-compile with --speculative-algorithm: the draft and verify graphs are not compiled "
-                "yet; drop one of them")
     path = s.speculative_draft_model_path
     if path is not None and (load.model_path is None or os.path.realpath(path) != os.path.realpath(load.model_path)):
         _reject(f"--speculative-draft-model-path {path}: a separate draft checkpoint is not supported yet; the draft "

@@ -219,6 +219,6 @@ def test_speculative_flags_fail_in_one_line(model, flags, words):
     assert "\n" not in str(e.value)
 
 
-def test_speculative_decoding_refuses_torch_compile_for_now():
-    with pytest.raises(ConfigError, match="--enable-torch-compile with --speculative-algorithm"):
-        resolve(H100, V3_FP8, speculative_algorithm="EAGLE", enable_torch_compile=True)
+def test_speculative_decoding_with_torch_compile_resolves():
+    r = resolve(H100, V3_FP8, speculative_algorithm="EAGLE", enable_torch_compile=True)
+    assert r.sched.enable_torch_compile and r.sched.torch_compile_max_bs == 32 and r.sched.cuda_graph_max_bs == 160

@@ -146,7 +146,8 @@ class ModelRunner:
             from mlaserve.engine.graph import SpecGraphRunner
 
             self.spec.graphs = SpecGraphRunner(self.spec, req_to_token, dummy_req, sched.cuda_graph_bs,
-                                               min(self.context_len, self.num_slots), self.device)
+                                               min(self.context_len, self.num_slots), self.device,
+                                               compile_max_bs=sched.torch_compile_max_bs)
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                         sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,

@@ -105,8 +105,14 @@ class SpecGraphRunner:
     positions all map to the padding slot 0."""
 
     def __init__(self, spec, req_to_token: torch.Tensor, dummy_req: int, batch_sizes: list[int], max_context: int,
-                 device: torch.device):
+                 device: torch.device, compile_max_bs: int = 0):
         self.spec, self.batch_sizes = spec, sorted(batch_sizes)
+        eager, compiled = (spec.target_fn, spec.draft_fn), None
+        if compile_max_bs:
+            # NOTE: as DecodeGraphRunner: graph breaks at the Triton launchers; one compile per batch size
+            from torch import _dynamo
+            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
+            compiled = (torch.compile(spec.target_fn, dynamic=False), torch.compile(spec.draft_fn, dynamic=False))
         s, k = spec.steps, spec.steps + 1
         n = self.batch_sizes[-1]
         self.dummy_req = dummy_req
@@ -130,9 +136,10 @@ class SpecGraphRunner:
             def second(drafts, hidden):
                 return spec.accept(rows, base, slots, drafts, target, hidden, None, splits[2])
 
+            spec.target_fn, spec.draft_fn = compiled if compiled is not None and bs <= compile_max_bs else eager
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):                # warm up: Triton compiles here
+                for _ in range(2):                # warm up: Triton (and torch.compile) compile here
                     d, _, h = first()
                     second(d, h)
             torch.cuda.current_stream().wait_stream(stream)
@@ -143,6 +150,7 @@ class SpecGraphRunner:
             with torch.cuda.graph(g2, pool=pool, stream=stream):
                 out2 = second(out1[0], out1[2])
             self.graphs[bs], self.outputs[bs] = (g1, g2), (out1, out2)
+        spec.target_fn, spec.draft_fn = eager           # eager calls (batches past the graphs) stay eager
         torch.cuda.synchronize()
         logger.info("captured %d speculative draft + verify CUDA graph pairs (bs %s) in %.1f s", len(self.graphs),
                     self.batch_sizes, time.monotonic() - t0)

@@ -87,6 +87,8 @@ class SpecDecoder:
         self.runner, self.steps = runner, num_steps
         self.model = runner.model
         assert self.model.mtp is not None, "the model was built without its NextN layer"
+        # the target and the draft as the decode steps call them (torch.compile'd by SpecGraphRunner when asked)
+        self.target_fn, self.draft_fn = self.model, self.model.mtp
         self.hidden_buf: torch.Tensor | None = None       # [rows, h]: target hidden at each request's last KV position
         self.graphs = None                                # SpecGraphRunner (engine/graph.py) on the GPU
         self.verify_steps = 0
@@ -192,7 +194,7 @@ class SpecDecoder:
             pos = base + (j - 1)
             cpu = [x + j for x in base_cpu] if base_cpu is not None else None
             ctx = self._decode_ctx(rows, base + j, pos, slots[:, j], 1, True, cpu, splits)
-            out = self.model.mtp(tok, hid, pos, ctx)
+            out = self.draft_fn(tok, hid, pos, ctx)
             tok, hid = out.logits.argmax(-1), out.hidden
             drafts.append(tok)
         return torch.stack(drafts, dim=1)
@@ -205,7 +207,7 @@ class SpecDecoder:
         pos = (base[:, None] + torch.arange(k, device=base.device)).reshape(-1)
         cpu = [x + k for x in base_cpu] if base_cpu is not None else None
         ctx = self._decode_ctx(rows, base + k, pos, slots.reshape(-1), k, False, cpu, splits)
-        out = self.model(ids, pos, ctx)
+        out = self.target_fn(ids, pos, ctx)
         return out.logits, out.hidden
 
     def accept(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, draft_ids: torch.Tensor,
@@ -221,7 +223,7 @@ class SpecDecoder:
         cpu = [x + s for x in base_cpu] if base_cpu is not None else None
         ctx = self._decode_ctx(rows, base + s, pos, slots[:, 1:].reshape(-1), s, True, cpu, splits)
         ctx.logits_indices = torch.empty(0, dtype=torch.int64, device=base.device)
-        self.model.mtp(draft_ids.reshape(-1), hidden[:, :s].reshape(b * s, -1), pos, ctx)
+        self.draft_fn(draft_ids.reshape(-1), hidden[:, :s].reshape(b * s, -1), pos, ctx)
         pick = torch.arange(b, device=base.device)
         self.hidden_buf[rows] = hidden[pick, accepted]
         self.runner.token_buf[rows] = target[pick, accepted]
