@@ -76,10 +76,6 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     cache = _resolve_cache(server.cache, load, device)
     sched = _resolve_spec(_resolve_sched(server.sched, load, device, dp_attention=parallel.enable_dp_attention),
                           model, load)
-    if parallel.enable_dp_attention and sched.speculative_algorithm is not None:
-        # NOTE: the draft and verify forwards would need the DP step agreement (IDLE drafts) too
-        _reject(f"--speculative-algorithm {sched.speculative_algorithm} with --enable-dp-attention: speculative "
-                "decoding under data-parallel attention is not implemented yet")
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 

@@ -329,6 +329,7 @@ class Batch:
     extend_lens: list[int]
     sampling: list[bool]
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
+    slot_tokens: list[list[int]] | None = None   # DP attention: [forward of the step][group] tokens (agreed)
 
     @property
     def size(self) -> int:

@@ -115,8 +115,6 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (CPU, V2_LITE, dict(load_balance_method="random"), "--load-balance-method random: choose one of"),
     (H100, V2_LITE, dict(tp_size=2, dp_size=2, enable_dp_attention=True, cuda_graph_max_bs=8),
      "off with --enable-dp-attention"),
-    (CPU, V3_FP8, dict(tp_size=8, dp_size=2, enable_dp_attention=True, speculative_algorithm="EAGLE"),
-     "--speculative-algorithm EAGLE with --enable-dp-attention"),
     (H100, V2_LITE, dict(tp_size=0), "--tp-size 0"),
     (CPU, V2_LITE, dict(enable_torch_compile=True), "--enable-torch-compile"),
     (CPU, V2_LITE, dict(cuda_graph_bs=[1, 2]), "--cuda-graph-bs"),
@@ -217,6 +215,11 @@ def test_speculative_flags_fail_in_one_line(model, flags, words):
     with pytest.raises(ConfigError, match=re.escape(words)) as e:
         resolve(CPU, model, **flags)
     assert "\n" not in str(e.value)
+
+
+def test_speculative_decoding_with_dp_attention_resolves():
+    r = resolve(CPU, V3_FP8, tp_size=8, dp_size=2, enable_dp_attention=True, speculative_algorithm="EAGLE")
+    assert r.sched.speculative_algorithm == "EAGLE" and r.parallel.enable_dp_attention
 
 
 def test_speculative_decoding_with_torch_compile_resolves():

@@ -246,7 +246,10 @@ class ModelRunner:
 
     def _logits(self, batch: Batch, rows: list[int], rows_dev: torch.Tensor) -> torch.Tensor:
         if batch.mode is ForwardMode.IDLE:                                     # DP attention: no tokens here
-            self.model.forward_idle(batch.global_num_tokens)
+            if self.spec is not None:
+                self.spec.idle(batch.slot_tokens)
+            else:
+                self.model.forward_idle(batch.global_num_tokens)
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
         if batch.mode is ForwardMode.DECODE:
             ids = self.token_buf[rows_dev]                                     # [B] last sampled tokens
@@ -278,8 +281,12 @@ class ModelRunner:
                             device=self.device, last_token_logits=False)
         ids = torch.tensor(wide.ids, dtype=torch.int64).to(self.device, non_blocking=True)
         ctx.logits_indices = to_device(wide.index[torch.tensor(rows, dtype=torch.int64)], self.device)
+        slots = batch.slot_tokens                                              # DP attention: agreed counts
+        if slots is not None:
+            self.spec.idle(slots[: self.spec.steps])                            # other groups' drafts
+            ctx.global_num_tokens = slots[self.spec.steps]
         out = self.model(ids, ctx.positions, ctx)
-        self.spec.after_extend(batch, wide, out.hidden)
+        self.spec.after_extend(batch, wide, out.hidden, slots[-1] if slots is not None else None)
         return out.logits
 
     @torch.no_grad()

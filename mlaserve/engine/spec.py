@@ -76,6 +76,18 @@ def widen(batch: Batch) -> Widened:
                    torch.tensor(index, dtype=torch.int64))
 
 
+def slot_counts(batch: Batch, steps: int) -> list[int]:
+    """Tokens of each forward a step runs, in order: the S drafts, the target, the draft layer (DP attention
+    agrees on these, so every group runs every forward some group runs: IDLE where it has none)."""
+    if batch.mode is ForwardMode.DECODE:
+        b = batch.size
+        return [b] * steps + [b * (steps + 1), b * steps]
+    if batch.mode is ForwardMode.EXTEND:
+        wide = [n + (1 if p > 0 else 0) for p, n in zip(batch.prefix_lens, batch.extend_lens)]
+        return [0] * steps + [sum(wide), sum(wide) - len(wide)]
+    return [0] * (steps + 2)
+
+
 def _split(t: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
     return list(torch.split(t, lens)) if lens else []
 
@@ -107,9 +119,17 @@ class SpecDecoder:
                              num_q=num_q, last_token_logits=False)
 
     # --- prefill --------------------------------------------------------------------------------
-    def after_extend(self, batch: Batch, wide: Widened, hidden: torch.Tensor) -> None:
+    def idle(self, slots: list[list[int]]) -> None:
+        """DP attention: this group's part in the forwards of a step it has no tokens in (slots [forward][group]:
+        the S drafts, the target, the draft layer; a forward no group has tokens in is skipped by every group)."""
+        for i, counts in enumerate(slots):
+            if any(counts):
+                (self.model.forward_idle if i == self.steps else self.model.mtp.forward_idle)(counts)
+
+    def after_extend(self, batch: Batch, wide: Widened, hidden: torch.Tensor, counts: list[int] | None = None) -> None:
         """The NextN layer over an extend batch the target just ran (`hidden` [T', h] of the widened batch):
-        a draft pair for every token of each request but its first; each request's last hidden state is kept."""
+        a draft pair for every token of each request but its first; each request's last hidden state is kept.
+        `counts`: DP attention's agreed tokens of this forward per group."""
         rows, prefix, ext, take_tok, take_hid, slots, last = [], [], [], [], [], [], []
         at = 0
         for req, p, n in zip(batch.reqs, wide.prefix_lens, wide.extend_lens):
@@ -127,7 +147,10 @@ class SpecDecoder:
             ids = torch.tensor(wide.ids, dtype=torch.int64)[take_tok].to(dev)
             ctx = self._ctx(ForwardMode.EXTEND, rows, prefix, ext, out_slots, draft=True)
             ctx.logits_indices = torch.empty(0, dtype=torch.int64, device=dev)
+            ctx.global_num_tokens = counts
             self.model.mtp(ids, hidden[to_device(torch.tensor(take_hid), dev)], ctx.positions, ctx)
+        elif counts is not None and any(counts):
+            self.model.mtp.forward_idle(counts)
         req_rows = to_device(torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64), dev)
         self.hidden_buf[req_rows] = hidden[to_device(torch.tensor(last, dtype=torch.int64), dev)]
 
@@ -140,15 +163,17 @@ class SpecDecoder:
         base = to_device(torch.tensor(batch.prefix_lens, dtype=torch.int64), dev)   # L: tokens with KV before
         slots = to_device(batch.out_slots, dev).view(b, k)                # token L + j -> slots[:, j]
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(b) else None
+        counts = batch.slot_tokens                                       # DP attention: [forward][group]
         if graphs is not None:
             draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots)
         else:
-            draft_ids, logits, hidden = self.draft_verify(rows, base, slots, batch.prefix_lens)
+            draft_ids, logits, hidden = self.draft_verify(rows, base, slots, batch.prefix_lens, counts=counts)
         target, lp, top = self._target_tokens(batch, logits, draft_ids)          # [B, k]
         if graphs is not None:
             accepted = graphs.accept(target)
         else:
-            accepted = self.accept(rows, base, slots, draft_ids, target, hidden, batch.prefix_lens)
+            accepted = self.accept(rows, base, slots, draft_ids, target, hidden, batch.prefix_lens,
+                                   counts=counts[-1] if counts is not None else None)
         n_acc = accepted.tolist()
         tokens = target.tolist()
         lps = lp.tolist() if lp is not None else None
@@ -167,7 +192,7 @@ class SpecDecoder:
 
     def _decode_ctx(self, rows: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
                     out_slots: torch.Tensor, num_q: int, draft: bool, seq_cpu: list[int] | None,
-                    splits: int | None) -> ForwardContext:
+                    splits: int | None, counts: list[int] | None = None) -> ForwardContext:
         """A DECODE context from device tensors only (so CUDA graphs can capture it); `seq_cpu` are the same
         lengths on the host for the reference attention (None under graphs, where nothing reads them)."""
         r = self.runner
@@ -176,43 +201,49 @@ class SpecDecoder:
             mode=ForwardMode.DECODE, positions=positions, out_slots=out_slots, req_pool_idx=rows,
             seq_lens=seq_lens.to(torch.int32), seq_lens_cpu=seq_cpu if seq_cpu is not None else [num_q] * b,
             extend_lens_cpu=[num_q] * b, req_to_token=r.req_to_token[:, 1:] if draft else r.req_to_token,
-            kv_pool=r.pool, attn_backend=r.attn_backend, num_q=num_q, logits_indices=None, num_kv_splits=splits)
+            kv_pool=r.pool, attn_backend=r.attn_backend, num_q=num_q, logits_indices=None, num_kv_splits=splits,
+            global_num_tokens=counts)
 
     def draft_verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor,
-                     base_cpu: list[int] | None, splits: tuple[int, int] | None = None):
+                     base_cpu: list[int] | None, splits: tuple[int, int] | None = None,
+                     counts: list[list[int]] | None = None):
         """S draft steps, then the target over [last token, d_1 .. d_S]: (drafts [B, S], logits [B * k, V],
-        hidden [B * k, h]). Device work only (`base_cpu` feeds the reference attention)."""
-        draft_ids = self.draft(rows, base, slots, base_cpu, splits and splits[0])
-        return (draft_ids, *self.verify(rows, base, slots, draft_ids, base_cpu, splits and splits[1]))
+        hidden [B * k, h]). Device work only (`base_cpu` feeds the reference attention; `counts`: DP attention's
+        agreed tokens per forward and group)."""
+        draft_ids = self.draft(rows, base, slots, base_cpu, splits and splits[0], counts)
+        return (draft_ids, *self.verify(rows, base, slots, draft_ids, base_cpu, splits and splits[1],
+                                        counts[self.steps] if counts is not None else None))
 
     def draft(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, base_cpu: list[int] | None,
-              splits: int | None = None) -> torch.Tensor:
+              splits: int | None = None, counts: list[list[int]] | None = None) -> torch.Tensor:
         """The chain of S drafts [B, S]: step j pairs token L + j with hidden L + j - 1 at draft position
         L + j - 1 (the target's hidden for j = 0, the draft's own after)."""
         tok, hid, drafts = self.runner.token_buf[rows], self.hidden_buf[rows], []
         for j in range(self.steps):
             pos = base + (j - 1)
             cpu = [x + j for x in base_cpu] if base_cpu is not None else None
-            ctx = self._decode_ctx(rows, base + j, pos, slots[:, j], 1, True, cpu, splits)
+            ctx = self._decode_ctx(rows, base + j, pos, slots[:, j], 1, True, cpu, splits,
+                                   counts[j] if counts is not None else None)
             out = self.draft_fn(tok, hid, pos, ctx)
             tok, hid = out.logits.argmax(-1), out.hidden
             drafts.append(tok)
         return torch.stack(drafts, dim=1)
 
     def verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, draft_ids: torch.Tensor,
-               base_cpu: list[int] | None, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               base_cpu: list[int] | None, splits: int | None = None,
+               counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over [token L, d_1 .. d_S] at positions L .. L + S: (logits [B * k, V], hidden [B * k, h])."""
         k = self.steps + 1
         ids = torch.cat([self.runner.token_buf[rows][:, None], draft_ids], dim=1).reshape(-1)     # [B * k]
         pos = (base[:, None] + torch.arange(k, device=base.device)).reshape(-1)
         cpu = [x + k for x in base_cpu] if base_cpu is not None else None
-        ctx = self._decode_ctx(rows, base + k, pos, slots.reshape(-1), k, False, cpu, splits)
+        ctx = self._decode_ctx(rows, base + k, pos, slots.reshape(-1), k, False, cpu, splits, counts)
         out = self.target_fn(ids, pos, ctx)
         return out.logits, out.hidden
 
     def accept(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, draft_ids: torch.Tensor,
                target: torch.Tensor, hidden: torch.Tensor, base_cpu: list[int] | None,
-               splits: int | None = None) -> torch.Tensor:
+               splits: int | None = None, counts: list[int] | None = None) -> torch.Tensor:
         """Accepted drafts per request [B] (leading drafts equal to the target's token before them); repairs
         their draft pairs and leaves each request's newest token and hidden state in the runner's buffers."""
         s, b = self.steps, rows.shape[0]
@@ -221,7 +252,7 @@ class SpecDecoder:
         # repair: pairs (d_j, target hidden L + j - 1), j = 1 .. S, at draft positions L .. L + S - 1
         pos = (base[:, None] + torch.arange(s, device=base.device)).reshape(-1)
         cpu = [x + s for x in base_cpu] if base_cpu is not None else None
-        ctx = self._decode_ctx(rows, base + s, pos, slots[:, 1:].reshape(-1), s, True, cpu, splits)
+        ctx = self._decode_ctx(rows, base + s, pos, slots[:, 1:].reshape(-1), s, True, cpu, splits, counts)
         ctx.logits_indices = torch.empty(0, dtype=torch.int64, device=base.device)
         self.draft_fn(draft_ids.reshape(-1), hidden[:, :s].reshape(b * s, -1), pos, ctx)
         pick = torch.arange(b, device=base.device)

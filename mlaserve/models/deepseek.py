@@ -112,6 +112,13 @@ class NextNLayer(torch.nn.Module):
         rows = x if ctx.logits_indices is None else x[ctx.logits_indices]
         return ModelOutput(self.shared_head.head(rows), x)
 
+    @torch.no_grad()
+    def forward_idle(self, global_num_tokens: list[int]) -> None:
+        """The IDLE forward under DP attention: its MoE's gather and scatter with no tokens of this group."""
+        if self.block.dp is not None:
+            w = self.enorm.weight
+            self.block.dp_moe(torch.empty(0, w.shape[0], dtype=w.dtype, device=w.device), global_num_tokens)
+
 
 class DeepseekForCausalLM(torch.nn.Module):
     """The whole model. `kernels` picks every op's implementation once: "triton" (the GPU fast path) or

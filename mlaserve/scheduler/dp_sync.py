@@ -22,25 +22,31 @@ class DPStepSync:
     """Owned by each rank's scheduler under DP attention; `agree` is collective (one per loop iteration, every rank).
 
     `busy` says whether any group had work at the last agreement (an idle leader then does not wait for messages,
-    which would hold up the groups that decode)."""
+    which would hold up the groups that decode). `slots(batch)` gives the token counts of the step's forwards in
+    order: one forward without speculative decoding; under it S draft forwards, the target's and the draft
+    layer's (`engine/spec.slot_counts`), so that every group runs every forward that any group runs."""
 
-    def __init__(self, group: RankGroup):
+    def __init__(self, group: RankGroup, slots=None):
         self.group, self.busy = group, False
+        self.slots = slots or (lambda batch: [sum(batch.extend_lens)])
         self.modes: list[ForwardMode | None] = []      # each group's mode at the last agreement (None: nothing)
 
     def agree(self, batch: Batch | None) -> Batch | None:
         """`batch` with `global_num_tokens` set, an IDLE batch when only other groups have work, or None."""
         info = self.group.info
         # NOTE: a decode batch reads its input ids on the device (batch.input_ids is empty): count extend_lens
-        mine = [sum(batch.extend_lens), MODE_CODES[batch.mode]] if batch is not None else [0, 0]
-        assert batch is None or mine[0] > 0, "a planned batch has tokens"
+        counts = self.slots(batch) if batch is not None else None
+        assert batch is None or sum(counts) > 0, "a planned batch has tokens"
+        mine = [MODE_CODES[batch.mode]] + counts if batch is not None else [0] + [0] * len(self.slots(idle_batch()))
         rows = self.group.all_gather_ints(mine)[:: info.attn_tp_size]     # one rank per DP group
-        counts = [n for n, _ in rows]
-        self.modes = [MODES[c] for _, c in rows]
-        self.busy = any(counts)
+        codes = {c: m for m, c in MODE_CODES.items()}
+        self.modes = [codes[r[0]] for r in rows]
+        per_slot = [[r[1 + i] for r in rows] for i in range(len(mine) - 1)]   # [slot][group]
+        self.busy = any(any(c) for c in per_slot)
         if not self.busy:
             return None
         if batch is None:
             batch = idle_batch()
-        batch.global_num_tokens = counts
+        batch.slot_tokens = per_slot
+        batch.global_num_tokens = per_slot[0] if len(per_slot) == 1 else None
         return batch

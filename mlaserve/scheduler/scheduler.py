@@ -10,7 +10,7 @@ from mlaserve.config import ServerConfig
 from mlaserve.core import Batch, FinishReason, ForwardMode, Req, RequestError, RequestLimits, check_request
 from mlaserve.distributed import RankGroup
 from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve_for_device
-from mlaserve.engine.spec import SpecOutput
+from mlaserve.engine.spec import SpecOutput, slot_counts
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
 from mlaserve.scheduler.decode import plan_decode
@@ -60,7 +60,11 @@ class Scheduler:
                       "spec_verify_steps": 0, "spec_tokens": 0}
         self.arrivals = 0                         # arrival order (the same on every rank, unlike a clock)
         # DP attention: every plan is agreed with all ranks (an IDLE batch when only other groups have work)
-        self.dp_sync = DPStepSync(self.runner.group) if self.runner.group.dp is not None else None
+        slots = None
+        if self.spec_tokens > 1:                  # every group runs the drafts, the target and the draft layer
+            steps = self.spec_tokens - 1
+            slots = lambda batch: slot_counts(batch, steps)                 # noqa: E731
+        self.dp_sync = DPStepSync(self.runner.group, slots) if self.runner.group.dp is not None else None
 
     # --- requests in ----------------------------------------------------------------------------
     def add_request(self, msg: m.GenerateReqMsg) -> None:

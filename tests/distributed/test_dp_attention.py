@@ -187,3 +187,51 @@ def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint):
         for rid, want in ref.items():
             got = rank["results"][rid]
             assert (got["ids"], got["finished"]) == (want["ids"], want["finished"]), rid
+
+
+# --- speculative decoding under DP attention (every group runs every forward of the step: drafts, target, draft
+# layer; IDLE where it has none) --------------------------------------------------------------------------------
+
+def _demo_prompts() -> list[list[int]]:
+    from mlaserve.demo import DEMO_DIR
+    from mlaserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(DEMO_DIR))
+    return [tok.encode(h) for h in ("def read_config(path):\n", "class Stack:\n    def __init__(self):\n",
+                                    "import os\n\ndef list_files(root):\n", "def fibonacci(n):\n")]
+
+
+def test_speculative_decoding_under_dp_attention_equals_one_process():
+    from mlaserve.demo import DEMO_DIR
+
+    path, prompts = str(DEMO_DIR), _demo_prompts()
+    ref, _ = generate(path, prompts, dtype="float32")
+    got, info = generate(path, prompts, dtype="float32", speculative_algorithm="EAGLE", load_balance_method="round_robin",
+                         **DP)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    diffs = [abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))]
+    assert max(diffs) <= 1e-4
+    assert all(g["spec_verify_steps"] > 0 for g in info["dp_groups"]), "both groups were meant to decode"
+    assert info["avg_spec_accept_length"] > 1.5
+
+
+def test_speculative_groups_in_different_modes_equal_one_process():
+    """Group 0 decodes (drafts, verify, repair) while group 1 idles, then prefills (its target and draft-layer
+    extends beside group 0's decode forwards), then both decode: outputs equal one process without speculation."""
+    from mlaserve.demo import DEMO_DIR
+
+    path, ps = str(DEMO_DIR), _demo_prompts()
+    g0 = [_msg("a0", ps[0], 40), _msg("a1", ps[1] + ps[0], 24)]
+    g1 = [_msg("b0", ps[2], 30), _msg("b1", ps[3], 12)]
+    work = [(g0, {"a0": 0, "a1": 9}, {}), (g1, {"b0": 5, "b1": 7}, {})]
+    flags = dict(speculative_algorithm="EAGLE", max_total_tokens=2048)
+    alone = [drive_scheduler(_scheduler(path, max_total_tokens=2048), m, a, ab) for m, a, ab in work]
+    ranks = spawn_ranks(drive_dp, 2, path, flags, work, timeout=300, dp_size=2)
+    assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"
+    modes = set(ranks[0]["modes"])
+    assert (ForwardMode.DECODE, None) in modes and (ForwardMode.DECODE, ForwardMode.EXTEND) in modes, modes
+    assert all(r["clean"] for r in ranks)
+    for rank, ref in zip(ranks, alone):
+        for rid, want in ref.items():
+            got = rank["results"][rid]
+            assert (got["ids"], got["finished"]) == (want["ids"], want["finished"]), rid
