@@ -264,6 +264,8 @@ class LoadConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tp_size: int = opt(1, "tensor-parallel ranks (one process per GPU, or per CPU rank with gloo)")
+    ep_size: int = opt(1, "expert-parallel ranks: each holds n_routed_experts / ep of the routed experts, whole "
+                          "(1, or equal to --tp-size)")
     dp_size: int = opt(1, "data-parallel ranks")
     enable_dp_attention: bool = opt(False, "data-parallel attention (one latent KV cache per DP rank)")
     base_gpu_id: int = opt(0, "the first GPU this node uses (its ranks take base_gpu_id, base_gpu_id + 1, ...)")

@@ -12,6 +12,7 @@ import torch
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext
 from mlaserve.distributed import TensorParallel
+from mlaserve.distributed.expert import ExpertParallel
 from mlaserve.layers.embedding import LMHead, VocabEmbedding
 from mlaserve.layers.linear import Linear
 from mlaserve.layers.mla import MLAAttention
@@ -28,14 +29,15 @@ class ModelOutput(NamedTuple):
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool, tp: TensorParallel):
+                 device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool, tp: TensorParallel,
+                 ep: ExpertParallel | None = None):
         super().__init__()
         quant = None if dequant_fp8 else cfg.quant
         self.tp = tp
         self.self_attn = MLAAttention(cfg, layer_id, rotary, dtype=dtype, device=device, ops=ops, absorb=absorb,
                                       dequant_fp8=dequant_fp8, tp=tp)
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp)
+            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp, ep=ep)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device,
                                 ops=ops, tp=tp)
@@ -107,18 +109,20 @@ class DeepseekForCausalLM(torch.nn.Module):
     """The whole model. `kernels` picks every op's implementation once: "triton" (the GPU fast path) or
     "torch" (the PyTorch references, any device; `--attention-backend torch`). `absorb=False` runs decode
     non-absorbed too (`--disable-mla`); `dequant_fp8=True` keeps an FP8 checkpoint's weights as `dtype`;
-    `load_mtp` builds the NextN layer; `tp` is this rank's tensor-parallel group (default: one process)."""
+    `load_mtp` builds the NextN layer; `tp` is this rank's tensor-parallel group, `ep` its expert-parallel one
+    (default: one process)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", kernels: str = "torch", absorb: bool = True,
                  dequant_fp8: bool = False, load_mtp: bool = False, max_pos: int | None = None,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, ep: ExpertParallel | None = None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.tp = tp or TensorParallel()
         self.ops = get_ops(kernels)
         self.rotary = RotaryEmbedding(cfg, max_pos, device)
-        kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp)
+        kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp,
+                  ep=ep)
         self.model = DeepseekModel(cfg, self.rotary, **kw)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=self.tp)
         self.mtp = None
