@@ -1,5 +1,5 @@
-"""Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2, two
-"nodes" on loopback, a rank killed while serving, and a busy --dist-init-addr."""
+"""Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2 (with and
+without --ep-size 2), two "nodes" on loopback, a rank killed while serving, and a busy --dist-init-addr."""
 from __future__ import annotations
 
 import os
@@ -38,9 +38,10 @@ def complete(url: str, prompt: str) -> str:
     return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
 
 
-def test_tp2_server_serves_the_openai_client_like_one_process(start_server, reference):
+@pytest.mark.parametrize("ep", [1, 2])       # --ep-size 2: each rank holds 8 of the demo model's 16 routed experts
+def test_tp2_server_serves_the_openai_client_like_one_process(start_server, reference, ep):
     _, expected = reference
-    srv = start_server("--tp-size", "2", "--served-model-name", MODEL, *CPU_ARGS)
+    srv = start_server("--tp-size", "2", "--ep-size", str(ep), "--served-model-name", MODEL, *CPU_ARGS)
     assert [complete(srv.url, p) for p in PROMPTS] == expected
     client = OpenAI(base_url=srv.url + "/v1", api_key="none")
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
@@ -48,7 +49,7 @@ def test_tp2_server_serves_the_openai_client_like_one_process(start_server, refe
     import httpx
 
     info = httpx.get(srv.url + "/get_server_info").json()
-    assert info["tp_size"] == 2 and len(info["rank_pids"]) == 2
+    assert (info["tp_size"], info["ep_size"]) == (2, ep) and len(info["rank_pids"]) == 2
     bad = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"})
     assert bad.status_code == 400 and complete(srv.url, PROMPTS[0]) == expected[0]   # still serving after a 400
 
