@@ -246,3 +246,26 @@ def test_ep_flags_resolve() -> None:
     assert (r.parallel.tp_size, r.parallel.ep_size) == (2, 2)
     assert resolve_config(r, V2_LITE, CPU) == r                                        # idempotent
     assert ServerConfig.from_flat().parallel.ep_size == 1
+
+
+def test_tuned_tables_are_looked_up_by_the_local_expert_count(monkeypatch) -> None:
+    """V3 at --tp-size 2 --ep-size 2 (meta tensors, Triton launches stubbed): the fused-MoE call reads the table of
+    128 local experts at the full intermediate size 2048, not 256 experts at 1024."""
+    from mlaserve.kernels import fused_moe as fm
+
+    cfg = ModelConfig.from_hf(CONFIGS / "deepseek-v3.json")
+    looked_up: list[str] = []
+    monkeypatch.setattr(fm, "_load_configs", lambda path: looked_up.append(path.name))
+    monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
+    monkeypatch.setattr(fm, "gpu_name", lambda: "NVIDIA_H200")
+    ops = get_ops("triton")._replace(
+        fused_moe=fm.fused_moe, silu_and_mul=lambda gu: gu[:, : gu.shape[1] // 2],
+        moe_topk=lambda logits, k, **_: (logits.new_empty(logits.shape[0], k),
+                                         logits.new_empty(logits.shape[0], k, dtype=torch.int32)),
+        fp8_linear=lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
+    layer = moe_layer.MoE(cfg, quant=cfg.quant, dtype=torch.bfloat16, device="meta", ops=ops,
+                          tp=TensorParallel(1, 2), ep=ExpertParallel(1, 2))
+    for t in (1, 64, 1024):
+        assert layer(torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16, device="meta")).shape == (t, cfg.hidden_size)
+    assert looked_up and all(n.startswith("E=128,N=2048,device_name=NVIDIA_H200,dtype=fp8_w8a8") for n in looked_up)
