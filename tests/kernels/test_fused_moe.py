@@ -191,6 +191,20 @@ def test_tuner_shape_space_and_output(tmp_path: Path, monkeypatch: pytest.Monkey
     assert path.is_file() and got == best["4096"] and got["BLOCK_SIZE_N"] == 256
 
 
+def test_tuner_ep_shape_and_routing(tmp_path: Path) -> None:
+    """--ep-size 8: a rank's 32 whole experts (the table key the EP model reads), routed as rank 0 sees them."""
+    cfg_json = tmp_path / "config.json"
+    cfg_json.write_text(json.dumps(dict(n_routed_experts=256, num_experts_per_tok=8, hidden_size=7168,
+                                        moe_intermediate_size=2048, n_group=8, topk_group=4)))
+    s = tuner.shape_from_hf_config(cfg_json, tp_size=8, dtype="fp8_w8a8", ep_size=8)
+    assert (s.num_experts, s.moe_intermediate_size, s.ep) == (32, 2048, 8)
+    assert tuner.write_configs({"1": {}}, s, "fp8_w8a8", tmp_path, device_name="GPU").name.startswith("E=32,N=2048,")
+    _, ids = bench_case.route(s, 16, device="cpu")
+    assert ids.dtype == torch.int32 and ((ids >= -1) & (ids < 32)).all() and (ids == -1).any()
+    # rows per expert as at tp 8 (tokens * k / 256), not 8x that
+    assert {c["BLOCK_SIZE_M"] for c in tuner.search_space(1024, s)} == {16, 32}
+
+
 def test_bench_case_arithmetic() -> None:
     v2, v3 = bench_case.MODELS
     assert bench_case.expert_bytes(v2) == 3 * 2048 * 1408 * 2
