@@ -31,7 +31,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 # scatter of each chunk's slots to their ranks. One program does all three when the slots fit one chunk
 # (decode); otherwise the count and the scatter run one program per chunk around a one-program scan.
 # NOTE: a slot with id -1 (an expert another EP rank holds) sorts as one more expert, index E, after the real
-# ones; its blocks are labelled -1 and the GEMMs write zeros for them.
+# ones; its blocks are labelled -1, the first GEMM skips them and the second writes zeros for their rows.
 #   sorted:      | expert 0 (padded) | ... | expert E-1 (padded) | sentinel slots (padded) | unused |
 #   expert_ids:  | 0 ...             | ... | E-1 ...             | -1 ...                  | -1 ... |
 @triton.jit
@@ -232,8 +232,9 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     n_ok = offs_n < N
     c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
     if expert < 0:                        # slots of id -1 (another rank's expert): they contribute zero
-        tl.store(c_ptrs, tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=c_ptr.dtype.element_ty),
-                 mask=valid[:, None] & n_ok[None, :])
+        if not GATED:                     # (their h rows are never read: the second GEMM lands here too)
+            tl.store(c_ptrs, tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=c_ptr.dtype.element_ty),
+                     mask=valid[:, None] & n_ok[None, :])
         return
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
