@@ -110,6 +110,28 @@ def test_ep2_equals_tp1_through_the_engine(checkpoint, variant, one_thread):
         assert ids[:n] == o["output_ids"][:n]
 
 
+@pytest.mark.multi_gpu
+def test_ep2_on_two_gpus_equals_one_gpu(checkpoint):
+    """NCCL, the Triton fused-MoE with sentinel ids and CUDA graphs, in float32: tp 2 ep 2 == tp 1."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    path = checkpoint("v2")
+    flags = dict(device="cuda", dtype="float32", max_total_tokens=4096)
+    runs = []
+    for par in (dict(tp_size=1), dict(tp_size=2, ep_size=2)):
+        with mlaserve.Engine(model_path=path, log_level="warning", **flags, **par) as engine:
+            runs.append(engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 16, "temperature": 0},
+                                        return_logprob=True, logprob_start_len=0))
+            assert not engine.get_server_info()["disable_cuda_graph"]
+    ref, got = runs
+    assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
+    diff = max(abs(x[0] - y[0]) for a, b in zip(ref, got)
+               for x, y in zip(a["meta_info"]["input_token_logprobs"][1:], b["meta_info"]["input_token_logprobs"][1:]))
+    assert diff <= 1e-4, diff
+
+
 # --- the MoE layer: two EP ranks' partial outputs sum to one process's ---------------------------------------
 
 def small_moe_config(n_shared: int) -> ModelConfig:
