@@ -306,6 +306,14 @@ class SchedConfig:
     enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs)")
     torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)")
     watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")
+    speculative_algorithm: str | None = opt(None, "speculative decoding: EAGLE drafts with the checkpoint's own MTP "
+                                           "(NextN) layer and verifies the drafts in one target forward; NEXTN is "
+                                           "the same", choices=("EAGLE", "NEXTN"))
+    speculative_num_steps: int | None = opt(None, "draft steps per verification (default: 3)")
+    speculative_eagle_topk: int | None = opt(None, "draft branches per step (default: 1, a chain)")
+    speculative_num_draft_tokens: int | None = opt(None, "tokens verified per step (default: num_steps + 1)")
+    speculative_draft_model_path: str | None = opt(None, "checkpoint of the draft layer (default: --model-path, "
+                                                   "whose MTP layer drafts)")
     grammar_backend: str = opt("xgrammar", "structured output (json_schema / regex / ebnf / response_format / "
                                "forced tool calls): xgrammar, or none to refuse such requests (400)",
                                choices=("xgrammar", "none"))

@@ -74,7 +74,7 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     load = _resolve_load(server.load, model, device)
     parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
-    sched = _resolve_sched(server.sched, load, device)
+    sched = _resolve_spec(_resolve_sched(server.sched, load, device), model, load)
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 
@@ -308,6 +308,45 @@ def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> Sche
     else:
         compile_bs = 0
     return replace(s, cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, torch_compile_max_bs=compile_bs)
+
+
+SPEC_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+              "speculative_draft_model_path")
+DEFAULT_SPEC_STEPS = 3                     # DeepSeek's MTP defaults (SGLang's): 3 steps, topk 1, 4 draft tokens
+
+
+def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> SchedConfig:
+    """Speculative decoding: the draft is the checkpoint's own MTP layer, a chain of num_steps tokens verified
+    with the token before them (num_draft_tokens = num_steps + 1). The overlap scheduler is turned off (the next
+    step's slots depend on this step's accept lengths), as SGLang does."""
+    alg = s.speculative_algorithm
+    if alg is None:
+        given = [_flag(n) for n in SPEC_FLAGS if getattr(s, n) is not None]
+        if given:
+            _reject(f"{' '.join(given)}: act only with --speculative-algorithm EAGLE")
+        return s
+    if model.num_nextn_predict_layers < 1:
+        _reject(f"--speculative-algorithm {alg}: this checkpoint has no MTP (NextN) layer to draft with "
+                "(num_nextn_predict_layers is 0 in its config.json)")
+    steps = s.speculative_num_steps if s.speculative_num_steps is not None else DEFAULT_SPEC_STEPS
+    if steps < 1:
+        _reject(f"--speculative-num-steps {steps}: must be >= 1")
+    topk = s.speculative_eagle_topk if s.speculative_eagle_topk is not None else 1
+    if topk != 1:
+        _reject(f"--speculative-eagle-topk {topk}: tree drafts (topk > 1) are not implemented yet; use 1 (a chain)")
+    drafts = s.speculative_num_draft_tokens if s.speculative_num_draft_tokens is not None else steps + 1
+    if drafts != steps + 1:
+        _reject(f"--speculative-num-draft-tokens {drafts}: a chain (topk 1) verifies its {steps} draft tokens and "
+                f"the token before them, so it must be {steps + 1} with --speculative-num-steps {steps}")
+    if s.enable_torch_compile:
+        _reject("--enable-torch-compile with --speculative-algorithm: the draft and verify graphs are not compiled "
+                "yet; drop one of them")
+    path = s.speculative_draft_model_path
+    if path is not None and (load.model_path is None or os.path.realpath(path) != os.path.realpath(load.model_path)):
+        _reject(f"--speculative-draft-model-path {path}: a separate draft checkpoint is not supported yet; the draft "
+                "is the target checkpoint's own MTP layer (leave the flag unset)")
+    return replace(s, speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=topk,
+                   speculative_num_draft_tokens=drafts, disable_overlap_schedule=True)
 
 
 def _graph_sizes(s: SchedConfig) -> tuple[list[int], int]:

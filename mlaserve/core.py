@@ -293,6 +293,8 @@ class Req(RequestSpec):
     output_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     sent_len: int = 0                      # output tokens already sent to the manager
+    spec_verify_ct: int = 0                # speculative verify steps run for it
+    spec_tokens: int = 0                   # output tokens they produced (accepted drafts + one each)
 
     @property
     def fill_ids(self) -> list[int]:

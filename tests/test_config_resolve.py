@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,35 @@ def test_probe_device_names():
         assert probe_device("auto").type == "cpu"
         with pytest.raises(ConfigError, match="no CUDA device"):
             probe_device("cuda")
+
+
+def test_speculative_decoding_resolves_sglang_defaults():
+    r = resolve(H100, V3_FP8, speculative_algorithm="NEXTN")
+    s = r.sched
+    assert (s.speculative_algorithm, s.speculative_num_steps, s.speculative_eagle_topk,
+            s.speculative_num_draft_tokens) == ("EAGLE", 3, 1, 4)
+    assert s.disable_overlap_schedule and not s.disable_cuda_graph      # graphs capture draft + verify
+    assert resolve_config(r, V3_FP8, H100) == r
+    r = resolve(CPU, V3_FP8, speculative_algorithm="EAGLE", speculative_num_steps=1)
+    assert (r.sched.speculative_num_steps, r.sched.speculative_num_draft_tokens) == (1, 2)
+
+
+@pytest.mark.parametrize("model,flags,words", [
+    (V2_LITE, dict(speculative_algorithm="EAGLE"), "no MTP (NextN) layer"),
+    (V3_FP8, dict(speculative_num_steps=2), "--speculative-num-steps: act only with --speculative-algorithm"),
+    (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_eagle_topk=4), "tree drafts"),
+    (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_num_draft_tokens=8),
+     "must be 4"),
+    (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_num_steps=0), "must be >= 1"),
+    (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/elsewhere"),
+     "separate draft checkpoint"),
+])
+def test_speculative_flags_fail_in_one_line(model, flags, words):
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        resolve(CPU, model, **flags)
+    assert "\n" not in str(e.value)
+
+
+def test_speculative_decoding_refuses_torch_compile_for_now():
+    with pytest.raises(ConfigError, match="--enable-torch-compile with --speculative-algorithm"):
+        resolve(H100, V3_FP8, speculative_algorithm="EAGLE", enable_torch_compile=True)

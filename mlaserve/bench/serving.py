@@ -213,11 +213,26 @@ async def fetch_model(client: httpx.AsyncClient, base_url: str, headers: dict[st
         return None
 
 
+async def fetch_spec_counts(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> tuple[int, int] | None:
+    """(verify steps, tokens they produced) from `GET /get_server_info` of a server decoding speculatively, else
+    None (no speculation, or a server without those counters)."""
+    try:
+        resp = await client.get(base_url + "/get_server_info", headers=headers, timeout=30.0)
+        info = resp.json()
+    except Exception:  # noqa: BLE001 - the figure is optional
+        return None
+    if not info.get("speculative_algorithm") or "spec_verify_steps" not in info:
+        return None
+    return int(info["spec_verify_steps"]), int(info["spec_tokens"])
+
+
 # ----------------------------------------------------------------------------- load
 
 
-async def run_load(args: argparse.Namespace, reqs: list[BenchRequest]) -> tuple[list[RequestResult], float, str | None]:
-    """Warm up, then launch every request at Poisson arrival times; returns (results, duration s, model)."""
+async def run_load(args: argparse.Namespace, reqs: list[BenchRequest]
+                   ) -> tuple[list[RequestResult], float, str | None, float | None]:
+    """Warm up, then launch every request at Poisson arrival times; returns (results, duration s, model, accept
+    length: tokens per verify step during the run when the server decodes speculatively, else None)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=60.0)
@@ -238,6 +253,7 @@ async def run_load(args: argparse.Namespace, reqs: list[BenchRequest]) -> tuple[
             failed = [r.error for r in warm if not r.success]
             note = f" (first error: {failed[0]})" if failed else ""
             print(f"warm-up: {len(warm) - len(failed)}/{len(warm)} requests succeeded{note}", file=sys.stderr)
+        spec_before = await fetch_spec_counts(client, args.base_url, headers)
         rng = np.random.default_rng(args.seed + 1)
         bar = tqdm(total=len(reqs), disable=args.disable_tqdm, desc="requests")
         start, tasks = time.perf_counter(), []
@@ -249,7 +265,11 @@ async def run_load(args: argparse.Namespace, reqs: list[BenchRequest]) -> tuple[
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
         bar.close()
-    return results, duration, model
+        accept = None
+        spec_after = await fetch_spec_counts(client, args.base_url, headers) if spec_before else None
+        if spec_before and spec_after and spec_after[0] > spec_before[0]:
+            accept = (spec_after[1] - spec_before[1]) / (spec_after[0] - spec_before[0])
+    return results, duration, model, accept
 
 
 # ----------------------------------------------------------------------------- report
@@ -297,6 +317,8 @@ def print_report(m: dict[str, Any], args: argparse.Namespace) -> None:
         ("Input throughput (tok/s)", m["input_throughput"]), ("Output throughput (tok/s)", m["output_throughput"]),
         ("Total throughput (tok/s)", m["total_throughput"]), ("Concurrency", m["concurrency"]),
     ]
+    if m.get("accept_length") is not None:
+        rows.append(("Accept length (tokens / verify step)", m["accept_length"]))
     print(f"{' serving benchmark ':=^56}")
     print("\n".join(f"{label:<40}{_fmt(v):>16}" for label, v in rows))
     for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E latency")):
@@ -373,8 +395,8 @@ def main(argv: list[str]) -> int:
             return 1
     raise_fd_limit()
     reqs = random_requests(args, tok)
-    results, duration, model = asyncio.run(run_load(args, reqs))
-    metrics = summarize(results, duration)
+    results, duration, model, accept = asyncio.run(run_load(args, reqs))
+    metrics = summarize(results, duration) | {"accept_length": accept}
     print_report(metrics, args)
     if args.output_file:
         with open(args.output_file, "a", encoding="utf-8") as f:

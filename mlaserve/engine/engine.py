@@ -16,6 +16,7 @@ from mlaserve.core import Batch, ForwardMode
 from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
 from mlaserve.distributed.expert import expert_parallel
 from mlaserve.engine.forward_batch import build_context
+from mlaserve.engine.spec import SpecDecoder, SpecOutput, widen
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
@@ -94,10 +95,12 @@ class ModelRunner:
             raise ValueError("no model path")
         self.context_len = load.context_length
         kernels = load.attention_backend
+        spec_steps = server.sched.speculative_num_steps if server.sched.speculative_algorithm else 0
+        # NOTE: a verify step reaches spec_steps positions past the last token a request may have
         self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device, kernels=kernels,
                                          absorb=not load.disable_mla, dequant_fp8=load.dequant_fp8,
-                                         max_pos=self.context_len, tp=self.group.tp,
-                                         ep=expert_parallel(self.group.tp, server.parallel.ep_size))
+                                         load_mtp=spec_steps > 0, max_pos=self.context_len + spec_steps + 1,
+                                         tp=self.group.tp, ep=expert_parallel(self.group.tp, server.parallel.ep_size))
         load_weights(self.model, self.cfg, model_path, load_format=load.load_format,
                      dequant_fp8=load.dequant_fp8, seed=load.seed, progress=self.group.info.is_leader)
         logger.info("weights: %.2f GiB on rank %d of %d", weight_bytes(self.model) / 2**30, self.group.info.rank,
@@ -112,6 +115,7 @@ class ModelRunner:
         self.req_to_token: torch.Tensor | None = None      # set by attach() (the scheduler's table)
         self.token_buf: torch.Tensor | None = None
         self.graphs = None
+        self.spec = SpecDecoder(self, spec_steps) if spec_steps else None
         logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,
                     self.pool.bytes_per_token() * self.num_slots / 2**20, kv_dtype)
 
@@ -128,7 +132,8 @@ class ModelRunner:
     def _graph_reserve(self) -> int:
         """Memory kept out of the KV pool for decode activations and CUDA-graph buffers (logits dominate)."""
         sched = self.server.sched
-        return 512 * 2**20 + 3 * sched.cuda_graph_max_bs * self.cfg.vocab_size * 4
+        rows = sched.cuda_graph_max_bs * (sched.speculative_num_steps + 1 if sched.speculative_algorithm else 1)
+        return 512 * 2**20 + 3 * rows * self.cfg.vocab_size * 4
 
     def init_cuda_graphs(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
         """Capture decode graphs unless the resolved config turned them off (CPU, torch kernels, --disable-mla,
@@ -137,6 +142,12 @@ class ModelRunner:
 
         sched = self.server.sched
         if sched.disable_cuda_graph:
+            return
+        if self.spec is not None:                 # every decode step is a speculative one
+            from mlaserve.engine.graph import SpecGraphRunner
+
+            self.spec.graphs = SpecGraphRunner(self.spec, req_to_token, dummy_req, sched.cuda_graph_bs,
+                                               min(self.context_len, self.num_slots), self.device)
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                         sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,
@@ -167,6 +178,8 @@ class ModelRunner:
         """Use the scheduler's request-to-token table; `token_buf[row]` holds each request's last sampled token."""
         self.req_to_token = req_to_token
         self.token_buf = torch.zeros(req_to_token.shape[0], dtype=torch.int64, device=self.device)
+        if self.spec is not None:
+            self.spec.attach(req_to_token.shape[0])
 
     def forward(self, batch: Batch) -> StepOutput:
         return self.resolve(self.launch(batch))
@@ -240,6 +253,8 @@ class ModelRunner:
                 prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
                 return self.graphs.replay(ids, prefix, to_device(batch.out_slots, self.device), rows_dev,
                                           (prefix + 1).to(torch.int32))
+        elif self.spec is not None:
+            return self._spec_extend_logits(batch, rows)
         else:
             ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         ctx = build_context(batch.mode, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
@@ -248,6 +263,25 @@ class ModelRunner:
                             device=self.device, last_token_logits=False)
         ctx.logits_indices = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         return self.model(ids, ctx.positions, ctx).logits                    # [len(rows), V] fp32
+
+    def _spec_extend_logits(self, batch: Batch, rows: list[int]) -> torch.Tensor:
+        """An extend under speculative decoding: the target over the widened batch (`spec.widen`), then the
+        draft layer over the same tokens."""
+        wide = widen(batch)
+        ctx = build_context(ForwardMode.EXTEND, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
+                            prefix_lens=wide.prefix_lens, extend_lens=wide.extend_lens, out_slots=wide.out_slots,
+                            req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
+                            device=self.device, last_token_logits=False)
+        ids = torch.tensor(wide.ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        ctx.logits_indices = to_device(wide.index[torch.tensor(rows, dtype=torch.int64)], self.device)
+        out = self.model(ids, ctx.positions, ctx)
+        self.spec.after_extend(batch, wide, out.hidden)
+        return out.logits
+
+    @torch.no_grad()
+    def spec_step(self, batch: Batch) -> SpecOutput:
+        """One draft-and-verify step over a decode batch holding num_steps + 1 slots per request."""
+        return self.spec.step(batch)
 
     def _sample(self, batch: Batch, logits: torch.Tensor, samplers: list[int], bitmask: torch.Tensor | None = None):
         """logits [n, V] of the sampling rows -> (ids [n], chosen log-probs | None, top (values, ids) | None)."""

@@ -96,3 +96,82 @@ class DecodeGraphRunner:
             self.seq_lens[bs:cbs].fill_(1)
         self.graphs[cbs].replay()
         return self.outputs[cbs][:bs]
+
+
+class SpecGraphRunner:
+    """CUDA graphs for speculative decoding (`engine/spec.py`), per captured batch size: the draft steps and the
+    verify forward as one graph, the acceptance and draft repair as another (the target's tokens are chosen
+    between the two, outside: argmax or the seeded sampler). Padded rows run the dummy request, whose first
+    positions all map to the padding slot 0."""
+
+    def __init__(self, spec, req_to_token: torch.Tensor, dummy_req: int, batch_sizes: list[int], max_context: int,
+                 device: torch.device):
+        self.spec, self.batch_sizes = spec, sorted(batch_sizes)
+        s, k = spec.steps, spec.steps + 1
+        n = self.batch_sizes[-1]
+        self.dummy_req = dummy_req
+        req_to_token[dummy_req, : k + 2] = 0
+        self.rows = torch.full((n,), dummy_req, dtype=torch.int64, device=device)
+        self.base = torch.ones(n, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n, k, dtype=torch.int64, device=device)
+        self.target = torch.zeros(n, k, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
+        self.outputs: dict[int, tuple] = {}
+        heads = spec.model.num_local_heads
+        t0 = time.monotonic()
+        pool, stream = None, torch.cuda.Stream()
+        for bs in reversed(self.batch_sizes):
+            splits = tuple(choose_num_kv_splits(decode_programs(bs, q * heads), max_context) for q in (1, k, s))
+            rows, base, slots, target = self.rows[:bs], self.base[:bs], self.slots[:bs], self.target[:bs]
+
+            def first():
+                return spec.draft_verify(rows, base, slots, None, splits[:2])
+
+            def second(drafts, hidden):
+                return spec.accept(rows, base, slots, drafts, target, hidden, None, splits[2])
+
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):                # warm up: Triton compiles here
+                    d, _, h = first()
+                    second(d, h)
+            torch.cuda.current_stream().wait_stream(stream)
+            g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g1, pool=pool, stream=stream):
+                out1 = first()
+            pool = g1.pool()
+            with torch.cuda.graph(g2, pool=pool, stream=stream):
+                out2 = second(out1[0], out1[2])
+            self.graphs[bs], self.outputs[bs] = (g1, g2), (out1, out2)
+        torch.cuda.synchronize()
+        logger.info("captured %d speculative draft + verify CUDA graph pairs (bs %s) in %.1f s", len(self.graphs),
+                    self.batch_sizes, time.monotonic() - t0)
+
+    def can_run(self, bs: int) -> bool:
+        return bs <= self.batch_sizes[-1]
+
+    def _padded(self, bs: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def draft_verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor):
+        bs = rows.shape[0]
+        cbs = self._padded(bs)
+        self.rows[:bs].copy_(rows)
+        self.base[:bs].copy_(base)
+        self.slots[:bs].copy_(slots)
+        if cbs > bs:                              # padding rows: the dummy request, slot 0
+            self.rows[bs:cbs].fill_(self.dummy_req)
+            self.base[bs:cbs].fill_(1)
+            self.slots[bs:cbs].zero_()
+        self._bs = bs
+        self.graphs[cbs][0].replay()
+        drafts, logits, hidden = self.outputs[cbs][0]
+        k = self.spec.steps + 1
+        return drafts[:bs], logits[: bs * k], hidden[: bs * k]
+
+    def accept(self, target: torch.Tensor) -> torch.Tensor:
+        bs = self._bs
+        cbs = self._padded(bs)
+        self.target[:bs].copy_(target)
+        self.graphs[cbs][1].replay()
+        return self.outputs[cbs][1][:bs]

@@ -56,6 +56,8 @@ class ReqOutput:
     new_top_logprobs: list = field(default_factory=list)    # [[(logprob, id), ...]] for new_ids
     input_logprobs: list | None = None                      # once, when the prompt is done
     input_top_logprobs: list | None = None
+    spec_verify_ct: int = 0                                 # speculative verify steps so far (cumulative)
+    spec_tokens: int = 0                                    # output tokens those steps produced (cumulative)
 
 
 @dataclass

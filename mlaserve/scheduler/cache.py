@@ -72,6 +72,27 @@ class KVCacheManager:
         for r in reqs:
             r.kv_len += 1
 
+    def extend_each(self, reqs: list[Req], slots: torch.Tensor, k: int) -> None:
+        """Speculative decode: k new slots per request (slots [len(reqs) * k], request by request), written into
+        the table with a single indexed store."""
+        rows = [r.req_pool_idx for r in reqs for _ in range(k)]
+        cols = [r.kv_len + j for r in reqs for j in range(k)]
+        self.req_pool.write_one_each(rows, cols, slots)
+        for r in reqs:
+            r.kv_len += k
+
+    def truncate(self, req: Req, kv_len: int, freed: list[torch.Tensor]) -> None:
+        """Keep the KV of the first `kv_len` positions of `req` only; its slots past them (the rejected drafts of
+        a speculative step) go to `freed`, for one `free_all` after the step."""
+        assert req.prefix_len <= kv_len <= req.kv_len, f"cannot truncate {req.kv_len} positions to {kv_len}"
+        if kv_len < req.kv_len:
+            freed.append(self.req_pool.host[req.req_pool_idx, kv_len:req.kv_len].to(torch.int64))
+            req.kv_len = kv_len
+
+    def free_all(self, freed: list[torch.Tensor]) -> None:
+        if freed:
+            self.allocator.free(torch.cat(freed))
+
     def release(self, req: Req) -> None:
         """Hand the request's computed KV to the tree (or free it), unlock, and free its row."""
         if req.req_pool_idx is None:

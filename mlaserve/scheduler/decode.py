@@ -23,9 +23,12 @@ def retract(sched: "Scheduler", req: Req) -> None:
 
 
 def plan_decode(sched: "Scheduler") -> Batch | None:
-    if sched.running and sched.kv.available() < len(sched.running):
+    """One new token per running request, or under speculative decoding k = num_steps + 1 slots each (the last
+    token and the drafts; the rejected ones are freed after the step)."""
+    k = sched.spec_tokens
+    if sched.running and sched.kv.available() < k * len(sched.running):
         sched.drain()                         # retraction needs every request's tokens on the CPU
-    while sched.running and sched.kv.available() < len(sched.running):
+    while sched.running and sched.kv.available() < k * len(sched.running):
         if len(sched.running) == 1 and sched.chunked is None:
             # NOTE: alone it would never fit after a retraction either (check_request prevents this): end it
             req = sched.running[0]
@@ -37,10 +40,13 @@ def plan_decode(sched: "Scheduler") -> Batch | None:
     if not sched.running:
         return None
     reqs = list(sched.running)
-    slots = sched.kv.alloc(len(reqs))
+    slots = sched.kv.alloc(k * len(reqs))
     assert slots is not None, "decode slots must be available after retraction"
     prefix = [r.kv_len for r in reqs]
-    sched.kv.extend_one_each(reqs, slots)
+    if k == 1:
+        sched.kv.extend_one_each(reqs, slots)
+    else:
+        sched.kv.extend_each(reqs, slots, k)
     sched.new_token_ratio = max(sched.cfg.min_new_token_ratio, sched.new_token_ratio - 0.001)
     # NOTE: input ids are read on the device from the runner's token_buf (the last step may be in flight)
-    return Batch(ForwardMode.DECODE, reqs, [], slots, prefix, [1] * len(reqs), [True] * len(reqs))
+    return Batch(ForwardMode.DECODE, reqs, [], slots, prefix, [k] * len(reqs), [True] * len(reqs))

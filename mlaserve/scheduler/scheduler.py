@@ -10,6 +10,7 @@ from mlaserve.config import ServerConfig
 from mlaserve.core import Batch, FinishReason, ForwardMode, Req, RequestError, RequestLimits, check_request
 from mlaserve.distributed import RankGroup
 from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve_for_device
+from mlaserve.engine.spec import SpecOutput
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
 from mlaserve.scheduler.decode import plan_decode
@@ -30,13 +31,17 @@ class Scheduler:
         self.runner = runner or ModelRunner(server, model_path, group)
         self.context_len = self.runner.context_len
         self.max_running = self.cfg.max_running_requests
+        # speculative decoding: each decode step verifies spec_tokens positions (the last token and the drafts)
+        self.spec_tokens = self.cfg.speculative_num_steps + 1 if self.cfg.speculative_algorithm else 1
+        reach = self.spec_tokens - 1
         self.kv = KVCacheManager(self.runner.num_slots, self.max_running + 8,
-                                 min(self.context_len, self.runner.num_slots) + 1,
+                                 min(self.context_len, self.runner.num_slots) + 1 + reach,
                                  disable_radix=server.cache.disable_radix_cache, device=self.runner.device)
         self.runner.attach(self.kv.req_to_token)
         self.runner.init_cuda_graphs(self.kv.req_to_token, self.kv.req_pool.alloc())   # a row for padding
         self.eos_ids = set(self.runner.eos_ids())
-        self.limits = RequestLimits(self.context_len, self.kv.num_slots, self.runner.cfg.vocab_size)
+        # NOTE: a lone request must always find room for its drafts too, or it would be cut short
+        self.limits = RequestLimits(self.context_len, self.kv.num_slots - reach, self.runner.cfg.vocab_size)
         # NOTE: ranks must admit a request at the same step (SPMD): under TP, compiles finish before the next step
         self.grammar = create_grammar_manager(self.cfg.grammar_backend, server.load.tokenizer_path or model_path,
                                               self.runner.cfg.vocab_size, sorted(self.eos_ids),
@@ -50,7 +55,8 @@ class Scheduler:
         self.outbox: list[m.ReqOutput] = []
         self.overlap = not self.cfg.disable_overlap_schedule
         self.pending: PendingStep | None = None   # the step queued on the device, not yet processed
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0,
+                      "spec_verify_steps": 0, "spec_tokens": 0}
         self.arrivals = 0                         # arrival order (the same on every rank, unlike a clock)
 
     # --- requests in ----------------------------------------------------------------------------
@@ -61,6 +67,11 @@ class Scheduler:
             req.params = check_request(req.input_ids, req.params, self.limits)
         except RequestError as e:
             self._finish(req, FinishReason("abort", message=e.message, status_code=e.status_code))
+            return
+        if req.params.grammar is not None and self.spec_tokens > 1:
+            self._finish(req, FinishReason("abort", message="structured output (json_schema / regex / ebnf / "
+                                           "structural_tag) does not combine with speculative decoding yet",
+                                           status_code=400))
             return
         self.live[req.rid] = req
         if req.params.grammar is not None:
@@ -103,7 +114,9 @@ class Scheduler:
     def plan(self) -> Batch | None:
         return plan_prefill(self) or plan_decode(self)
 
-    def run(self, batch: Batch) -> StepOutput:
+    def run(self, batch: Batch) -> StepOutput | SpecOutput:
+        if batch.mode is ForwardMode.DECODE and self.spec_tokens > 1:
+            return self.runner.spec_step(batch)
         return self.runner.resolve(self.runner.launch(batch, self.grammar.bitmask(batch)))
 
     def _launch_and_drain(self, batch: Batch | None) -> PendingStep | None:
@@ -118,17 +131,23 @@ class Scheduler:
         self.drain()
         return self.runner.launch_sample(fwd, self.grammar.bitmask(batch))
 
-    def process(self, batch: Batch, out: StepOutput) -> None:
+    def process(self, batch: Batch, out: StepOutput | SpecOutput) -> None:
         self.stats["steps"] += 1
+        spec = isinstance(out, SpecOutput)
+        freed: list = []                      # rejected drafts' slots, freed at once after the step
         for i, req in enumerate(batch.reqs):
             if req.finished is not None:      # aborted while its step ran
                 continue
             try:
-                self._process_one(batch, out, i, req)
+                if spec:
+                    self._process_spec(out, i, req, freed)
+                else:
+                    self._process_one(batch, out, i, req)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 logger.exception("processing request %s failed", req.rid)
                 self.end(req, FinishReason("abort", message=f"internal error: {type(e).__name__}: {e}",
                                             status_code=500))
+        self.kv.free_all(freed)
 
     def _process_one(self, batch: Batch, out: StepOutput, i: int, req: Req) -> None:
         if batch.mode is ForwardMode.EXTEND:
@@ -145,6 +164,25 @@ class Scheduler:
         self._append(req, tok, out.next_logprobs[i], out.next_top[i])
         if req.finished is None and batch.mode is ForwardMode.EXTEND:
             self.running.append(req)
+
+    def _process_spec(self, out: SpecOutput, i: int, req: Req, freed: list) -> None:
+        """A verify step's tokens for one request: taken in order up to the first that ends it; the slots past
+        the last kept token's KV (rejected drafts, or tokens after the end) are freed first."""
+        toks = out.tokens[i]
+        n = len(toks)
+        for j, tok in enumerate(toks):
+            if self._ends(req, tok, len(req.output_ids) + j + 1) is not None:
+                n = j + 1
+                break
+        req.spec_verify_ct += 1
+        req.spec_tokens += n
+        self.stats["spec_verify_steps"] += 1
+        self.stats["spec_tokens"] += n
+        # fill_ids gains n tokens; every one of them but the newest has KV
+        self.kv.truncate(req, len(req.fill_ids) + n - 1, freed)
+        for j in range(n):
+            lp = out.logprobs[i][j] if out.logprobs[i] is not None else None
+            self._append(req, toks[j], lp, out.top[i][j] if out.top[i] is not None else None, emit=j == n - 1)
 
     def step(self) -> list[m.ReqOutput]:
         """One scheduling iteration; returns what it produced for the tokenizer manager.
@@ -186,7 +224,7 @@ class Scheduler:
         return out
 
     # --- results ----------------------------------------------------------------------------------
-    def _append(self, req: Req, tok: int, logprob: float | None, top: list | None) -> None:
+    def _append(self, req: Req, tok: int, logprob: float | None, top: list | None, emit: bool = True) -> None:
         first = not req.output_ids
         req.output_ids.append(tok)
         self.stats["generation_tokens"] += 1
@@ -194,22 +232,25 @@ class Scheduler:
             req.output_logprobs.append((logprob, tok))
             req.output_top_logprobs.append(top or [])
         finished = self.grammar.accept(req, tok)
-        p = req.params
-        n = len(req.output_ids)
-        if finished is not None:
-            pass
-        elif n >= p.min_new_tokens and ((tok in self.eos_ids and not p.ignore_eos)
-                                      or (p.stop_token_ids and tok in p.stop_token_ids)):
-            finished = FinishReason("stop", matched=tok)
-        elif n >= p.max_new_tokens:
-            finished = FinishReason("length", length=p.max_new_tokens)
+        if finished is None:
+            finished = self._ends(req, tok, len(req.output_ids))
         if first:
             self.stats["cached_tokens"] += req.cached_tokens
         if finished is not None:
             self._drop(req)
             self._finish(req, finished)
-        else:
+        elif emit:
             self._emit(req)
+
+    def _ends(self, req: Req, tok: int, n: int) -> FinishReason | None:
+        """Why `tok`, output token number n (from 1), ends `req` (stop id, eos or length), or None."""
+        p = req.params
+        if n >= p.min_new_tokens and ((tok in self.eos_ids and not p.ignore_eos)
+                                      or (p.stop_token_ids and tok in p.stop_token_ids)):
+            return FinishReason("stop", matched=tok)
+        if n >= p.max_new_tokens:
+            return FinishReason("length", length=p.max_new_tokens)
+        return None
 
     def end(self, req: Req, reason: FinishReason) -> None:
         """Finish `req` with `reason` wherever it is (queue, batch, prompt chunk), freeing its KV."""
@@ -241,7 +282,8 @@ class Scheduler:
             new_logprobs=req.output_logprobs[k:] if req.return_logprob else [],
             new_top_logprobs=req.output_top_logprobs[k:] if req.return_logprob else [],
             input_logprobs=self._input_logprobs(req) if prompt_done and req.return_logprob else None,
-            input_top_logprobs=req.input_top_logprobs if prompt_done and req.return_logprob else None))
+            input_top_logprobs=req.input_top_logprobs if prompt_done and req.return_logprob else None,
+            spec_verify_ct=req.spec_verify_ct, spec_tokens=req.spec_tokens))
         req.sent_len = len(req.output_ids)
 
     @staticmethod
@@ -256,4 +298,5 @@ class Scheduler:
                 "used_tokens": self.kv.used(), "max_total_tokens": self.kv.num_slots,
                 "free_tokens": self.kv.allocator.available, "cached_tokens_in_tree": self.kv.tree.total_size(),
                 "num_retracted": self.num_retracted, "grammar_states": len(self.grammar.states),
-                "grammar_waiting": len(self.grammar.waiting), **self.stats}
+                "grammar_waiting": len(self.grammar.waiting), **self.stats,
+                "avg_spec_accept_length": self.stats["spec_tokens"] / max(self.stats["spec_verify_steps"], 1)}

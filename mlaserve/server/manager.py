@@ -296,6 +296,8 @@ class TokenizerManager:
     def _update(self, state: _State, out: m.ReqOutput) -> None:
         self._timing(state, out)
         state.meta.update(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
+        if out.spec_verify_ct:
+            state.meta.update(spec_verify_ct=out.spec_verify_ct, spec_tokens=out.spec_tokens)
         if out.input_logprobs is not None:
             state.meta["input_token_logprobs"] = out.input_logprobs
             state.meta["input_top_logprobs"] = out.input_top_logprobs
@@ -338,6 +340,9 @@ class TokenizerManager:
         meta = {"id": req.rid, "finish_reason": state.finished.to_json() if state.finished else None,
                 "prompt_tokens": len(req.input_ids), "completion_tokens": len(state.ids),
                 "cached_tokens": state.meta.get("cached_tokens", 0), "e2e_latency": time.monotonic() - state.created}
+        if "spec_verify_ct" in state.meta:    # speculative decoding: verify steps, tokens per verify step
+            ct = state.meta["spec_verify_ct"]
+            meta.update(spec_verify_ct=ct, spec_accept_length=state.meta["spec_tokens"] / ct)
         if req.return_logprob:
             meta["input_token_logprobs"] = state.meta.get("input_token_logprobs", [])
             meta["output_token_logprobs"] = list(state.out_logprobs)

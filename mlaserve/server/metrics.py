@@ -27,6 +27,8 @@ GAUGES = (
     ("token_usage", "token_usage", "fraction of KV-cache token slots in use (prefix cache included)"),
     ("used_tokens", "used_tokens", "KV-cache token slots in use"),
     ("max_total_tokens", "max_total_tokens", "KV-cache size in tokens"),
+    ("avg_spec_accept_length", "spec_accept_length",
+     "speculative decoding: mean tokens per verify step since start (0 without speculation)"),
 )
 
 

@@ -251,8 +251,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--tokenizer-sample-mb", type=float, default=32.0, help="corpus sample the tokenizer learns from")
     ap.add_argument("--max-corpus-mb", type=float, default=None, help="use only this much of the corpus (tests)")
-    ap.add_argument("--train-seconds", type=float, default=300.0, help="training time (sets the step count)")
-    ap.add_argument("--steps", type=int, default=None, help="a fixed step count instead of --train-seconds")
+    ap.add_argument("--train-seconds", type=float, default=300.0,
+                    help="training time: sets the step count from the speed of steps 10-40, so it varies by machine")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="a fixed step count instead of --train-seconds (reproducible; the shipped model: 1863)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)

@@ -169,7 +169,7 @@ def test_native_generate_per_request(tmp_path: Path) -> None:
     reqs = serving.random_requests(args, None)
     with serve(mock) as port:
         args.base_url = f"http://127.0.0.1:{port}"
-        results, duration, _ = asyncio.run(serving.run_load(args, reqs))
+        results, duration, _, _ = asyncio.run(serving.run_load(args, reqs))
     for req, res in zip(reqs, results):
         assert res.success, res.error
         assert res.output_tokens == req.output_len and len(res.itl) == req.output_len - 1

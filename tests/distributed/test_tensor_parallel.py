@@ -161,6 +161,26 @@ def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
             assert got["ids"] == big[m.rid]["ids"], m.rid
 
 
+def test_speculative_decoding_under_tp2_equals_one_process_without_it():
+    """The demo model (its MTP head drafts well) through the Engine at tp 2 with speculation: the greedy and
+    seeded-sampled tokens of one process without it; accept lengths reported per request and by the server."""
+    from mlaserve.demo import DEMO_DIR
+    from mlaserve.tokenizer import load_tokenizer
+
+    path = str(DEMO_DIR)
+    tok = load_tokenizer(path)
+    prompts = [tok.encode(h) for h in ("def read_config(path):\n", "class Stack:\n    def __init__(self):\n",
+                                       "import os\n\ndef list_files(root):\n")]
+    ref, _ = generate(path, 1, prompts, dtype="float32")
+    got, info = generate(path, 2, prompts, dtype="float32", speculative_algorithm="EAGLE")
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    diffs = [abs(x - y) for a, b in zip(ref[:-1], got[:-1]) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))]
+    assert max(diffs) <= 1e-4
+    assert info["speculative_num_steps"] == 3 and info["avg_spec_accept_length"] > 1.5
+    assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in got)
+    assert any(o["meta_info"]["spec_accept_length"] > 1.5 for o in got)
+
+
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("variant", ["v2", "v3"])
 def test_tp2_on_two_gpus_equals_one_gpu(checkpoint, variant):

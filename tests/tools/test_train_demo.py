@@ -43,3 +43,21 @@ def test_train_demo_tiny_writes_a_checkpoint_both_heads_learn(tmp_path, one_thre
     load_weights(model, cfg, out, progress=False)      # every tensor checked against checkpoint_specs
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias
     assert bias.abs().max() > 0                        # moved by the aux-loss-free balancing
+
+
+def test_fixed_steps_schedule_equals_the_clock_derived_one():
+    """`--steps N` gives the same lr at every step as a `--train-seconds` run whose clock chose N steps: the probe
+    fixes the step count at step 40, inside the warm-up, where the lr does not depend on the step count. The shipped
+    model's logged lr curve (a clock run that chose 1,863 steps) is the fixed-step schedule of 1,863 steps."""
+    from pathlib import Path
+
+    from mlaserve.tools.train_demo import PROBE_TO, lr_at, parse_args
+
+    args = parse_args(["--out", "x"])
+    assert PROBE_TO < args.warmup
+    assert all(lr_at(s, 10**9, args.lr, args.warmup) == lr_at(s, 1863, args.lr, args.warmup) for s in range(PROBE_TO))
+    shipped = Path(__file__).parents[2] / "benchmarks" / "results" / "demo-model" / "train_log.json"
+    log = json.loads(shipped.read_text())
+    assert log["steps"] == 1863 and log["args"]["lr"] == args.lr and log["args"]["warmup"] == args.warmup
+    for p in log["curve"]:
+        assert math.isclose(p["lr"], lr_at(p["step"] - 1, 1863, args.lr, args.warmup), rel_tol=1e-12), p

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Speculative decoding on one GPU (issue 13): the GPU tests of the spec path, then benchmarks/spec_decode.py.
+# Run from the repository root on the device: bash benchmarks/gpu_spec.sh  (writes under $OUT)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+[ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
+PART=${1:-all}
+[ "$PART" = all ] && timeout 240 python3 -m pytest -q -x tests/engine/test_spec.py -k gpu -p no:cacheprovider 2>&1 | tail -15 > "$OUT/tests.txt"
+[ "$PART" = all ] && cat "$OUT/tests.txt"
+if [ "$PART" = all ] || [ "$PART" = cost ]; then
+  for layers in 4 6; do
+    timeout 200 python3 benchmarks/spec_decode.py cost $layers 2>&1 | grep -v "loading weights\|no tuned config" | tee -a "$OUT/cost.jsonl"
+  done
+fi
+if [ "$PART" = profile ]; then
+  for spec in none 3,1,4; do
+    timeout 120 python3 benchmarks/spec_decode.py profile 1 $spec 2>&1 | grep -v "loading weights" | tee -a "$OUT/profile.txt"
+  done
+fi
+if [ "$PART" = all ] || [ "$PART" = demo ]; then
+  timeout 280 python3 benchmarks/spec_decode.py demo 2>&1 | grep -v "loading weights" | tee -a "$OUT/demo.jsonl"
+fi

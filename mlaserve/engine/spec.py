@@ -1,0 +1,264 @@
+"""MTP speculative decoding (DESIGN.md sec. 7): the checkpoint's NextN layer drafts a chain of `S` tokens, one
+target forward verifies them, and every request advances by 1 .. S + 1 tokens per step.
+
+Legend: `B` requests, `S` draft steps, `k = S + 1` tokens verified per request, `h` hidden size, `V` vocab.
+
+Where the draft's latent KV lives (the pool's layer `num_hidden_layers`, the NextN layer's own): the NextN input
+that pairs token p with the target's final hidden state at position p - 1 is written to token p's slot, at rope
+position p - 1 (the MTP sequence is the token sequence shifted by one; its attention reads `req_to_token[:, 1:]`).
+So the draft KV in a slot depends only on the tokens up to that slot's token, exactly like the target's, and the
+radix cache can share both: a cache hit costs no acceptance. Token 0's slot holds no draft pair.
+
+One step (`SpecDecoder.step`), on the device:
+  draft   S NextN decodes: (last token, target hidden at L - 1) -> d_1, then (d_j, the draft's own hidden) -> d_j+1
+  verify  one target forward over [last token, d_1 .. d_S] at positions L .. L + S (causal, `num_q = k`)
+  accept  the target's own token at each position (argmax, or the request's seeded sampler at the token's index);
+          d_j is accepted while it equals the target's token before it, so the output is exactly what decoding
+          without speculation would give, token for token, greedy or sampled
+  repair  the draft pairs of the accepted drafts are rewritten with the target's hidden states (the draft wrote
+          them with its own): one NextN forward over all S drafts (`num_q = S`; the rejected ones' slots are
+          freed, so what lands there is moot). Every step is device work of fixed shape, so on the GPU the
+          draft + verify and the accept + repair run as two CUDA graphs (`engine/graph.py`)
+Prefill: after the target's extend the NextN layer extends over the same tokens (pairs for all but the first
+token of each request). A request extending from a cached prefix p > 0 recomputes token p - 1 in the target
+(its KV goes to the scratch slot 0; the cached copy stays) to get the hidden state its first pair needs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from mlaserve.core import Batch, ForwardContext, ForwardMode
+from mlaserve.engine.forward_batch import build_context
+from mlaserve.kvcache.allocator import to_device
+from mlaserve.layers.sampler import SamplingBatch
+
+if TYPE_CHECKING:
+    from mlaserve.engine.engine import ModelRunner
+
+SCRATCH_SLOT = 0     # the padding slot: KV written here is never read
+
+
+class SpecOutput(NamedTuple):
+    """Per request of a verify step: the tokens it advances by (1 .. S + 1) and their log-probs when asked."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float] | None]
+    top: list[list[list[tuple[float, int]]] | None]
+    accepted: list[int]                      # drafts accepted (len(tokens) - 1)
+
+
+class Widened(NamedTuple):
+    """An extend batch with, for each request extending from p > 0, token p - 1 recomputed in front."""
+
+    ids: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_slots: torch.Tensor                  # [T'] host
+    index: torch.Tensor                      # [T] host: position in T' of each token of the original batch
+
+
+def widen(batch: Batch) -> Widened:
+    ids, prefix, ext, slots, index = [], [], [], [], []
+    at = 0
+    for req, p, n, s in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, _split(batch.out_slots, batch.extend_lens)):
+        extra = 1 if p > 0 else 0
+        ids.extend(req.fill_ids[p - extra: p + n])
+        prefix.append(p - extra)
+        ext.append(n + extra)
+        if extra:
+            slots.append(torch.tensor([SCRATCH_SLOT], dtype=torch.int64))
+        slots.append(s)
+        index.extend(range(at + extra, at + extra + n))
+        at += extra + n
+    return Widened(ids, prefix, ext, torch.cat(slots) if slots else batch.out_slots,
+                   torch.tensor(index, dtype=torch.int64))
+
+
+def _split(t: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(t, lens)) if lens else []
+
+
+class SpecDecoder:
+    """Draft-and-verify for one rank's `ModelRunner` (whose model was built with its NextN layer)."""
+
+    def __init__(self, runner: "ModelRunner", num_steps: int):
+        self.runner, self.steps = runner, num_steps
+        self.model = runner.model
+        assert self.model.mtp is not None, "the model was built without its NextN layer"
+        self.hidden_buf: torch.Tensor | None = None       # [rows, h]: target hidden at each request's last KV position
+        self.graphs = None                                # SpecGraphRunner (engine/graph.py) on the GPU
+        self.verify_steps = 0
+        self.verified_tokens = 0
+
+    def attach(self, rows: int) -> None:
+        cfg = self.runner.cfg
+        self.hidden_buf = torch.zeros(rows, cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
+
+    def _ctx(self, mode: ForwardMode, rows: list[int], prefix: list[int], ext: list[int], out_slots: torch.Tensor,
+             draft: bool, num_q: int = 1):
+        r = self.runner
+        table = r.req_to_token[:, 1:] if draft else r.req_to_token    # the draft sequence starts at token 1
+        return build_context(mode, req_pool_idx=rows, prefix_lens=prefix, extend_lens=ext, out_slots=out_slots,
+                             req_to_token=table, kv_pool=r.pool, attn_backend=r.attn_backend, device=r.device,
+                             num_q=num_q, last_token_logits=False)
+
+    # --- prefill --------------------------------------------------------------------------------
+    def after_extend(self, batch: Batch, wide: Widened, hidden: torch.Tensor) -> None:
+        """The NextN layer over an extend batch the target just ran (`hidden` [T', h] of the widened batch):
+        a draft pair for every token of each request but its first; each request's last hidden state is kept."""
+        rows, prefix, ext, take_tok, take_hid, slots, last = [], [], [], [], [], [], []
+        at = 0
+        for req, p, n in zip(batch.reqs, wide.prefix_lens, wide.extend_lens):
+            last.append(at + n - 1)
+            if n > 1:
+                rows.append(req.req_pool_idx)
+                prefix.append(p)               # pairs for tokens p + 1 .. p + n - 1: draft positions p .. p + n - 2
+                ext.append(n - 1)
+                take_tok.extend(range(at + 1, at + n))
+                take_hid.extend(range(at, at + n - 1))
+            at += n
+        out_slots = wide.out_slots[[i for i in take_tok]] if take_tok else None
+        dev = self.runner.device
+        if rows:
+            ids = torch.tensor(wide.ids, dtype=torch.int64)[take_tok].to(dev)
+            ctx = self._ctx(ForwardMode.EXTEND, rows, prefix, ext, out_slots, draft=True)
+            ctx.logits_indices = torch.empty(0, dtype=torch.int64, device=dev)
+            self.model.mtp(ids, hidden[to_device(torch.tensor(take_hid), dev)], ctx.positions, ctx)
+        req_rows = to_device(torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64), dev)
+        self.hidden_buf[req_rows] = hidden[to_device(torch.tensor(last, dtype=torch.int64), dev)]
+
+    # --- one decode step: draft, verify, accept, repair -------------------------------------------
+    @torch.no_grad()
+    def step(self, batch: Batch) -> SpecOutput:
+        s = self.steps
+        k, b, dev = s + 1, batch.size, self.runner.device
+        rows = to_device(torch.tensor([q.req_pool_idx for q in batch.reqs], dtype=torch.int64), dev)
+        base = to_device(torch.tensor(batch.prefix_lens, dtype=torch.int64), dev)   # L: tokens with KV before
+        slots = to_device(batch.out_slots, dev).view(b, k)                # token L + j -> slots[:, j]
+        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(b) else None
+        if graphs is not None:
+            draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots)
+        else:
+            draft_ids, logits, hidden = self.draft_verify(rows, base, slots, batch.prefix_lens)
+        target, lp, top = self._target_tokens(batch, logits, draft_ids)          # [B, k]
+        if graphs is not None:
+            accepted = graphs.accept(target)
+        else:
+            accepted = self.accept(rows, base, slots, draft_ids, target, hidden, batch.prefix_lens)
+        n_acc = accepted.tolist()
+        tokens = target.tolist()
+        lps = lp.tolist() if lp is not None else None
+        tops = [t.tolist() for t in top] if top is not None else None
+        out_tokens, out_lp, out_top = [], [], []
+        for i, req in enumerate(batch.reqs):
+            n = n_acc[i] + 1
+            out_tokens.append(tokens[i][:n])
+            out_lp.append(lps[i][:n] if lps is not None and req.return_logprob else None)
+            kk = req.top_logprobs_num
+            out_top.append([list(zip(tops[0][i][j][:kk], tops[1][i][j][:kk])) for j in range(n)]
+                           if tops is not None and req.return_logprob and kk else None)
+        self.verify_steps += 1
+        self.verified_tokens += sum(n_acc) + b
+        return SpecOutput(out_tokens, out_lp, out_top, n_acc)
+
+    def _decode_ctx(self, rows: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
+                    out_slots: torch.Tensor, num_q: int, draft: bool, seq_cpu: list[int] | None,
+                    splits: int | None) -> ForwardContext:
+        """A DECODE context from device tensors only (so CUDA graphs can capture it); `seq_cpu` are the same
+        lengths on the host for the reference attention (None under graphs, where nothing reads them)."""
+        r = self.runner
+        b = rows.shape[0]
+        return ForwardContext(
+            mode=ForwardMode.DECODE, positions=positions, out_slots=out_slots, req_pool_idx=rows,
+            seq_lens=seq_lens.to(torch.int32), seq_lens_cpu=seq_cpu if seq_cpu is not None else [num_q] * b,
+            extend_lens_cpu=[num_q] * b, req_to_token=r.req_to_token[:, 1:] if draft else r.req_to_token,
+            kv_pool=r.pool, attn_backend=r.attn_backend, num_q=num_q, logits_indices=None, num_kv_splits=splits)
+
+    def draft_verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor,
+                     base_cpu: list[int] | None, splits: tuple[int, int] | None = None):
+        """S draft steps, then the target over [last token, d_1 .. d_S]: (drafts [B, S], logits [B * k, V],
+        hidden [B * k, h]). Device work only (`base_cpu` feeds the reference attention)."""
+        draft_ids = self.draft(rows, base, slots, base_cpu, splits and splits[0])
+        return (draft_ids, *self.verify(rows, base, slots, draft_ids, base_cpu, splits and splits[1]))
+
+    def draft(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, base_cpu: list[int] | None,
+              splits: int | None = None) -> torch.Tensor:
+        """The chain of S drafts [B, S]: step j pairs token L + j with hidden L + j - 1 at draft position
+        L + j - 1 (the target's hidden for j = 0, the draft's own after)."""
+        tok, hid, drafts = self.runner.token_buf[rows], self.hidden_buf[rows], []
+        for j in range(self.steps):
+            pos = base + (j - 1)
+            cpu = [x + j for x in base_cpu] if base_cpu is not None else None
+            ctx = self._decode_ctx(rows, base + j, pos, slots[:, j], 1, True, cpu, splits)
+            out = self.model.mtp(tok, hid, pos, ctx)
+            tok, hid = out.logits.argmax(-1), out.hidden
+            drafts.append(tok)
+        return torch.stack(drafts, dim=1)
+
+    def verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, draft_ids: torch.Tensor,
+               base_cpu: list[int] | None, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over [token L, d_1 .. d_S] at positions L .. L + S: (logits [B * k, V], hidden [B * k, h])."""
+        k = self.steps + 1
+        ids = torch.cat([self.runner.token_buf[rows][:, None], draft_ids], dim=1).reshape(-1)     # [B * k]
+        pos = (base[:, None] + torch.arange(k, device=base.device)).reshape(-1)
+        cpu = [x + k for x in base_cpu] if base_cpu is not None else None
+        ctx = self._decode_ctx(rows, base + k, pos, slots.reshape(-1), k, False, cpu, splits)
+        out = self.model(ids, pos, ctx)
+        return out.logits, out.hidden
+
+    def accept(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, draft_ids: torch.Tensor,
+               target: torch.Tensor, hidden: torch.Tensor, base_cpu: list[int] | None,
+               splits: int | None = None) -> torch.Tensor:
+        """Accepted drafts per request [B] (leading drafts equal to the target's token before them); repairs
+        their draft pairs and leaves each request's newest token and hidden state in the runner's buffers."""
+        s, b = self.steps, rows.shape[0]
+        accepted = (draft_ids == target[:, :s]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        hidden = hidden.view(b, s + 1, -1)
+        # repair: pairs (d_j, target hidden L + j - 1), j = 1 .. S, at draft positions L .. L + S - 1
+        pos = (base[:, None] + torch.arange(s, device=base.device)).reshape(-1)
+        cpu = [x + s for x in base_cpu] if base_cpu is not None else None
+        ctx = self._decode_ctx(rows, base + s, pos, slots[:, 1:].reshape(-1), s, True, cpu, splits)
+        ctx.logits_indices = torch.empty(0, dtype=torch.int64, device=base.device)
+        self.model.mtp(draft_ids.reshape(-1), hidden[:, :s].reshape(b * s, -1), pos, ctx)
+        pick = torch.arange(b, device=base.device)
+        self.hidden_buf[rows] = hidden[pick, accepted]
+        self.runner.token_buf[rows] = target[pick, accepted]
+        return accepted
+
+    def _target_tokens(self, batch: Batch, logits: torch.Tensor, drafts: torch.Tensor):
+        """The target's token at every verified position (logits [B * k, V]): what decoding without speculation
+        samples there if the drafts before it are accepted (its step index, and the drafts as output history).
+        Returns (tokens [B, k], log-probs [B, k] | None, top (values, ids) [B, k, n] | None)."""
+        r, k = self.runner, self.steps + 1
+        b = batch.size
+        reqs = batch.reqs
+        steps = [r._step_index(batch, i) + j for i in range(b) for j in range(k)]
+        expanded = [q for q in reqs for _ in range(k)]
+        if r._plain_greedy(expanded, steps):
+            return logits.argmax(-1).view(b, k), None, None
+        sb = SamplingBatch.build([q.params for q in expanded], [q.seed for q in expanded], steps,
+                                 [q.input_ids for q in expanded], [q.output_ids for q in expanded], r.cfg.vocab_size,
+                                 r.eos_ids(), r.device)
+        if sb.need_penalties:
+            _add_draft_history(sb, drafts, k)
+        want_lp = any(q.return_logprob for q in reqs)
+        n_top = max(q.top_logprobs_num for q in reqs)
+        out = r.sampler(logits, sb, return_logprob=want_lp, top_logprobs_num=n_top if want_lp else 0)
+        lp = out.logprobs.view(b, k) if out.logprobs is not None else None
+        top = tuple(t.view(b, k, -1) for t in out.top_logprobs) if out.top_logprobs is not None else None
+        return out.next_ids.view(b, k), lp, top
+
+
+def _add_draft_history(sb: SamplingBatch, drafts: torch.Tensor, k: int) -> None:
+    """Row (b, j) of a verify batch samples after drafts d_1 .. d_j were output: count them as output history."""
+    b, s = drafts.shape
+    seen = torch.zeros(b, k, sb.vocab_size, dtype=torch.int32, device=drafts.device)
+    before = torch.tril(torch.ones(k, s, dtype=torch.int32, device=drafts.device), diagonal=-1)   # [k, S]: j > i
+    seen.scatter_add_(2, drafts[:, None, :].expand(b, k, s), before[None].expand(b, k, s).contiguous())
+    seen = seen.view(b * k, sb.vocab_size)
+    if sb.token_counts is not None:
+        sb.token_counts = sb.token_counts + seen
+    if sb.seen_mask is not None:
+        sb.seen_mask = sb.seen_mask | (seen > 0)

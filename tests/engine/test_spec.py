@@ -1,0 +1,216 @@
+"""MTP speculative decoding against decoding without it, in the scheduler on the CPU (fp32): identical tokens,
+greedy and sampled, alone and with radix hits, chunked prefill, retraction, stops and max_new_tokens inside an
+accepted run, log-probs; no acceptance lost on a cache hit; every slot back after each test.
+
+The trained demo model's MTP head agrees with its main model often (accept length about 2.8 at 3 steps), so its
+runs exercise accepted drafts; a random-weight V3-shape checkpoint exercises rejection at every step.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import mlaserve
+from mlaserve.config import ServerConfig
+from mlaserve.core import SamplingParams
+from mlaserve.demo import DEMO_DIR
+from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.scheduler.scheduler import Scheduler
+from mlaserve.tokenizer import load_tokenizer
+from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+from seq_runner import drive_scheduler as run
+
+CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
+DEMO = str(DEMO_DIR)
+HEADERS = ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef list_files(root):\n",
+           "def fibonacci(n):\n", "    for key, value in sorted(items.items()):\n", "def parse_args(argv=None):\n"]
+
+
+@pytest.fixture(scope="module")
+def random_v3(tmp_path_factory) -> str:
+    d = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"first_k_dense_replace": 1}
+    cfg = make_config(d, num_layers=2, shrink=True, fp8=False)
+    return str(write_checkpoint(cfg, tmp_path_factory.mktemp("spec") / "m", progress=False, tokenizer=False))
+
+
+@pytest.fixture(scope="module")
+def demo_prompts() -> list[list[int]]:
+    tok = load_tokenizer(DEMO)
+    return [tok.encode(h) for h in HEADERS]
+
+
+def make(path: str, **kw) -> Scheduler:
+    args = dict(model_path=path, device="cpu", dtype="float32", max_total_tokens=4096, log_level="warning")
+    return Scheduler(ServerConfig.from_flat(**(args | kw)), path)
+
+
+def spec(path: str, steps: int = 3, **kw) -> Scheduler:
+    return make(path, speculative_algorithm="EAGLE", speculative_num_steps=steps, **kw)
+
+
+def msg(rid: str, ids: list[int], max_new: int = 24, **params) -> GenerateReqMsg:
+    p = SamplingParams(max_new_tokens=max_new, temperature=params.pop("temperature", 0.0), **params)
+    return GenerateReqMsg(rid, ids, p, seed=params.get("seed") or 1234, return_logprob=False)
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    kv = sched.kv
+    assert kv.tree.protected_size == 0 and kv.req_pool.available == sched.max_running + 7
+    assert kv.allocator.available + kv.tree.total_size() == kv.num_slots
+    assert kv.flush() and kv.allocator.available == kv.num_slots
+
+
+def same(a: dict, b: dict) -> None:
+    for rid in a:
+        assert b[rid]["ids"] == a[rid]["ids"], rid
+        assert b[rid]["finished"] == a[rid]["finished"], rid
+
+
+def accept_length(sched: Scheduler) -> float:
+    return sched.get_stats()["avg_spec_accept_length"]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_greedy_equal_on_random_weights(random_v3, steps):
+    rng = random.Random(steps)
+    ps = [[rng.randrange(2, 4000) for _ in range(rng.randint(3, 50))] for _ in range(5)]
+    msgs = [msg(f"r{i}", p, max_new=rng.randint(1, 20)) for i, p in enumerate(ps)]
+    base = run(make(random_v3), msgs)
+    s = spec(random_v3, steps)
+    same(base, run(s, msgs, arrivals={m.rid: i for i, m in enumerate(msgs)}))
+    assert s.get_stats()["spec_verify_steps"] > 0
+    assert_no_leak(s)
+
+
+@pytest.mark.parametrize("radix,chunk", [(True, -1), (False, 16), (True, 16)])
+def test_greedy_equal_on_the_demo_model(demo_prompts, radix, chunk):
+    ps = list(demo_prompts)
+    ps.append(ps[0] + ps[1])                    # a radix hit on request 0's prompt
+    ps.append(ps[3] + ps[0][:3])
+    msgs = [msg(f"d{i}", p, max_new=40) for i, p in enumerate(ps)]
+    arrivals = {m.rid: 0 if i < 4 else 30 for i, m in enumerate(msgs)}     # after the first ones finished
+    base = run(make(DEMO), msgs, arrivals)
+    s = spec(DEMO, disable_radix_cache=not radix, chunked_prefill_size=chunk)
+    same(base, run(s, msgs, arrivals))
+    print("accept length", accept_length(s))
+    assert accept_length(s) > 2.0, "the demo model's MTP head should have most drafts accepted"
+    if radix:
+        assert s.get_stats()["cached_tokens"] > 0
+    assert_no_leak(s)
+
+
+def test_stop_ids_and_max_new_tokens_inside_accepted_runs(demo_prompts):
+    prompt = demo_prompts[0]
+    want = run(make(DEMO), [msg("a", prompt, max_new=40)])["a"]["ids"]
+    s = spec(DEMO)
+    for n in range(1, 12):                        # every cut: inside, at the start and at the end of a run
+        got = run(s, [msg(f"m{n}", prompt, max_new=n)])[f"m{n}"]
+        assert got["ids"] == want[:n] and got["finished"].kind == "length", n
+    # a stop id first produced at output position j (not before it)
+    for j in (3, 5, 8):
+        if want[j] in want[:j]:
+            continue
+        got = run(s, [msg(f"s{j}", prompt, max_new=40, stop_token_ids=[want[j]])])[f"s{j}"]
+        assert got["ids"] == want[:j + 1] and got["finished"].matched == want[j], j
+    # min_new_tokens masks the stop id before it may end the request
+    got = run(s, [msg("min", prompt, max_new=40, stop_token_ids=[want[3]], min_new_tokens=30)])["min"]
+    ref = run(make(DEMO), [msg("min", prompt, max_new=40, stop_token_ids=[want[3]], min_new_tokens=30)])["min"]
+    assert (got["ids"], got["finished"]) == (ref["ids"], ref["finished"])
+    assert accept_length(s) > 1.5
+    assert_no_leak(s)
+
+
+def test_sampled_outputs_identical(demo_prompts):
+    """The target's token at each verified position is drawn with the request's key (seed, token index), so
+    sampled outputs are the same tokens as without speculation (which implies the same distribution)."""
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    print("seed", seed)
+    variants = [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=20),
+                dict(temperature=0.9, frequency_penalty=0.5, presence_penalty=0.3),
+                dict(temperature=0.6, repetition_penalty=1.3, min_p=0.05)]
+    msgs = [msg(f"x{i}", demo_prompts[i % len(demo_prompts)], max_new=32, seed=seed + i, **v)
+            for i, v in enumerate(variants)]
+    s = spec(DEMO)
+    same(run(make(DEMO), msgs), run(s, msgs))
+    assert s.get_stats()["spec_tokens"] > s.get_stats()["spec_verify_steps"], "some drafts must be accepted"
+    assert_no_leak(s)
+
+
+def test_logprobs_equal(demo_prompts):
+    def with_lp(rid, p):
+        m = msg(rid, p, max_new=20)
+        m.return_logprob, m.top_logprobs_num = True, 3
+        return m
+    msgs = [with_lp(f"l{i}", p) for i, p in enumerate(demo_prompts[:3])]
+    base, s = make(DEMO), spec(DEMO)
+    got = {}
+    for sched, key in ((base, "base"), (s, "spec")):
+        for x in msgs:
+            sched.add_request(x)
+        outs = {}
+        while sched.has_work:
+            for o in sched.step():
+                outs.setdefault(o.rid, []).append(o)
+        got[key] = outs
+    for rid in got["base"]:
+        a = [lp for o in got["base"][rid] for lp in o.new_logprobs]
+        b = [lp for o in got["spec"][rid] for lp in o.new_logprobs]
+        assert [t for _, t in a] == [t for _, t in b]
+        assert max(abs(x - y) for (x, _), (y, _) in zip(a, b)) <= 1e-4
+        ta = [t for o in got["base"][rid] for t in o.new_top_logprobs]
+        tb = [t for o in got["spec"][rid] for t in o.new_top_logprobs]
+        assert [[i for _, i in t] for t in ta] == [[i for _, i in t] for t in tb]
+    assert_no_leak(s)
+
+
+def test_retraction_under_speculation(demo_prompts):
+    msgs = [msg(f"r{i}", p, max_new=60) for i, p in enumerate(demo_prompts)]
+    base = run(make(DEMO), msgs)
+    s = spec(DEMO, max_total_tokens=260, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    same(base, run(s, msgs))
+    assert s.num_retracted > 0, "the pool was meant to be small enough to force retraction"
+    assert_no_leak(s)
+
+
+def test_cache_hit_loses_no_acceptance(demo_prompts):
+    """The draft KV in a cached slot depends only on the tokens up to it, so a radix hit verifies as often as
+    a cold start."""
+    first, second = demo_prompts[0] + demo_prompts[2], demo_prompts[0] + demo_prompts[4]
+    warm = spec(DEMO)
+    run(warm, [msg("a", first, max_new=30)])
+    before = warm.get_stats()["spec_verify_steps"]
+    hit = run(warm, [msg("b", second, max_new=30)])
+    assert hit["b"]["cached"] >= len(demo_prompts[0])
+    cold = spec(DEMO, disable_radix_cache=True)
+    ref = run(cold, [msg("b", second, max_new=30)])
+    assert hit["b"]["ids"] == ref["b"]["ids"]
+    assert warm.get_stats()["spec_verify_steps"] - before == cold.get_stats()["spec_verify_steps"]
+    assert_no_leak(warm)
+
+
+def test_structured_output_request_refused(demo_prompts):
+    s = spec(DEMO)
+    res = run(s, [msg("g", demo_prompts[0], regex="[a-z]+"), msg("ok", demo_prompts[1], max_new=4)])
+    assert res["g"]["finished"].status_code == 400 and "speculative" in res["g"]["finished"].message
+    assert res["ok"]["finished"].kind == "length"
+    assert_no_leak(s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs):
+    """On the GPU in fp32: the Triton kernels (multi-query mla_decode for verify and repair) and the draft +
+    verify CUDA graphs give the tokens of decoding without speculation."""
+    flags = dict(device="cuda", dtype="float32", disable_cuda_graph=not graphs, max_running_requests=8)
+    msgs = [msg(f"g{i}", p, max_new=40) for i, p in enumerate(demo_prompts)]
+    base = run(make(DEMO, **flags), msgs)
+    s = spec(DEMO, **flags)
+    assert (s.runner.spec.graphs is not None) == graphs
+    same(base, run(s, msgs, arrivals={m.rid: 2 * i for i, m in enumerate(msgs)}))
+    assert accept_length(s) > 2.0
+    assert_no_leak(s)
