@@ -37,10 +37,12 @@ VARIANTS = {
 # Block FP8 re-quantises every linear's input (e4m3, 3 mantissa bits): the last-bit differences of TP attention's
 # all-reduce now and then flip one rounding and move what follows (tests/distributed/test_tensor_parallel.py
 # measured it; here max 0.13, median 1e-4 in one run). Run as FP8, the V3 checkpoint is held to that file's bounds;
-# dequantised to fp32 (--dequant-fp8: the same experts and partition, no re-quantisation), like V2, to 1e-4.
+# dequantised to fp32 (--dequant-fp8: the same experts and partition, no re-quantisation), like V2, to 1e-4; that
+# run also decodes speculatively (its MTP layer's experts are partitioned too; greedy outputs must not change).
 FP8_TIE_MARGIN = 0.5
-# case -> (checkpoint, dequantise its FP8 weights)
-CASES = {"v2": ("v2", False), "v3-fp8": ("v3-fp8", False), "v3-fp8-dequant": ("v3-fp8", True)}
+# case -> (checkpoint, Engine flags beside --tp-size 2 --ep-size 2)
+CASES = {"v2": ("v2", {}), "v3-fp8": ("v3-fp8", {}),
+         "v3-fp8-dequant-spec": ("v3-fp8", {"dequant_fp8": True, "speculative_algorithm": "EAGLE"})}
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +98,13 @@ def test_ep2_equals_tp1_through_the_engine(checkpoint, case, one_thread):
     print(f"seed {seed}")
     rng = random.Random(seed)
     prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(3)]
-    variant, dequant = CASES[case]
+    variant, flags = CASES[case]
+    dequant = flags.get("dequant_fp8", False)
     path = checkpoint(variant)
-    got, info = engine_run(path, prompts, tp_size=2, ep_size=2, dequant_fp8=dequant)
+    got, info = engine_run(path, prompts, tp_size=2, ep_size=2, **flags)
     assert (info["tp_size"], info["ep_size"]) == (2, 2)
+    if "speculative_algorithm" in flags:
+        assert info["speculative_num_steps"] == 3 and all(o["meta_info"]["spec_verify_ct"] >= 1 for o in got)
     ref = one_process(path, prompts, dequant)
     diffs = sorted(abs(x - y) for (lps, _, _), o in zip(ref, got)
                    for x, y in zip(lps, [lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]], strict=True))
