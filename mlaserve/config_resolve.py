@@ -146,6 +146,7 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
         _reject(f"--base-gpu-id {p.base_gpu_id}: must be >= 0, and picks GPUs only (the device is {device.type})")
     check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8,
                     attn_tp=p.tp_size // p.dp_size if p.enable_dp_attention else None)
+    check_ep(p, model)
     return replace(p, dist_timeout=p.dist_timeout or DEFAULT_DIST_TIMEOUT)
 
 
@@ -197,6 +198,25 @@ def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool, attn_tp: int | None 
             blocks = f" of whole {unit}-wide blocks (block FP8)" if unit else ""
             flags = f"--tp-size {tp}" if ways == tp else f"--tp-size {tp} --dp-size {tp // ways}"
             _reject(f"{flags}: {name} has {n} {what}, which do not split into {ways} equal parts{blocks}")
+
+
+def check_ep(p: ParallelConfig, model: ModelConfig) -> None:
+    """--ep-size: 1, or every TP rank holding n_routed_experts / ep whole experts (one line when not)."""
+    ep = p.ep_size
+    if ep < 1:
+        _reject(f"--ep-size {ep}: must be >= 1")
+    if ep == 1:
+        return
+    # NOTE: without DP attention every TP rank sees every token, so EP over the TP group needs no dispatch (the
+    # all-reduce after the MoE sums the ranks' experts); EP over a subset of the TP ranks would need a second
+    # split of the tokens or experts that no path implements.
+    if ep != p.tp_size:
+        _reject(f"--ep-size {ep}: must equal --tp-size {p.tp_size} or be 1 (expert parallelism runs over the "
+                "tensor-parallel ranks)")
+    if not any(model.is_moe_layer(i) for i in range(model.num_hidden_layers + 1)):
+        _reject(f"--ep-size {ep}: this model has no routed experts to split")
+    if model.n_routed_experts % ep:
+        _reject(f"--ep-size {ep}: n_routed_experts ({model.n_routed_experts}) does not split into {ep} equal parts")
 
 
 def _below(device: DeviceInfo, capability: tuple[int, int]) -> bool:

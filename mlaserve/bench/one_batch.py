@@ -2,11 +2,12 @@
 the floor of DESIGN.md sec. 5 (bytes / measured copy bandwidth; FLOPs / measured matmul rate), and with
 `--hf-peer` Hugging Face transformers on the same config in the same run. `--tp-size 1 2` runs each
 tensor-parallel size in turn (one spawned process per rank), beside the floor of one rank and the time the
-step's all-reduces take alone.
+step's all-reduces take alone; `--ep-size 1 2` also runs each TP size with expert parallelism over its ranks.
 
     mlaserve bench one-batch --model-path DIR --batch-size 1 16 64 --input-len 256 --output-len 32
     mlaserve bench one-batch --load-format dummy --model-config config.json --batch-size 1 16 64 --hf-peer
     mlaserve bench one-batch --load-format dummy --model-config config.json --tp-size 1 2
+    mlaserve bench one-batch --load-format dummy --model-config config.json --tp-size 2 --ep-size 1 2
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = 
     max_bs = max(args.batch_size)
     tokens = max_bs * (args.input_len + args.output_len) + 64
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
-                                    tp_size=group.size if group else 1, device=device or args.device,
+                                    tp_size=group.size if group else 1, ep_size=getattr(args, "ep", 1),
+                                    device=device or args.device,
                                     max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
                                     attention_backend=args.attention_backend,
                                     context_length=args.input_len + args.output_len + 8,
@@ -192,7 +194,9 @@ def bench_rank(group: RankGroup | None, args: argparse.Namespace, path: str, cei
         else:
             row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
         if runner.group.size > 1:
-            row |= {"engine": f"mlaserve tp {runner.group.size}", "allreduce_s": allreduce_s(runner, bs)}
+            ep = runner.server.parallel.ep_size
+            row |= {"engine": f"mlaserve tp {runner.group.size}" + (f" ep {ep}" if ep > 1 else ""),
+                    "allreduce_s": allreduce_s(runner, bs)}
         rows.append(add_floor(row, runner, ceil))
         if rank == 0:
             print(json.dumps(rows[-1]), flush=True)
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "torch"))
     ap.add_argument("--tp-size", type=int, nargs="+", default=[1], help="tensor-parallel sizes to run in turn")
+    ap.add_argument("--ep-size", type=int, nargs="+", default=[1],
+                    help="expert-parallel sizes to run each TP size with (1, or equal to it; others are skipped)")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--enable-torch-compile", action="store_true", help="torch.compile the decode step (in graphs)")
     ap.add_argument("--profile", action="store_true", help="write a torch profiler trace of the last batch size")
@@ -226,12 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     ceil = Ceilings.measure() if torch.cuda.is_available() else {"copy_bps": float("nan"), "bf16_flops": float("nan"),
                                                                   "fp8_flops": float("nan")}
     rows, cfg, startup = [], None, {}
-    for tp in args.tp_size:
+    for tp, ep in [(tp, ep) for tp in args.tp_size for ep in args.ep_size]:
+        if ep not in (1, tp):
+            print(f"skipping --tp-size {tp} --ep-size {ep}: --ep-size must be 1 or equal --tp-size", flush=True)
+            continue
+        run, label = argparse.Namespace(**vars(args), ep=ep), f"tp {tp}" + (f" ep {ep}" if ep > 1 else "")
         if tp == 1:
-            got, cfg, startup[tp] = bench_rank(None, args, path, ceil)
+            got, cfg, startup[label] = bench_rank(None, run, path, ceil)
         else:
             device = "cuda" if torch.cuda.is_available() and args.device in ("auto", "cuda") else "cpu"
-            got, cfg, startup[tp] = spawn_ranks(bench_rank, tp, args, path, ceil, device=device)[0]
+            got, cfg, startup[label] = spawn_ranks(bench_rank, tp, run, path, ceil, device=device)[0]
         rows += got
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -245,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{'FP8' if cfg.is_fp8 else args.dtype}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
              f"{datetime.date.today()}; copy {ceil['copy_bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} "
              f"TFLOP/s, fp8 {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s; model build + load + graph capture "
-             + ", ".join(f"{s:.1f} s (tp {tp})" for tp, s in startup.items()))
+             + ", ".join(f"{s:.1f} s ({label})" for label, s in startup.items()))
     text = table(rows, title)
     print(text)
     if args.output_file:

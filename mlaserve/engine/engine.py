@@ -14,6 +14,7 @@ from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.config_resolve import describe_changes, probe_device, require_resolved, resolve_config
 from mlaserve.core import Batch, ForwardMode
 from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
+from mlaserve.distributed.expert import expert_parallel
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.engine.spec import SpecDecoder, SpecOutput, widen
 from mlaserve.kvcache.allocator import to_device
@@ -99,7 +100,9 @@ class ModelRunner:
         self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device, kernels=kernels,
                                          absorb=not load.disable_mla, dequant_fp8=load.dequant_fp8,
                                          load_mtp=spec_steps > 0, max_pos=self.context_len + spec_steps + 1,
-                                         tp=self.group.tp, dp=self.group.dp)
+                                         tp=self.group.tp, dp=self.group.dp,
+                                         ep=expert_parallel(self.group.dp.world if self.group.dp else self.group.tp,
+                                                            server.parallel.ep_size))
         load_weights(self.model, self.cfg, model_path, load_format=load.load_format,
                      dequant_fp8=load.dequant_fp8, seed=load.seed, progress=self.group.info.is_leader)
         logger.info("weights: %.2f GiB on rank %d of %d", weight_bytes(self.model) / 2**30, self.group.info.rank,

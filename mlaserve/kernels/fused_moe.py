@@ -30,10 +30,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 # exclusive scan over (expert, chunk) that also pads each expert to BLOCK_M and labels the blocks, then a
 # scatter of each chunk's slots to their ranks. One program does all three when the slots fit one chunk
 # (decode); otherwise the count and the scatter run one program per chunk around a one-program scan.
+# NOTE: a slot with id -1 (an expert another EP rank holds) sorts as one more expert, index E, after the real
+# ones; its blocks are labelled -1, the first GEMM skips them and the second writes zeros for their rows.
+#   sorted:      | expert 0 (padded) | ... | expert E-1 (padded) | sentinel slots (padded) | unused |
+#   expert_ids:  | 0 ...             | ... | E-1 ...             | -1 ...                  | -1 ... |
 @triton.jit
-def _chunk_onehot(topk_ids_ptr, chunk, num_slots, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1)
+    ids = tl.where((ids < 0) & (offs < num_slots), num_experts, ids)                # sentinel -> E
     return offs, (tl.arange(0, BLOCK_E)[:, None] == ids[None, :]).to(tl.int32)     # [C], [BE, C]
 
 
@@ -45,10 +50,10 @@ def _scatter_chunk(sorted_ids_ptr, offs, onehot, base, num_slots):
 
 
 @triton.jit
-def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
+def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks, num_experts,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     # counts [BE] slots per expert -> starts [BE] of each expert's padded run; writes each block's expert
-    # (-1 past the used blocks), the padding sentinels and the used length.
+    # (-1 for the sentinel run and past the used blocks), the padding sentinels and the used length.
     experts = tl.arange(0, BLOCK_E)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
@@ -61,7 +66,8 @@ def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_
         e = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)         # [C] expert of the block
         onehot = e[:, None] == experts[None, :]                                     # [C, BE]
         filled = tl.sum(tl.where(onehot, counts[None, :] + starts[None, :], 0), axis=1) - first
-        tl.store(expert_ids_ptr + blocks, tl.where(first < total, e, -1), mask=blocks < num_blocks)
+        tl.store(expert_ids_ptr + blocks, tl.where((first < total) & (e < num_experts), e, -1),
+                 mask=blocks < num_blocks)
         pos = first[:, None] + tl.arange(0, BLOCK_M)[None, :]                         # [C, BM]
         pad = (tl.arange(0, BLOCK_M)[None, :] >= filled[:, None]) & (blocks < num_blocks)[:, None]
         tl.store(sorted_ids_ptr + pos, tl.zeros([CHUNK, BLOCK_M], tl.int32) + num_slots, mask=pad)
@@ -70,26 +76,27 @@ def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_
 
 @triton.jit
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-                      num_slots, num_blocks,
+                      num_slots, num_blocks, num_experts,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     # One program, the slots in one chunk: count, label, scatter.
-    offs, onehot = _chunk_onehot(topk_ids_ptr, 0, num_slots, BLOCK_E, CHUNK)
+    offs, onehot = _chunk_onehot(topk_ids_ptr, 0, num_slots, num_experts, BLOCK_E, CHUNK)
     starts = _label_blocks(tl.sum(onehot, axis=1), expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr,
-                           num_slots, num_blocks, BLOCK_M, BLOCK_E, CHUNK)
+                           num_slots, num_blocks, num_experts, BLOCK_M, BLOCK_E, CHUNK)
     _scatter_chunk(sorted_ids_ptr, offs, onehot, starts, num_slots)
 
 
 @triton.jit
-def _moe_count_kernel(topk_ids_ptr, partial_ptr, num_slots, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_count_kernel(topk_ids_ptr, partial_ptr, num_slots, num_experts, BLOCK_E: tl.constexpr,
+                      CHUNK: tl.constexpr):
     # partial [chunks, BE]: slots of each expert in this chunk
     chunk = tl.program_id(0)
-    _, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, BLOCK_E, CHUNK)
+    _, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E, CHUNK)
     tl.store(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(onehot, axis=1))
 
 
 @triton.jit
 def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
-                     num_chunks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                     num_chunks, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                      BLOCK_P: tl.constexpr):
     # One program: totals per expert, block labels, then partial[c, e] := first sorted position of chunk c's
     # slots of expert e (in place).
@@ -100,7 +107,7 @@ def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_p
         ptrs = partial_ptr + rows[:, None] * BLOCK_E + experts[None, :]
         counts += tl.sum(tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0), axis=0)
     run = _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
-                        BLOCK_M, BLOCK_E, CHUNK)
+                        num_experts, BLOCK_M, BLOCK_E, CHUNK)
     for p0 in range(0, num_chunks, BLOCK_P):
         rows = p0 + tl.arange(0, BLOCK_P)
         ptrs = partial_ptr + rows[:, None] * BLOCK_E + experts[None, :]
@@ -110,10 +117,10 @@ def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_p
 
 
 @triton.jit
-def _moe_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, num_slots,
+def _moe_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, num_slots, num_experts,
                         BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     chunk = tl.program_id(0)
-    offs, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, BLOCK_E, CHUNK)
+    offs, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E, CHUNK)
     base = tl.load(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E))
     _scatter_chunk(sorted_ids_ptr, offs, onehot, base, num_slots)
 
@@ -123,11 +130,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     """Group the flattened (token, k) slots by expert, padding each expert to a multiple of `block_m`.
 
     Args:
-        topk_ids: [T, k] int, every id in [0, num_experts).
+        topk_ids: [T, k] int, every id in [0, num_experts) or -1 (an expert this rank does not hold).
     Returns:
-        sorted_token_ids [P] int32: slot indices t * k + j grouped by expert (ascending within an expert),
-            padding = the sentinel T * k. P is a static bound, a multiple of block_m >= S + min(E, S) * (block_m - 1).
-        expert_ids [P / block_m] int32: the expert of each block, -1 past the used blocks.
+        sorted_token_ids [P] int32: slot indices t * k + j grouped by expert (ascending within an expert), the
+            slots of id -1 last, padding = the sentinel T * k. P is a static bound, a multiple of
+            block_m >= S + min(E + 1, S) * (block_m - 1).
+        expert_ids [P / block_m] int32: the expert of each block; -1 for the blocks of id -1 slots and past the
+            used blocks.
         num_tokens_post_pad [1] int32: used length of sorted_token_ids (stays on device, no host sync).
     """
     assert topk_ids.dim() == 2 and not topk_ids.is_floating_point(), \
@@ -135,26 +144,26 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     assert block_m > 0 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}"
     assert num_experts > 0, f"num_experts must be positive, got {num_experts}"
     s = topk_ids.numel()
-    num_blocks = triton.cdiv(s + min(num_experts, s) * (block_m - 1), block_m)
+    num_blocks = triton.cdiv(s + min(num_experts + 1, s) * (block_m - 1), block_m)
     dev = topk_ids.device
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1).contiguous()
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = triton.next_power_of_2(num_experts + 1)                  # + the sentinel run
     chunk = max(16, min(128, 8192 // block_e))
     num_chunks = triton.cdiv(s, chunk)
     if num_chunks <= 1:               # decode: one short program (its dependent steps are the latency)
         chunk = max(16, triton.next_power_of_2(max(s, num_blocks)))
-        _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_pad, s, num_blocks,
+        _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_experts,
                                 BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
         return sorted_ids, expert_ids, num_post_pad
     partial = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)       # [chunks, BE]
-    _moe_count_kernel[(num_chunks,)](ids, partial, s, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
-    _moe_scan_kernel[(1,)](partial, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks,
+    _moe_count_kernel[(num_chunks,)](ids, partial, s, num_experts, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+    _moe_scan_kernel[(1,)](partial, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks, num_experts,
                            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, BLOCK_P=max(1, 8192 // block_e),
                            num_warps=8)
-    _moe_scatter_kernel[(num_chunks,)](ids, partial, sorted_ids, s, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+    _moe_scatter_kernel[(num_chunks,)](ids, partial, sorted_ids, s, num_experts, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
     return sorted_ids, expert_ids, num_post_pad
 
 
@@ -221,6 +230,12 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * TILE_N + tl.arange(0, TILE_N)
     n_ok = offs_n < N
+    c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
+    if expert < 0:                        # slots of id -1 (another rank's expert): they contribute zero
+        if not GATED:                     # (their h rows are never read: the second GEMM lands here too)
+            tl.store(c_ptrs, tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=c_ptr.dtype.element_ty),
+                     mask=valid[:, None] & n_ok[None, :])
+        return
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
@@ -247,7 +262,6 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
         acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
     if ROUND_BF16:
         acc = _bf16_rne(acc)
-    c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
@@ -329,7 +343,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     Args:
         x: [T, K] bf16/fp16/fp32. w13: [E, 2I, K], w2: [E, K, I], both x.dtype or both float8_e4m3fn with
             w13_scale [E, ceil(2I/bn), ceil(K/bk)] and w2_scale [E, ceil(K/bn), ceil(I/bk)] (`weight_scale_inv`).
-        topk_weights / topk_ids: [T, k] from `moe_topk`; ids in [0, E).
+        topk_weights / topk_ids: [T, k] from `moe_topk`; ids in [0, E), or -1 for an expert this rank does not
+            hold (expert parallelism): such a slot adds nothing to out.
         config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM).
         num_routed_experts: the E the tuned tables are keyed by (default: all E stacked experts). A model that
             stacks its shared experts after its routed ones passes its routed count (see `get_moe_config`).
@@ -374,11 +389,13 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] = (128, 128),
                   num_routed_experts: int | None = None) -> torch.Tensor:
     """The spec of `fused_moe`: per expert in fp32, with the kernel's roundings (fp8 activation quantisation,
-    h = silu(gate) * up stored in x.dtype). Returns [T, K] in x.dtype. `num_routed_experts` is the launcher's
+    h = silu(gate) * up stored in x.dtype). Returns [T, K] in x.dtype; ids -1 add nothing. `num_routed_experts` is the launcher's
     tile-table key; the reference has no tiles, so it takes the argument for a common signature only."""
     i = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
+        if e < 0:                                  # an expert another rank holds: contributes nothing
+            continue
         tok, j = (topk_ids == e).nonzero(as_tuple=True)
         gate_up = _expert_linear(x[tok], w13[e], None if w13_scale is None else w13_scale[e], block_shape)
         h = (F.silu(gate_up[:, :i]) * gate_up[:, i:]).to(x.dtype)              # h: [n, I]

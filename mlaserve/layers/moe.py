@@ -3,7 +3,8 @@
 Legend: `T` tokens, `h` hidden, `I` moe_intermediate_size / tp (this rank's share), `E` routed experts,
 `K` experts per token. Routed experts are stacked at load time: w13 [E, 2I, h] (gate rows then up rows),
 w2 [E, h, I]. Under tensor parallelism every expert (shared ones too) and the dense MLP are split along the
-intermediate dimension: gate/up rows and down columns; the caller all-reduces the partial outputs.
+intermediate dimension: gate/up rows and down columns; the caller all-reduces the partial outputs. Under expert
+parallelism (--ep-size = --tp-size) each rank holds E / ep whole routed experts instead (shared ones stay split).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.distributed import TensorParallel
+from mlaserve.distributed.expert import ExpertParallel
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
 from mlaserve.layers.ops import Ops
 
@@ -64,58 +66,45 @@ class Router(torch.nn.Module):
                     e_score_correction_bias=self.e_score_correction_bias)  # weights [T, K] f32, ids [T, K]
 
 
-class RoutedExperts(torch.nn.Module):
-    """E SwiGLU experts as two stacked tensors, bf16 or block-FP8 (per-expert `weight_scale_inv`).
+class ExpertStack(torch.nn.Module):
+    """n SwiGLU experts of intermediate size i stacked: w13 [n, 2i, h] (gate rows then up rows), w2 [n, h, i],
+    bf16 or block-FP8 (per-expert `weight_scale_inv`)."""
 
-    The shared experts ride along as slots E .. E + n_shared - 1: a shared MLP of intermediate size
-    n_shared * I is n_shared experts of size I side by side (SwiGLU is elementwise over the intermediate
-    dimension), so one fused-MoE call computes routed and shared experts (every token routed to the
-    shared slots with weight 1).
-    """
-
-    def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE):
+    def __init__(self, n: int, h: int, i: int, *, quant: QuantConfig | None, dtype: torch.dtype,
+                 device: torch.device | str, ops: Ops):
         super().__init__()
-        h, i = cfg.hidden_size, tp.split(cfg.moe_intermediate_size, "moe_intermediate_size")
-        self.n_routed, self.n_shared = cfg.n_routed_experts, cfg.n_shared_experts
-        e = self.n_routed + self.n_shared
-        self.i, self.quant, self.ops, self.tp = i, quant, ops, tp
+        self.i, self.quant, self.ops = i, quant, ops
         wdtype = torch.float8_e4m3fn if quant else dtype
-        self.w13 = torch.nn.Parameter(torch.empty(e, 2 * i, h, dtype=wdtype, device=device), requires_grad=False)
-        self.w2 = torch.nn.Parameter(torch.empty(e, h, i, dtype=wdtype, device=device), requires_grad=False)
+        self.w13 = torch.nn.Parameter(torch.empty(n, 2 * i, h, dtype=wdtype, device=device), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.empty(n, h, i, dtype=wdtype, device=device), requires_grad=False)
         self.w13_scale = self.w2_scale = None
         if quant:
             bn, bk = quant.block
             if i % bn:
                 raise ShapeError(f"block-FP8 experts need moe_intermediate_size ({i}) divisible by {bn}")
-            self.w13_scale = torch.nn.Parameter(torch.empty(e, 2 * i // bn, cdiv(h, bk), device=device),
+            self.w13_scale = torch.nn.Parameter(torch.empty(n, 2 * i // bn, cdiv(h, bk), device=device),
                                                 requires_grad=False)
-            self.w2_scale = torch.nn.Parameter(torch.empty(e, cdiv(h, bn), i // bk, device=device),
+            self.w2_scale = torch.nn.Parameter(torch.empty(n, cdiv(h, bn), i // bk, device=device),
                                                requires_grad=False)
 
-    def load_expert(self, name: str, expert: int, proj: str, loaded: torch.Tensor, scale: bool) -> None:
-        """Copy this rank's share of checkpoint tensor `mlp.experts.{expert}.{proj}.weight[_scale_inv]` into its
-        stack (gate / up: rows of the intermediate dimension, down: its columns)."""
+    def load_slot(self, name: str, slot: int, proj: str, loaded: torch.Tensor, scale: bool,
+                  tp: TensorParallel) -> None:
+        """Copy `tp`'s share of checkpoint tensor `...{proj}.weight[_scale_inv]` into slot `slot` (gate / up: rows
+        of the intermediate dimension, down: its columns)."""
         down = proj == "down_proj"
         stack = (self.w2_scale if down else self.w13_scale) if scale else (self.w2 if down else self.w13)
         rows = stack.shape[1] // 2
-        dst = stack[expert]
+        dst = stack[slot]
         if proj == "gate_proj":
             dst = dst[:rows]
         elif proj == "up_proj":
             dst = dst[rows:]
-        copy_checked(name, dst, shard(name, loaded, 1 if down else 0, self.tp))
+        copy_checked(name, dst, shard(name, loaded, 1 if down else 0, tp))
 
-    def load_shared(self, name: str, proj: str, loaded: torch.Tensor, scale: bool) -> None:
-        """Split `mlp.shared_experts.{proj}.weight[_scale_inv]` into the n_shared expert slots after the routed ones."""
-        parts = loaded.chunk(self.n_shared, dim=1 if proj == "down_proj" else 0)
-        for s, part in enumerate(parts):
-            self.load_expert(name, self.n_routed + s, proj, part, scale)
-
-    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared experts as dense GEMMs over their slots (large batches: better than the grouped GEMM)."""
+    def dense_forward(self, x: torch.Tensor, slots: range) -> torch.Tensor:
+        """Sum of the experts in `slots` over every token, as dense GEMMs (no routing)."""
         out = None
-        for s in range(self.n_routed, self.n_routed + self.n_shared):
+        for s in slots:
             gu = self._linear(x, self.w13[s], None if self.w13_scale is None else self.w13_scale[s])    # [T, 2I]
             h = self.ops.silu_and_mul(gu)                                                                # [T, I]
             y = self._linear(h, self.w2[s], None if self.w2_scale is None else self.w2_scale[s])         # [T, h]
@@ -125,26 +114,84 @@ class RoutedExperts(torch.nn.Module):
     def _linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w) if scale is None else self.ops.fp8_linear(x, w, scale)
 
+
+class RoutedExperts(ExpertStack):
+    """This rank's routed experts as one stack (`ExpertStack`), and the shared experts.
+
+    Tensor parallel (ep 1): every expert split along the intermediate dimension, and the shared experts ride
+    along as slots E .. E + n_shared - 1: a shared MLP of intermediate size n_shared * I is n_shared experts of
+    size I side by side (SwiGLU is elementwise over the intermediate dimension), so one fused-MoE call computes
+    routed and shared experts (every token routed to the shared slots with weight 1).
+    Expert parallel (`ep`, over the TP ranks): the stack holds E / ep whole experts (`ExpertParallel` says which);
+    the shared experts stay TP-split in their own stack `shared` (a different width), computed as dense GEMMs.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
+                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE, ep: ExpertParallel | None = None):
+        ep = ep or ExpertParallel()
+        h, n_shared, n_local = cfg.hidden_size, cfg.n_shared_experts, ep.split(cfg.n_routed_experts)
+        fused = ep.size == 1
+        i = tp.split(cfg.moe_intermediate_size, "moe_intermediate_size") if fused else cfg.moe_intermediate_size
+        kw = dict(quant=quant, dtype=dtype, device=device, ops=ops)
+        super().__init__(n_local + (n_shared if fused else 0), h, i, **kw)
+        self.n_total, self.n_routed, self.n_shared, self.tp, self.ep = cfg.n_routed_experts, n_local, n_shared, tp, ep
+        self.shared = None
+        if not fused and n_shared:
+            self.shared = ExpertStack(n_shared, h, tp.split(cfg.moe_intermediate_size, "moe_intermediate_size"),
+                                      **kw)
+
+    def holds(self, expert: int) -> bool:
+        """Whether global routed expert `expert` lives on this rank (the loader reads no other)."""
+        return self.ep.holds(expert, self.n_total)
+
+    def load_expert(self, name: str, expert: int, proj: str, loaded: torch.Tensor, scale: bool) -> None:
+        """Copy checkpoint tensor `mlp.experts.{expert}.{proj}.weight[_scale_inv]` into its slot (this rank's TP
+        share under tensor parallelism, whole under expert parallelism)."""
+        if not self.holds(expert):
+            raise ValueError(f"{name}: expert {expert} is not held by EP rank {self.ep.rank} of {self.ep.size}")
+        ep_on = self.ep.size > 1
+        self.load_slot(name, expert - self.ep.first(self.n_total), proj, loaded, scale, SINGLE if ep_on else self.tp)
+
+    def load_shared(self, name: str, proj: str, loaded: torch.Tensor, scale: bool) -> None:
+        """Split `mlp.shared_experts.{proj}.weight[_scale_inv]` into n_shared expert slots (after the routed ones,
+        or in `shared`), each TP-split."""
+        parts = loaded.chunk(self.n_shared, dim=1 if proj == "down_proj" else 0)
+        stack, first = (self, self.n_routed) if self.shared is None else (self.shared, 0)
+        for s, part in enumerate(parts):
+            stack.load_slot(name, first + s, proj, part, scale, self.tp)
+
+    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts as dense GEMMs (large batches: better than the grouped GEMM; always under EP)."""
+        if self.shared is not None:
+            return self.shared.dense_forward(x, range(self.n_shared))
+        return self.dense_forward(x, range(self.n_routed, self.n_routed + self.n_shared))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # tuned tiles are keyed by the routed experts; the shared slots ride along
+        """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert)."""
+        # tuned tiles are keyed by this rank's routed experts; the shared slots ride along
         return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
                                   w2_scale=self.w2_scale, num_routed_experts=self.n_routed)
 
 
 class MoE(torch.nn.Module):
-    """Router (replicated) + routed and shared experts; returns this rank's partial sum under TP."""
+    """Router (replicated) + routed and shared experts; returns this rank's partial sum under TP / EP (the caller
+    all-reduces): under EP the experts of other ranks contribute zero here and their own share there."""
 
     def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE):
+                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE, ep: ExpertParallel | None = None):
         super().__init__()
         self.gate = Router(cfg, dtype, device, ops=ops)
-        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp)
-        e, ns = cfg.n_routed_experts, cfg.n_shared_experts
+        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp, ep=ep)
+        e, ns = self.experts.n_routed, cfg.n_shared_experts
         self.register_buffer("shared_ids", torch.arange(e, e + ns, dtype=torch.int32, device=device)[None], persistent=False)
         self.register_buffer("shared_weights", torch.ones(1, ns, dtype=torch.float32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)                                           # [T, K] f32, [T, K] int32
+        weights, ids = self.gate(x)                                           # [T, K] f32, [T, K] int32 global
+        ex = self.experts
+        if ex.ep.size > 1:                                                    # EP: local ids, -1 elsewhere
+            out = ex(x, weights, ex.ep.to_local(ids, ex.n_total))
+            return out + ex.shared_forward(x) if ex.n_shared else out
         t = x.shape[0]
         if not self.shared_ids.shape[1]:
             return self.experts(x, weights, ids)

@@ -14,6 +14,7 @@ import torch
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext
 from mlaserve.distributed import DPAttention, TensorParallel
+from mlaserve.distributed.expert import ExpertParallel
 from mlaserve.layers.embedding import LMHead, VocabEmbedding
 from mlaserve.layers.linear import Linear
 from mlaserve.layers.mla import MLAAttention
@@ -31,7 +32,7 @@ class ModelOutput(NamedTuple):
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *, dtype: torch.dtype,
                  device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool, tp: TensorParallel,
-                 dp: DPAttention | None = None):
+                 dp: DPAttention | None = None, ep: ExpertParallel | None = None):
         super().__init__()
         quant = None if dequant_fp8 else cfg.quant
         self.tp = tp
@@ -39,7 +40,7 @@ class DecoderLayer(torch.nn.Module):
                                       dequant_fp8=dequant_fp8, tp=tp)
         self.dp = dp if cfg.is_moe_layer(layer_id) else None        # dense layers stay within the attention group
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=dp.world if dp else tp)
+            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=dp.world if dp else tp, ep=ep)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device,
                                 ops=ops, tp=tp)
@@ -125,19 +126,21 @@ class DeepseekForCausalLM(torch.nn.Module):
     "torch" (the PyTorch references, any device; `--attention-backend torch`). `absorb=False` runs decode
     non-absorbed too (`--disable-mla`); `dequant_fp8=True` keeps an FP8 checkpoint's weights as `dtype`;
     `load_mtp` builds the NextN layer; `tp` is this rank's tensor-parallel group (default: one process), its
-    attention group under data-parallel attention (`dp`)."""
+    attention group under data-parallel attention (`dp`); `ep` its expert-parallel group (over every rank under
+    data-parallel attention)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", kernels: str = "torch", absorb: bool = True,
                  dequant_fp8: bool = False, load_mtp: bool = False, max_pos: int | None = None,
-                 tp: TensorParallel | None = None, dp: DPAttention | None = None):
+                 tp: TensorParallel | None = None, dp: DPAttention | None = None,
+                 ep: ExpertParallel | None = None):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.tp, self.dp = tp or TensorParallel(), dp
         self.ops = get_ops(kernels)
         self.rotary = RotaryEmbedding(cfg, max_pos, device)
         kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp,
-                  dp=dp)
+                  dp=dp, ep=ep)
         self.model = DeepseekModel(cfg, self.rotary, **kw)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=self.tp)
         self.mtp = None

@@ -6,6 +6,7 @@ the loader checks against it, `--load-format dummy` generates it.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import zlib
 from pathlib import Path
@@ -17,6 +18,8 @@ from tqdm import tqdm
 from mlaserve.config import ModelConfig
 from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref
 from mlaserve.layers.linear import cdiv, copy_checked
+
+logger = logging.getLogger(__name__)
 
 # kinds: "linear" (FP8 in FP8 checkpoints), "dense" (a bf16 matrix: embeddings, router, heads, eh_proj),
 # "norm", "bias" (float32 e_score_correction_bias), "scale" (float32 weight_scale_inv)
@@ -173,8 +176,9 @@ _SHARED = re.compile(r"^(.*\.mlp)\.shared_experts\.(gate_proj|up_proj|down_proj)
 _STACKED = re.compile(r"^(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight(_scale_inv)?$")
 
 
-def iter_safetensors(path: str | Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """(tensor count, iterator of (name, tensor)) over a checkpoint directory, shard by shard via the index."""
+def iter_safetensors(path: str | Path, skip=None) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """(tensor count, iterator of (name, tensor)) over a checkpoint directory, shard by shard via the index.
+    Names for which `skip(name)` is true are neither read nor counted."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -186,13 +190,12 @@ def iter_safetensors(path: str | Path) -> tuple[int, Iterator[tuple[str, torch.T
     else:
         raise CheckpointError(f"{path}: no model.safetensors.index.json or model.safetensors")
     handles = [safe_open(str(path / f), framework="pt") for f in files]
-    count = sum(len(list(h.keys())) for h in handles)
+    wanted = [(h, name) for h in handles for name in h.keys() if skip is None or not skip(name)]
 
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
-        for h in handles:
-            for name in h.keys():
-                yield name, h.get_tensor(name)
-    return count, gen()
+        for h, name in wanted:
+            yield name, h.get_tensor(name)
+    return len(wanted), gen()
 
 
 class WeightLoader:
@@ -207,6 +210,7 @@ class WeightLoader:
         self.seen: set[str] = set()
         self.pending: dict[str, torch.Tensor] = {}   # fp8 weight or scale awaiting its partner (dequant)
         self.mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+        self.skipped = 0                             # other EP ranks' expert tensors, counted as seen, not read
 
     def param_name(self, name: str) -> str:
         if name.startswith(self.mtp_prefix):
@@ -216,6 +220,20 @@ class WeightLoader:
             return "mtp.block." + rest
         return name
 
+    def skip(self, name: str) -> bool:
+        """True for a tensor this model does not hold, so the loader need not read it: a routed expert another EP
+        rank holds (counted as loaded) or the MTP layer of a model built without it."""
+        if name not in self.specs:
+            return name in self.all_names
+        m = _EXPERT.match(name)
+        if m is None:
+            return False
+        if self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1]).holds(int(m.group(2))):
+            return False
+        self.seen.add(name)
+        self.skipped += 1
+        return True
+
     def load(self, name: str, tensor: torch.Tensor) -> None:
         spec = self.specs.get(name)
         if spec is None:
@@ -224,6 +242,8 @@ class WeightLoader:
             raise CheckpointError(f"unexpected tensor {name!r} (shape {list(tensor.shape)}) for this config.json")
         if tuple(tensor.shape) != spec.shape:
             raise CheckpointError(f"{name}: shape {list(tensor.shape)}, expected {list(spec.shape)}")
+        if self.skip(name):
+            return                               # another EP rank's expert
         self.seen.add(name)
         if name == f"{self.mtp_prefix}embed_tokens.weight":
             return                               # the MTP layer shares model.embed_tokens
@@ -288,15 +308,17 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, path: str | Path | No
     loader = WeightLoader(model, cfg, dequant_fp8=dequant_fp8)
     device = next(model.parameters()).device
     if load_format == "dummy":
-        specs = list(loader.specs.values())
+        specs = [s for s in loader.specs.values() if not loader.skip(s.name)]
         total, items = len(specs), synthetic_checkpoint(cfg, seed, specs, device)
     elif load_format in ("auto", "safetensors"):
         if path is None:
             raise CheckpointError("no checkpoint path given")
-        total, items = iter_safetensors(path)
+        total, items = iter_safetensors(path, skip=loader.skip)
     else:
         raise ValueError(f"unknown load format {load_format!r}; choices: auto, safetensors, dummy")
     for name, tensor in tqdm(items, total=total, desc="loading weights", unit="tensor",
                              disable=not progress, leave=False):
         loader.load(name, tensor.to(device))
     loader.finish()
+    if loader.skipped:
+        logger.info("weights: %d tensors of other expert-parallel ranks' experts not read", loader.skipped)

@@ -23,23 +23,26 @@ SMEM_BYTES = 200 * 1024          # leave headroom under the H100/H200 227 KiB pe
 PRECOMPILE_EXPERTS = 16          # workers compile with this many experts: same kernels, little memory
 
 
-def shape_from_hf_config(path: Path, tp_size: int, dtype: str) -> MoeShape:
-    """Routed-expert shape of one TP rank from a Hugging Face config.json (I = moe_intermediate_size / tp).
+def shape_from_hf_config(path: Path, tp_size: int, dtype: str, ep_size: int = 1) -> MoeShape:
+    """Routed-expert shape of one rank from a Hugging Face config.json: I = moe_intermediate_size / tp and
+    E = n_routed_experts, or under expert parallelism (ep > 1) E / ep whole experts (I not split).
 
-    E = n_routed_experts: the key the model's calls read (its stacked shared experts are not counted)."""
+    E is the key the model's calls read (its stacked shared experts are not counted)."""
     d = json.loads(Path(path).read_text())
-    inter = d["moe_intermediate_size"]
-    assert inter % tp_size == 0, f"moe_intermediate_size={inter} is not divisible by --tp-size {tp_size}"
-    return MoeShape(d.get("_name_or_path", Path(path).stem), d["n_routed_experts"], d["num_experts_per_tok"],
-                    d["hidden_size"], inter // tp_size, dtype == "fp8_w8a8", d.get("n_group") or 1,
-                    d.get("topk_group") or 1)
+    inter, n = d["moe_intermediate_size"], d["n_routed_experts"]
+    assert n % ep_size == 0, f"n_routed_experts={n} is not divisible by --ep-size {ep_size}"
+    split = 1 if ep_size > 1 else tp_size
+    assert inter % split == 0, f"moe_intermediate_size={inter} is not divisible by --tp-size {tp_size}"
+    return MoeShape(d.get("_name_or_path", Path(path).stem), n // ep_size, d["num_experts_per_tok"],
+                    d["hidden_size"], inter // split, dtype == "fp8_w8a8", d.get("n_group") or 1,
+                    d.get("topk_group") or 1, ep_size)
 
 
 def search_space(tokens: int, s: MoeShape) -> Iterator[dict]:
     """Candidate configs, pruned: BLOCK_SIZE_M between an eighth of and the rows per expert (powers of two),
     swizzle and 8 warps only for tall tiles, fused activation quantisation (fp8) only for few tokens, tiles
     fitting shared memory."""
-    rows = 2 ** math.ceil(math.log2(max(1, tokens * s.top_k / s.num_experts)))
+    rows = 2 ** math.ceil(math.log2(max(1, tokens * s.top_k / (s.num_experts * s.ep))))   # per expert
     elt = 1 if s.fp8 else 2
     for bm, bn, bk, gm, warps, stages in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), (128,) if s.fp8 else (64, 128), (1, 16), (4, 8), (3, 4, 5)):
@@ -61,7 +64,7 @@ _WORKER_WEIGHTS: dict[MoeShape, dict[str, torch.Tensor]] = {}
 def _compile_job(job: tuple[MoeShape, int, dict]) -> None:
     # Runs in a precompile worker: the same call as the timing process, on PRECOMPILE_EXPERTS experts.
     s, tokens, cfg = job
-    small = s._replace(num_experts=min(s.num_experts, PRECOMPILE_EXPERTS), n_group=1, topk_group=1)
+    small = s._replace(num_experts=min(s.num_experts, PRECOMPILE_EXPERTS), n_group=1, topk_group=1, ep=1)
     if small not in _WORKER_WEIGHTS:
         _WORKER_WEIGHTS[small] = make_weights(small)
     x = torch.randn(tokens, s.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -113,6 +116,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mlaserve tune fused-moe", description=__doc__)
     p.add_argument("--model-config", type=Path, required=True, help="a Hugging Face config.json")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (I per rank = I / tp)")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (E per rank = E / ep, I whole)")
     p.add_argument("--dtype", choices=("fp8_w8a8", "bf16"), default="bf16")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES))
     p.add_argument("--out-dir", type=Path, default=CONFIG_DIR)
@@ -125,7 +129,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("tune fused-moe needs a CUDA GPU", file=sys.stderr)
         return 1
-    s = shape_from_hf_config(args.model_config, args.tp_size, args.dtype)
+    s = shape_from_hf_config(args.model_config, args.tp_size, args.dtype, args.ep_size)
     # the kernels do not specialise on the token count: one compile job per distinct config
     jobs = list({json.dumps(cfg, sort_keys=True): (s, t, cfg) for t in args.batch_sizes
                  for cfg in search_space(t, s)}.values())

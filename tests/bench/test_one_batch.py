@@ -1,4 +1,4 @@
-"""`mlaserve bench one-batch` on the CPU: one process and two tensor-parallel ranks in one run."""
+"""`mlaserve bench one-batch` on the CPU: one process, two tensor-parallel ranks and two TP + EP ranks in one run."""
 from __future__ import annotations
 
 import json
@@ -13,17 +13,18 @@ from mlaserve.tools.make_checkpoint import make_config
 CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 
 
-def test_tp_sizes_in_one_run(tmp_path, capsys):
+def test_tp_and_ep_sizes_in_one_run(tmp_path, capsys):
     cfg = make_config(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()), num_layers=2, shrink=True, fp8=False)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "rows.md"
     assert one_batch.main(["--load-format", "dummy", "--model-config", str(tmp_path / "config.json"), "--batch-size",
-                           "2", "--input-len", "12", "--output-len", "3", "--tp-size", "1", "2", "--device", "cpu",
-                           "--output-file", str(out)]) == 0
+                           "2", "--input-len", "12", "--output-len", "3", "--tp-size", "1", "2", "--ep-size", "1",
+                           "2", "--device", "cpu", "--output-file", str(out)]) == 0
     text = out.read_text()
     rows = json.loads(text.split("<!-- rows: ")[1].split(" -->")[0])
-    assert [r.get("engine", "mlaserve") for r in rows] == ["mlaserve", "mlaserve tp 2"]
+    assert [r.get("engine", "mlaserve") for r in rows] == ["mlaserve", "mlaserve tp 2", "mlaserve tp 2 ep 2"]
     assert rows[1]["allreduce_s"] > 0 and "| mlaserve tp 2 | 2 | 12 | 3 |" in text
+    assert "skipping --tp-size 1 --ep-size 2" in capsys.readouterr().out
 
 
 def test_floor_of_one_rank_splits_all_but_the_replicated_parts():

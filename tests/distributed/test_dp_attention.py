@@ -201,18 +201,32 @@ def _demo_prompts() -> list[list[int]]:
                                     "import os\n\ndef list_files(root):\n", "def fibonacci(n):\n")]
 
 
-def test_speculative_decoding_under_dp_attention_equals_one_process():
+def test_speculative_decoding_under_dp_attention_and_ep_equals_one_process():
     from mlaserve.demo import DEMO_DIR
 
     path, prompts = str(DEMO_DIR), _demo_prompts()
     ref, _ = generate(path, prompts, dtype="float32")
     got, info = generate(path, prompts, dtype="float32", speculative_algorithm="EAGLE", load_balance_method="round_robin",
-                         **DP)
+                         ep_size=2, **DP)                       # and the experts split over the two ranks
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     diffs = [abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))]
     assert max(diffs) <= 1e-4
     assert all(g["spec_verify_steps"] > 0 for g in info["dp_groups"]), "both groups were meant to decode"
     assert info["avg_spec_accept_length"] > 1.5
+
+
+def test_dp_attention_with_expert_parallelism_equals_tp1(checkpoint):
+    """tp 2 dp 2 ep 2: each rank holds half of the routed experts whole and runs them on every group's gathered
+    tokens; the scatter's all-reduce sums the two halves."""
+    rng = _seeded()
+    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    path = checkpoint("v3")
+    ref, _ = generate(path, prompts)
+    got, info = generate(path, prompts, ep_size=2, load_balance_method="round_robin", **DP)
+    assert info["ep_size"] == 2
+    diffs = [abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))]
+    assert max(diffs) <= 1e-4
+    assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
 
 
 def test_speculative_groups_in_different_modes_equal_one_process():

@@ -191,6 +191,20 @@ def test_tuner_shape_space_and_output(tmp_path: Path, monkeypatch: pytest.Monkey
     assert path.is_file() and got == best["4096"] and got["BLOCK_SIZE_N"] == 256
 
 
+def test_tuner_ep_shape_and_routing(tmp_path: Path) -> None:
+    """--ep-size 8: a rank's 32 whole experts (the table key the EP model reads), routed as rank 0 sees them."""
+    cfg_json = tmp_path / "config.json"
+    cfg_json.write_text(json.dumps(dict(n_routed_experts=256, num_experts_per_tok=8, hidden_size=7168,
+                                        moe_intermediate_size=2048, n_group=8, topk_group=4)))
+    s = tuner.shape_from_hf_config(cfg_json, tp_size=8, dtype="fp8_w8a8", ep_size=8)
+    assert (s.num_experts, s.moe_intermediate_size, s.ep) == (32, 2048, 8)
+    assert tuner.write_configs({"1": {}}, s, "fp8_w8a8", tmp_path, device_name="GPU").name.startswith("E=32,N=2048,")
+    _, ids = bench_case.route(s, 16, device="cpu")
+    assert ids.dtype == torch.int32 and ((ids >= -1) & (ids < 32)).all() and (ids == -1).any()
+    # rows per expert as at tp 8 (tokens * k / 256), not 8x that
+    assert {c["BLOCK_SIZE_M"] for c in tuner.search_space(1024, s)} == {16, 32}
+
+
 def test_bench_case_arithmetic() -> None:
     v2, v3 = bench_case.MODELS
     assert bench_case.expert_bytes(v2) == 3 * 2048 * 1408 * 2
@@ -234,3 +248,71 @@ def test_moe_align_many_chunks_and_experts(device: str) -> None:
     for e in (0, 9, 255):
         got = blocks[expert_ids[:used // 16] == e].flatten()
         assert torch.equal(got[got != flat.numel()], (flat == e).nonzero().flatten())   # stable order
+
+
+# --- expert parallelism: ids -1 mark experts another rank holds -------------------------------------------------
+
+def split_ids(topk_ids: torch.Tensor, first: int, n_local: int) -> torch.Tensor:
+    """Global ids -> this rank's local ids (experts first .. first + n_local - 1), -1 for the others."""
+    local = topk_ids - first
+    return torch.where((local >= 0) & (local < n_local), local, -1).to(torch.int32)
+
+
+@pytest.mark.parametrize("tokens", [1, 41, 300])     # one chunk; several chunks (count / scan / scatter)
+def test_moe_align_block_size_puts_sentinel_slots_in_zero_blocks(tokens: int, device: str) -> None:
+    _, ids = routing(tokens, V2_LITE, device)
+    ids = split_ids(ids, 0, 8)                                   # experts 8..15 live on another rank
+    block_m, n_local = 16, 8
+    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids, block_m, n_local)
+    sorted_ids, expert_ids, used = sorted_ids.cpu(), expert_ids.cpu(), int(num_post_pad.item())
+    flat, pad = ids.flatten().cpu(), ids.numel()
+    counts = torch.bincount(flat.long() + 1, minlength=n_local + 1)          # [sentinel, expert 0, ...]
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    real = sorted_ids[sorted_ids != pad]
+    assert torch.equal(real.sort().values, torch.arange(pad, dtype=torch.int32))   # every slot exactly once
+    blocks = sorted_ids[:used].view(-1, block_m)
+    for b, e in enumerate(expert_ids[:used // block_m].tolist()):
+        slots = blocks[b][blocks[b] != pad]
+        assert (flat[slots.long()] == e).all(), (b, e)           # -1 blocks hold exactly the sentinel slots
+    labels = expert_ids[:used // block_m]
+    n_sent = int(counts[0] + block_m - 1) // block_m
+    assert (labels[len(labels) - n_sent:] == -1).all() and (labels[:len(labels) - n_sent].diff() >= 0).all()
+
+
+@pytest.mark.parametrize("dtype,tokens,fp8", [(torch.float32, 9, False), (torch.float16, 1, False),
+                                              (torch.float16, 5, True)])   # the align test covers many chunks
+def test_fused_moe_with_sentinel_ids_sums_to_all_experts(dtype: torch.dtype, tokens: int, fp8: bool,
+                                                         device: str) -> None:
+    """Two EP ranks, 8 experts each: each rank's fused_moe over its local ids (-1 elsewhere) matches the reference,
+    and the two partial outputs sum to the single process's output over all 16 experts."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    shape = V3 if fp8 else V2_LITE
+    w = fp8_weights(shape, device) if fp8 else dense_weights(shape, dtype, device)
+    topk_weights, topk_ids = routing(tokens, shape, device)
+    x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
+    config = FP8_CFG if fp8 else CFG
+    whole = fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids).float()
+    parts = []
+    for rank in range(2):
+        local_w = {k: v[8 * rank: 8 * (rank + 1)].contiguous() for k, v in w.items()}
+        local_ids = split_ids(topk_ids, 8 * rank, 8)
+        assert (local_ids == -1).any() and (local_ids >= 0).any()
+        got = fused_moe(x, **local_w, topk_weights=topk_weights, topk_ids=local_ids, config=config)
+        ref = (spec_ref if fp8 else device_ref)(x, local_w, topk_weights, local_ids)
+        assert torch.isfinite(got).all() and rel_err(got, ref) < (FP8_TOL if fp8 else TOL)[dtype]
+        parts.append(got.float())
+    tol = 2 * (FP8_TOL if fp8 else TOL)[dtype]          # two roundings of the output instead of one
+    assert rel_err(parts[0] + parts[1], whole) < tol
+
+
+def test_fused_moe_with_every_id_sentinel_is_zero(device: str) -> None:
+    w = dense_weights(V2_LITE, torch.float32, device)
+    topk_weights, _ = routing(5, V2_LITE, device)
+    x = torch.randn(5, V2_LITE.hidden, device=device)
+    ids = torch.full((5, V2_LITE.top_k), -1, dtype=torch.int32, device=device)
+    out = torch.full_like(x, float("nan"))
+    assert torch.equal(fused_moe(x, **w, topk_weights=topk_weights, topk_ids=ids, config=CFG, out=out),
+                       torch.zeros_like(x))
+    assert torch.equal(fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=ids), torch.zeros_like(x))

@@ -1,6 +1,6 @@
-"""Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2 and against
-data-parallel attention (--tp-size 2 --dp-size 2), two "nodes" on loopback, a rank killed while serving, and a busy
---dist-init-addr."""
+"""Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2 (with and
+without --ep-size 2) and against data-parallel attention (--tp-size 2 --dp-size 2, with and without --ep-size 2),
+two "nodes" on loopback, a rank killed while serving, and a busy --dist-init-addr."""
 from __future__ import annotations
 
 import os
@@ -40,9 +40,10 @@ def complete(url: str, prompt: str) -> str:
     return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
 
 
-def test_tp2_server_serves_the_openai_client_like_one_process(start_server, reference):
+@pytest.mark.parametrize("ep", [1, 2])       # --ep-size 2: each rank holds 8 of the demo model's 16 routed experts
+def test_tp2_server_serves_the_openai_client_like_one_process(start_server, reference, ep):
     _, expected = reference
-    srv = start_server("--tp-size", "2", "--served-model-name", MODEL, *CPU_ARGS)
+    srv = start_server("--tp-size", "2", "--ep-size", str(ep), "--served-model-name", MODEL, *CPU_ARGS)
     assert [complete(srv.url, p) for p in PROMPTS] == expected
     client = OpenAI(base_url=srv.url + "/v1", api_key="none")
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
@@ -50,19 +51,21 @@ def test_tp2_server_serves_the_openai_client_like_one_process(start_server, refe
     import httpx
 
     info = httpx.get(srv.url + "/get_server_info").json()
-    assert info["tp_size"] == 2 and len(info["rank_pids"]) == 2
+    assert (info["tp_size"], info["ep_size"]) == (2, ep) and len(info["rank_pids"]) == 2
     bad = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"})
     assert bad.status_code == 400 and complete(srv.url, PROMPTS[0]) == expected[0]   # still serving after a 400
 
 
-def test_dp_attention_server_serves_the_openai_client_like_one_process(start_server, reference):
+@pytest.mark.parametrize("ep", [1, 2])       # --ep-size 2: the MoE's experts split whole over both ranks
+def test_dp_attention_server_serves_the_openai_client_like_one_process(start_server, reference, ep):
     """Two DP-attention groups (one rank each, the MoE over both): requests spread over both groups give the single
     process's completions; a stream closed early is aborted on its group; stats and metrics per group; a killed
     rank ends the server in one line."""
     import httpx
 
     _, expected = reference
-    srv = start_server("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--load-balance-method",
+    srv = start_server("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", str(ep),
+                       "--load-balance-method",
                        "round_robin", "--enable-metrics", "--dist-timeout", "20", "--served-model-name", MODEL, *CPU_ARGS)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:                 # together: both groups busy, or one idle
         assert list(pool.map(lambda p: complete(srv.url, p), PROMPTS)) == expected
@@ -76,7 +79,7 @@ def test_dp_attention_server_serves_the_openai_client_like_one_process(start_ser
     while (info := httpx.get(srv.url + "/get_server_info").json())["num_running_reqs"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert info["num_running_reqs"] == 0 and info["generation_tokens"] < 2 * 3 * 12 + 900, info
-    assert info["dp_size"] == 2 and len(info["rank_pids"]) == 2
+    assert (info["dp_size"], info["ep_size"]) == (2, ep) and len(info["rank_pids"]) == 2
     groups = info["dp_groups"]
     assert [g["dp_rank"] for g in groups] == [0, 1] and all(g["prompt_tokens"] > 0 for g in groups), groups
     assert info["max_total_tokens"] == sum(g["max_total_tokens"] for g in groups)   # one KV pool per group

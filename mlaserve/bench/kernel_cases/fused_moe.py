@@ -28,6 +28,7 @@ class MoeShape(NamedTuple):
     fp8: bool
     n_group: int
     topk_group: int
+    ep: int = 1                 # expert parallel: E above is one rank's share of E * ep routed experts
 
 
 MODELS = (
@@ -76,13 +77,17 @@ def make_weights(s: MoeShape, device: str = "cuda") -> dict[str, torch.Tensor]:
 
 
 def route(s: MoeShape, tokens: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    logits = torch.randn(tokens, s.num_experts, device=device)
+    """Top-k over all E * ep experts; under EP, ids as rank 0 sees them (local, -1 for other ranks' experts)."""
+    n = s.num_experts * s.ep
+    logits = torch.randn(tokens, n, device=device)
     if s.fp8:
-        bias = torch.randn(s.num_experts, device=device) * 0.01
-        return moe_topk(logits, s.top_k, topk_method="noaux_tc", scoring_func="sigmoid", n_group=s.n_group,
-                        topk_group=s.topk_group, norm_topk_prob=True, routed_scaling_factor=2.5,
-                        e_score_correction_bias=bias)
-    return moe_topk(logits, s.top_k, topk_method="greedy", scoring_func="softmax")
+        bias = torch.randn(n, device=device) * 0.01
+        weights, ids = moe_topk(logits, s.top_k, topk_method="noaux_tc", scoring_func="sigmoid", n_group=s.n_group,
+                                topk_group=s.topk_group, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                e_score_correction_bias=bias)
+    else:
+        weights, ids = moe_topk(logits, s.top_k, topk_method="greedy", scoring_func="softmax")
+    return weights, torch.where(ids < s.num_experts, ids, -1).to(torch.int32)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
