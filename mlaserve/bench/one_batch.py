@@ -8,6 +8,7 @@ step's all-reduces take alone; `--ep-size 1 2` also runs each TP size with exper
     mlaserve bench one-batch --load-format dummy --model-config config.json --batch-size 1 16 64 --hf-peer
     mlaserve bench one-batch --load-format dummy --model-config config.json --tp-size 1 2
     mlaserve bench one-batch --load-format dummy --model-config config.json --tp-size 2 --ep-size 1 2
+    mlaserve bench one-batch --model-path DIR --speculative-algorithm EAGLE --speculative-num-steps 3
 """
 from __future__ import annotations
 
@@ -47,21 +48,24 @@ def model_dir(args: argparse.Namespace) -> str:
 def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = None,
                  device: str | None = None) -> tuple[ModelRunner, ReqToTokenPool, TokenSlotAllocator]:
     max_bs = max(args.batch_size)
-    tokens = max_bs * (args.input_len + args.output_len) + 64
+    tokens = max_bs * (args.input_len + args.output_len + 8) + 64
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
                                     tp_size=group.size if group else 1, ep_size=getattr(args, "ep", 1),
                                     device=device or args.device,
                                     max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
                                     attention_backend=args.attention_backend,
                                     context_length=args.input_len + args.output_len + 8,
-                                    enable_torch_compile=args.enable_torch_compile)
+                                    enable_torch_compile=args.enable_torch_compile,
+                                    speculative_algorithm=args.speculative_algorithm,
+                                    speculative_num_steps=args.speculative_num_steps)
     server = resolve_for_device(server, path)
     if not server.sched.disable_cuda_graph:           # capture (and compile) every batch size the bench runs
         sched = replace(server.sched, cuda_graph_bs=None, cuda_graph_max_bs=max_bs,
                         torch_compile_max_bs=max_bs if args.enable_torch_compile else 0)
         server = resolve_for_device(replace(server, sched=sched), path)
     runner = ModelRunner(server, path, group)
-    pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8, runner.device)
+    reach = runner.spec.steps if runner.spec is not None else 0        # a verify step's positions past the end
+    pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8 + reach, runner.device)
     runner.attach(pool.table)
     runner.init_cuda_graphs(pool.table, pool.alloc())
     return runner, pool, TokenSlotAllocator(runner.num_slots)
@@ -87,6 +91,10 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
     steps = []
     for r, tok in zip(reqs, out.next_ids):
         r.output_ids.append(tok)
+    if runner.spec is not None:
+        return _spec_decode(runner, pool, alloc, reqs, output_len) | {
+            "batch_size": bs, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
+            "prefill_tok_s": bs * input_len / prefill_s, "graph_replay_s": None}
     for _ in range(output_len - 1):
         s = alloc.alloc(bs)
         prefix = [r.kv_len for r in reqs]
@@ -108,6 +116,42 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
     gpu = graph_replay_s(runner, bs)
     return {"graph_replay_s": gpu, "batch_size": bs, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
             "prefill_tok_s": bs * input_len / prefill_s, "decode_step_s": step, "decode_tok_s": bs / step}
+
+
+def _spec_decode(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocator, reqs: list[Req],
+                 output_len: int) -> dict:
+    """Speculative decode steps until every request has `output_len` tokens: k = num_steps + 1 slots per request
+    a step, the rejected drafts' slots freed after it (as the scheduler does). Step time, tokens per second (all
+    tokens the steps produced, the extra ones of the last step not counted) and accept length."""
+    bs, k = len(reqs), runner.spec.steps + 1
+    steps, made, t_all = [], 0, 0.0
+    while any(len(r.output_ids) < output_len for r in reqs):
+        s = alloc.alloc(bs * k)
+        prefix = [r.kv_len for r in reqs]
+        for i, r in enumerate(reqs):
+            pool.write(r.req_pool_idx, r.kv_len, s[i * k:(i + 1) * k])
+            r.kv_len += k
+        batch = Batch(ForwardMode.DECODE, reqs, [], s, prefix, [k] * bs, [True] * bs)
+        sync()
+        t0 = time.perf_counter()
+        out = runner.spec_step(batch)
+        sync()
+        steps.append(time.perf_counter() - t0)
+        t_all += steps[-1]
+        for r, toks in zip(reqs, out.tokens):
+            take = toks[: output_len - len(r.output_ids)]
+            made += len(take)
+            r.output_ids += take
+            keep = len(r.fill_ids) - 1                                      # every token but the newest has KV
+            alloc.free(pool.slots(r.req_pool_idx, r.kv_len)[keep:])
+            r.kv_len = keep
+    for r in reqs:
+        alloc.free(pool.slots(r.req_pool_idx, r.kv_len))
+        pool.free(r.req_pool_idx)
+    n = runner.spec.steps
+    return {"engine": f"mlaserve spec ({n}, 1, {n + 1})", "decode_step_s": statistics.median(steps),
+            "decode_tok_s": made / t_all, "decode_token_time_s": bs * t_all / made,
+            "accept_length": made / (len(steps) * bs)}
 
 
 def graph_replay_s(runner: ModelRunner, bs: int) -> float | None:
@@ -148,7 +192,8 @@ def add_floor(row: dict, runner: ModelRunner, ceil: dict) -> dict:
     nbytes = decode_step_bytes(cfg, bs, ctx, fp8=cfg.is_fp8 and not runner.server.load.dequant_fp8,
                                kv_bytes=kv_bytes, tp=runner.group.size)["total"]
     row["decode_floor_s"] = nbytes / ceil["copy_bps"]
-    row["decode_frac_floor"] = row["decode_floor_s"] / row["decode_step_s"]
+    # NOTE: speculative rows: the time per bs tokens (one plain step's worth), which can beat the plain floor
+    row["decode_frac_floor"] = row["decode_floor_s"] / row.get("decode_token_time_s", row["decode_step_s"])
     flops = prefill_flops(cfg, row["input_len"]) * bs
     rate = ceil["fp8_flops"] if cfg.is_fp8 and not runner.server.load.dequant_fp8 else ceil["bf16_flops"]
     row["prefill_tflops"] = flops / row["prefill_s"] / 1e12
@@ -166,7 +211,8 @@ def table(rows: list[dict], title: str) -> str:
         fr = f"{r['decode_frac_floor']:.0%}" if "decode_frac_floor" in r else "-"
         gs = f"{r['graph_replay_s'] * 1e3:.2f}" if r.get("graph_replay_s") else "-"
         ar = f"{r['allreduce_s'] * 1e3:.2f} ({r['allreduce_s'] / r['decode_step_s']:.0%})" if r.get("allreduce_s") else "-"
-        lines.append(f"| {r.get('engine', 'mlaserve')} | {r['batch_size']} | {r['input_len']} | {r['output_len']} | "
+        engine = r.get("engine", "mlaserve") + (f", accept {r['accept_length']:.2f}" if "accept_length" in r else "")
+        lines.append(f"| {engine} | {r['batch_size']} | {r['input_len']} | {r['output_len']} | "
                      f"{r['prefill_s'] * 1e3:.1f} | {r['prefill_tok_s']:.0f} | {pf} | {r['decode_step_s'] * 1e3:.2f} | {gs} | "
                      f"{ar} | {r['decode_tok_s']:.0f} | {fl} | {fr} |")
     return "\n".join(lines)
@@ -195,7 +241,7 @@ def bench_rank(group: RankGroup | None, args: argparse.Namespace, path: str, cei
             row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
         if runner.group.size > 1:
             ep = runner.server.parallel.ep_size
-            row |= {"engine": f"mlaserve tp {runner.group.size}" + (f" ep {ep}" if ep > 1 else ""),
+            row |= {"engine": row.get("engine", "mlaserve") + f" tp {runner.group.size}" + (f" ep {ep}" if ep > 1 else ""),
                     "allreduce_s": allreduce_s(runner, bs)}
         rows.append(add_floor(row, runner, ceil))
         if rank == 0:
@@ -219,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="expert-parallel sizes to run each TP size with (1, or equal to it; others are skipped)")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--enable-torch-compile", action="store_true", help="torch.compile the decode step (in graphs)")
+    ap.add_argument("--speculative-algorithm", choices=("EAGLE", "NEXTN"), default=None,
+                    help="decode with the checkpoint's MTP layer drafting (reports the accept length)")
+    ap.add_argument("--speculative-num-steps", type=int, default=None, help="draft steps per verify (default 3)")
     ap.add_argument("--profile", action="store_true", help="write a torch profiler trace of the last batch size")
     ap.add_argument("--profile-dir", default="/tmp/mlaserve-profile")
     ap.add_argument("--hf-peer", action="store_true", help="then run HF transformers on the same config")
