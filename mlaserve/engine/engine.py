@@ -293,9 +293,10 @@ class ModelRunner:
         return out.logits
 
     @torch.no_grad()
-    def spec_step(self, batch: Batch) -> SpecOutput:
-        """One draft-and-verify step over a decode batch holding num_steps + 1 slots per request."""
-        return self.spec.step(batch)
+    def spec_step(self, batch: Batch, draft_bitmask=None) -> SpecOutput:
+        """One draft-and-verify step over a decode batch holding num_steps + 1 slots per request. `draft_bitmask`
+        (structured output): drafts [B][S] -> [B * k, W] int32 allowed tokens at each verified position."""
+        return self.spec.step(batch, draft_bitmask)
 
     def _sample(self, batch: Batch, logits: torch.Tensor, samplers: list[int], bitmask: torch.Tensor | None = None):
         """logits [n, V] of the sampling rows -> (ids [n], chosen log-probs | None, top (values, ids) | None)."""

@@ -156,7 +156,7 @@ class SpecDecoder:
 
     # --- one decode step: draft, verify, accept, repair -------------------------------------------
     @torch.no_grad()
-    def step(self, batch: Batch) -> SpecOutput:
+    def step(self, batch: Batch, draft_bitmask=None) -> SpecOutput:
         s = self.steps
         k, b, dev = s + 1, batch.size, self.runner.device
         rows = to_device(torch.tensor([q.req_pool_idx for q in batch.reqs], dtype=torch.int64), dev)
@@ -168,7 +168,8 @@ class SpecDecoder:
             draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots)
         else:
             draft_ids, logits, hidden = self.draft_verify(rows, base, slots, batch.prefix_lens, counts=counts)
-        target, lp, top = self._target_tokens(batch, logits, draft_ids)          # [B, k]
+        mask = draft_bitmask(draft_ids.tolist()) if draft_bitmask is not None else None   # grammars: host walk
+        target, lp, top = self._target_tokens(batch, logits, draft_ids, mask)    # [B, k]
         if graphs is not None:
             accepted = graphs.accept(target)
         else:
@@ -260,7 +261,8 @@ class SpecDecoder:
         self.runner.token_buf[rows] = target[pick, accepted]
         return accepted
 
-    def _target_tokens(self, batch: Batch, logits: torch.Tensor, drafts: torch.Tensor):
+    def _target_tokens(self, batch: Batch, logits: torch.Tensor, drafts: torch.Tensor,
+                       bitmask: torch.Tensor | None = None):
         """The target's token at every verified position (logits [B * k, V]): what decoding without speculation
         samples there if the drafts before it are accepted (its step index, and the drafts as output history).
         Returns (tokens [B, k], log-probs [B, k] | None, top (values, ids) [B, k, n] | None)."""
@@ -269,13 +271,15 @@ class SpecDecoder:
         reqs = batch.reqs
         steps = [r._step_index(batch, i) + j for i in range(b) for j in range(k)]
         expanded = [q for q in reqs for _ in range(k)]
-        if r._plain_greedy(expanded, steps):
+        if bitmask is None and r._plain_greedy(expanded, steps):
             return logits.argmax(-1).view(b, k), None, None
         sb = SamplingBatch.build([q.params for q in expanded], [q.seed for q in expanded], steps,
                                  [q.input_ids for q in expanded], [q.output_ids for q in expanded], r.cfg.vocab_size,
                                  r.eos_ids(), r.device)
         if sb.need_penalties:
             _add_draft_history(sb, drafts, k)
+        if bitmask is not None:
+            sb.token_bitmask = to_device(bitmask, r.device)
         want_lp = any(q.return_logprob for q in reqs)
         n_top = max(q.top_logprobs_num for q in reqs)
         out = r.sampler(logits, sb, return_logprob=want_lp, top_logprobs_num=n_top if want_lp else 0)

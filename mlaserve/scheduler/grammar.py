@@ -193,6 +193,40 @@ class GrammarManager:
                 matcher.fill_next_token_bitmask(mask, i)
         return mask
 
+    def draft_bitmask(self, batch: Batch, drafts: list[list[int]]) -> torch.Tensor | None:
+        """Speculative decoding: [B * k, W] allowed-token bits at each of the k verified positions of every request
+        (row i * k + j: after its output and drafts d_1 .. d_j), or None when no request is constrained. The
+        matchers walk the drafts and roll back; past a draft the grammar refuses, rows stay all-set (the target's
+        token there differs from that draft, so nothing after it is accepted)."""
+        if not self.constrains(batch):
+            return None
+        k = len(drafts[0]) + 1
+        mask = torch.full((batch.size * k, self.width), -1, dtype=torch.int32)
+        for i, req in enumerate(batch.reqs):
+            state = self.states.get(req.rid)
+            if state is None or req.finished is not None:
+                continue
+            own = m = self._matcher(req)
+            walked = 0
+            for j in range(k):
+                if m is not None and not m.is_terminated():
+                    m.fill_next_token_bitmask(mask, i * k + j)
+                if j == k - 1:
+                    break
+                d = drafts[i][j]
+                if m is None:                 # not active yet: it starts after the start token
+                    if d == state.start_id:
+                        import xgrammar as xgr
+
+                        m = xgr.GrammarMatcher(state.compiled)
+                    continue
+                if m.is_terminated() or not m.accept_token(d):
+                    break
+                walked += m is own
+            if own is not None and walked:
+                own.rollback(walked)
+        return mask
+
     def accept(self, req: Req, tok: int) -> FinishReason | None:
         """Advance `req`'s grammar by its new output token `tok` (already appended to output_ids). Returns
         why the request ends: "stop" once the grammar is complete, a 500 if `tok` broke it; else None."""

@@ -75,11 +75,6 @@ class Scheduler:
         except RequestError as e:
             self._finish(req, FinishReason("abort", message=e.message, status_code=e.status_code))
             return
-        if req.params.grammar is not None and self.spec_tokens > 1:
-            self._finish(req, FinishReason("abort", message="structured output (json_schema / regex / ebnf / "
-                                           "structural_tag) does not combine with speculative decoding yet",
-                                           status_code=400))
-            return
         self.live[req.rid] = req
         if req.params.grammar is not None:
             self.grammar.submit(req)          # waits for its compiled grammar (`_admit_grammar_ready`)
@@ -124,7 +119,9 @@ class Scheduler:
 
     def run(self, batch: Batch) -> StepOutput | SpecOutput:
         if batch.mode is ForwardMode.DECODE and self.spec_tokens > 1:
-            return self.runner.spec_step(batch)
+            grammar = self.grammar
+            mask = (lambda drafts: grammar.draft_bitmask(batch, drafts)) if grammar.constrains(batch) else None
+            return self.runner.spec_step(batch, mask)
         return self.runner.resolve(self.runner.launch(batch, self.grammar.bitmask(batch)))
 
     def _launch_and_drain(self, batch: Batch | None) -> PendingStep | None:
