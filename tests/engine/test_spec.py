@@ -232,7 +232,8 @@ def test_cache_hit_loses_no_acceptance(demo_prompts):
     assert_no_leak(warm)
 
 
-def test_structured_output_equal_with_speculation(demo_prompts):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_structured_output_equal_with_speculation(demo_prompts, device):
     """Grammars under speculation: each verified position samples under the grammar's mask after the drafts
     before it (the matcher walks them and rolls back), so outputs equal decoding without speculation; a free
     request beside them is unaffected, and drafts are still accepted."""
@@ -242,8 +243,9 @@ def test_structured_output_equal_with_speculation(demo_prompts):
             msg("js", demo_prompts[1], max_new=40, json_schema=schema),
             msg("eb", demo_prompts[2], max_new=30, ebnf='root ::= "return " [a-z_]+ ("." [a-z_]+)*'),
             msg("free", demo_prompts[3], max_new=30)]
-    base = run(make(DEMO), msgs)
-    s = spec(DEMO)
+    flags = dict(device=device, max_running_requests=8)     # on the GPU: the draft + verify CUDA graphs too
+    base = run(make(DEMO, **flags), msgs)
+    s = spec(DEMO, **flags)
     got = run(s, msgs)
     same(base, got)
     assert got["re"]["finished"].kind == "stop"           # the regex completed (the others may run to length)
