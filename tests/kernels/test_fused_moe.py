@@ -199,7 +199,7 @@ def test_tuner_ep_shape_and_routing(tmp_path: Path) -> None:
     s = tuner.shape_from_hf_config(cfg_json, tp_size=8, dtype="fp8_w8a8", ep_size=8)
     assert (s.num_experts, s.moe_intermediate_size, s.ep) == (32, 2048, 8)
     assert tuner.write_configs({"1": {}}, s, "fp8_w8a8", tmp_path, device_name="GPU").name.startswith("E=32,N=2048,")
-    _, ids = bench_case.route(s, 16, device="cpu")
+    _, ids = bench_case.route(s, 16, device="cuda" if torch.cuda.is_available() else "cpu")
     assert ids.dtype == torch.int32 and ((ids >= -1) & (ids < 32)).all() and (ids == -1).any()
     # rows per expert as at tp 8 (tokens * k / 256), not 8x that
     assert {c["BLOCK_SIZE_M"] for c in tuner.search_space(1024, s)} == {16, 32}
