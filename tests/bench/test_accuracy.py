@@ -1,10 +1,12 @@
-"""bench accuracy: the teacher-forced driver, and the shipped demo model's held-out bits per byte on the CPU."""
+"""bench accuracy: the teacher-forced driver (one process, and tp / ep / DP-attention ranks over gloo), and the
+shipped demo model's held-out bits per byte on the CPU."""
 from __future__ import annotations
 
+import pytest
 import tokenizers
 import torch
 
-from mlaserve.bench.accuracy import MODES, Mode, format_table, run_mode, selected_modes, summarise
+from mlaserve.bench.accuracy import MODES, Mode, format_table, run_mode, run_modes, selected_modes, summarise
 from mlaserve.demo import DEMO_DIR
 from mlaserve.tools import corpus
 
@@ -44,8 +46,34 @@ def test_decode_steps_score_like_the_prefill(one_thread):
     assert (full.logprobs - multi.logprobs).abs().max() < 1e-4
 
 
+def test_parallel_modes_score_like_one_process(one_thread):
+    """tp 2, tp 2 + ep 2 and DP attention (with and without ep 2) on two gloo ranks give the single process's fp32
+    log-probs and greedy tokens, and their rows pass. Three windows: the DP groups take two and one, so the MoE
+    gathers unequal token counts."""
+    path, wins, weights = _heldout(3, 24)
+    ref = run_mode(path, FP32, wins, 17, {"device": "cpu"})
+    parallel = [m for m in MODES if m.world > 1]
+    assert {m.name for m in parallel} >= {"fp32, tp 2", "fp32, tp 2 + ep 2", "fp32, tp 2 dp 2 dp-attention"}
+    for dp in (1, 2):                                  # one set of ranks per layout
+        modes = [m for m in parallel if m.dp == dp]
+        for mode, got in zip(modes, run_modes([(path, m) for m in modes], wins, 17, {"device": "cpu"})):
+            assert (got.logprobs - ref.logprobs).abs().max() < 1e-4, mode.name
+            assert torch.equal(got.greedy, ref.greedy), mode.name
+            row = summarise(mode, got, ref, weights)
+            assert row.ok and row.agreement == 1.0, row
+
+
 def test_modes_on_the_cpu_skip_cuda_graphs_and_keep_the_reference():
-    cpu = selected_modes(None, gpu=False)
+    cpu = selected_modes(None, gpus=0)
     assert cpu[0] == FP32 and not any(m.gpu_only for m in cpu)
-    assert [m.name for m in selected_modes(["bf16"], gpu=False)] == ["fp32", "bf16"]
-    assert len(selected_modes(None, gpu=True)) == len(MODES)
+    assert [m.name for m in selected_modes(["bf16"], gpus=0)] == ["fp32", "bf16"]
+    assert len(selected_modes(None, gpus=2)) == len(MODES)
+
+
+def test_parallel_modes_are_selected_by_name_and_need_gpus_only_on_a_gpu():
+    tp2 = ["fp32", "fp32, tp 2"]
+    assert [m.name for m in selected_modes(["fp32, tp 2"], gpus=0)] == tp2
+    assert [m.name for m in selected_modes(["fp32, tp 2"], gpus=2)] == tp2
+    assert [m.name for m in selected_modes(["fp32, tp 2"], gpus=1)] == ["fp32"]      # one GPU: no second rank
+    with pytest.raises(ValueError, match="unknown mode 'tp2'.*fp32, tp 2 dp 2 dp-attention"):
+        selected_modes(["tp2"], gpus=0)
