@@ -168,4 +168,44 @@ def profile(bs: str, spec: str) -> None:
 
 
 if __name__ == "__main__":
-    {"demo": demo, "demo-one": demo_one, "cost": cost, "profile": profile}[sys.argv[1]](*sys.argv[2:])
+    {"demo": demo, "demo-one": demo_one, "cost": cost, "profile": profile, "steptime": steptime}[sys.argv[1]](*sys.argv[2:])
+
+
+def steptime(bs: str, spec: str) -> None:
+    """Per decode step on the host: plan, run (the GPU work, synchronised) and process, median ms over a run."""
+    import statistics
+
+    from mlaserve.scheduler.scheduler import Scheduler
+    from mlaserve.tokenizer import load_tokenizer
+
+    s = None if spec == "none" else tuple(int(x) for x in spec.split(","))
+    path = str(DEMO_DIR)
+    flags = dict(model_path=path, log_level="warning", cuda_graph_bs=[int(bs)], max_running_requests=max(int(bs), 8),
+                 max_total_tokens=65536, disable_overlap_schedule=True)
+    if s:
+        flags |= dict(speculative_algorithm="EAGLE", speculative_num_steps=s[0])
+    sched = Scheduler(ServerConfig.from_flat(**flags), path)
+    tok = load_tokenizer(path)
+    for i in range(int(bs)):
+        sched.add_request(GenerateReqMsg(f"r{i}", tok.encode(HEADERS[i % len(HEADERS)]),
+                                         SamplingParams(max_new_tokens=256, temperature=0, ignore_eos=True), seed=i))
+    parts: dict[str, list[float]] = {"plan": [], "run": [], "process": []}
+    n = 0
+    while sched.has_work:
+        t0 = time.perf_counter()
+        batch = sched.plan()
+        t1 = time.perf_counter()
+        if batch is None:
+            continue
+        out = sched.run(batch)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        sched.process(batch, out)
+        sched.step_outbox()
+        t3 = time.perf_counter()
+        n += 1
+        if n > 3:
+            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                parts[k].append(v * 1e3)
+    print(json.dumps({"bs": int(bs), "spec": s, "steps": n, **{k: round(statistics.median(v), 3) for k, v in parts.items()},
+                      "accept_length": sched.get_stats()["avg_spec_accept_length"]}), flush=True)
