@@ -167,8 +167,6 @@ def profile(bs: str, spec: str) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
-if __name__ == "__main__":
-    {"demo": demo, "demo-one": demo_one, "cost": cost, "profile": profile, "steptime": steptime}[sys.argv[1]](*sys.argv[2:])
 
 
 def steptime(bs: str, spec: str) -> None:
@@ -180,8 +178,9 @@ def steptime(bs: str, spec: str) -> None:
 
     s = None if spec == "none" else tuple(int(x) for x in spec.split(","))
     path = str(DEMO_DIR)
-    flags = dict(model_path=path, log_level="warning", cuda_graph_bs=[int(bs)], max_running_requests=max(int(bs), 8),
-                 max_total_tokens=65536, disable_overlap_schedule=True)
+    gpu = torch.cuda.is_available()
+    flags = dict(model_path=path, log_level="warning", max_running_requests=max(int(bs), 8),
+                 max_total_tokens=65536, disable_overlap_schedule=True) | ({"cuda_graph_bs": [int(bs)]} if gpu else {})
     if s:
         flags |= dict(speculative_algorithm="EAGLE", speculative_num_steps=s[0])
     sched = Scheduler(ServerConfig.from_flat(**flags), path)
@@ -198,7 +197,8 @@ def steptime(bs: str, spec: str) -> None:
         if batch is None:
             continue
         out = sched.run(batch)
-        torch.cuda.synchronize()
+        if gpu:
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
         sched.process(batch, out)
         sched.step_outbox()
@@ -209,3 +209,7 @@ def steptime(bs: str, spec: str) -> None:
                 parts[k].append(v * 1e3)
     print(json.dumps({"bs": int(bs), "spec": s, "steps": n, **{k: round(statistics.median(v), 3) for k, v in parts.items()},
                       "accept_length": sched.get_stats()["avg_spec_accept_length"]}), flush=True)
+
+
+if __name__ == "__main__":
+    {"demo": demo, "demo-one": demo_one, "cost": cost, "profile": profile, "steptime": steptime}[sys.argv[1]](*sys.argv[2:])
