@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -190,6 +191,12 @@ def steptime(bs: str, spec: str) -> None:
                                          SamplingParams(max_new_tokens=256, temperature=0, ignore_eos=True), seed=i))
     parts: dict[str, list[float]] = {"plan": [], "run": [], "process": []}
     n = 0
+    prof = None
+    if os.environ.get("STEPTIME_PROFILE"):
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     while sched.has_work:
         t0 = time.perf_counter()
         batch = sched.plan()
@@ -207,6 +214,11 @@ def steptime(bs: str, spec: str) -> None:
         if n > 3:
             for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
                 parts[k].append(v * 1e3)
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     print(json.dumps({"bs": int(bs), "spec": s, "steps": n, **{k: round(statistics.median(v), 3) for k, v in parts.items()},
                       "accept_length": sched.get_stats()["avg_spec_accept_length"]}), flush=True)
 
