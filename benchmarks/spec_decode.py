@@ -218,7 +218,7 @@ def steptime(bs: str, spec: str) -> None:
         import pstats
 
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("mlaserve|import_utils|importlib", 30)
     print(json.dumps({"bs": int(bs), "spec": s, "steps": n, **{k: round(statistics.median(v), 3) for k, v in parts.items()},
                       "accept_length": sched.get_stats()["avg_spec_accept_length"]}), flush=True)
 
