@@ -72,16 +72,19 @@ def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256) -> dict
             "accept_length": st["avg_spec_accept_length"] if spec else 1.0, "ids": ids}
 
 
-def demo() -> None:
-    """Each configuration in a process of its own (a clean GPU and allocator), the baseline first."""
+def demo(new: str = "256", which: str = "all") -> None:
+    """Each configuration in a process of its own (a clean GPU and allocator), the baseline first. `which`:
+    "all" (four settings, then the baseline and (3, 1, 4) again to show the run-to-run spread) or "main" (the
+    baseline and (3, 1, 4) alternating, three times each)."""
     import subprocess
 
+    order = {"all": (None, (1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), None, (3, 1, 4)),
+             "main": (None, (3, 1, 4)) * 3}[which]
     for bs in (1, 8, 32):
         rows = {}
-        # the baseline and (3, 1, 4) run twice (first and last) to show the run-to-run spread
-        for spec in (None, (1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), None, (3, 1, 4)):
+        for spec in order:
             arg = "none" if spec is None else ",".join(map(str, spec))
-            proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "demo-one", str(bs), arg],
+            proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "demo-one", str(bs), arg, new],
                                   capture_output=True, text=True, timeout=240)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("{")), None)
             if proc.returncode or line is None:
@@ -96,9 +99,9 @@ def demo() -> None:
             print(json.dumps({k: v for k, v in r.items() if k != "ids"}), flush=True)
 
 
-def demo_one(bs: str, spec: str) -> None:
+def demo_one(bs: str, spec: str, new: str = "256") -> None:
     s = None if spec == "none" else tuple(int(x) for x in spec.split(","))
-    print(json.dumps(demo_run(int(bs), s)), flush=True)
+    print(json.dumps(demo_run(int(bs), s, int(new))), flush=True)
 
 
 def cost(layers: str = "4", context: int = 512, steps: int = 3) -> None:
