@@ -98,7 +98,8 @@ class Server:
         self.stop()
         self.log.seek(0)
         lines = [x.strip() for x in self.log.read().replace("\r", "\n").splitlines() if x.strip()]
-        self.error = lines[-1].split(" ERROR ")[-1].replace("|", "/") if lines else f"not healthy after {args.start_timeout} s"
+        last = lines[-1].split(" ERROR ")[-1].replace("|", "/") if lines else None
+        self.error = last or f"not healthy after {args.start_timeout} s"
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=3600,
