@@ -1,0 +1,193 @@
+"""The seeds' two ablation tables (issue 17) for this engine: single-query tokens/s and offline throughput, one row
+per combination of torch.compile, CUDA graphs, radix cache, NextN (EAGLE chain), EP and DP attention.
+
+NOT RUN YET: written while no two-GPU machine was lent; only its plumbing was tried (on the CPU, demo model). On one
+GPU, `--tp 1` runs the single-GPU rows and lists the EP / DP rows as needing two GPUs; `--tp 2` runs them all.
+There is no Flashinfer-MLA column (one MLA backend here). Correctness of every combination is
+tests/test_combinations.py; this only times them. Expected "not runnable": torch.compile with DP attention (decode
+graphs resolve off under DP, and compile acts inside them, so config resolution refuses it in one line); graphs with
+DP attention run eagerly, shown as "resolved off". DIR holds config.json and a tokenizer (make-checkpoint writes both).
+
+    PYTHONPATH=$PWD python benchmarks/ablation.py --model-path DIR --tp 2 --table single offline \
+        --serve-args "--load-format dummy" > benchmarks/results/ablation-h200x2.md
+
+Each row starts `mlaserve serve` in a process of its own, waits for /health, measures through the official `openai`
+client and stops it. A row that does not start is "not runnable" with the server's last log line (e.g. the
+ConfigError naming the flags); a concurrency that fails (OOM, errors) says so in its cell.
+  single   one request, a fixed prompt, 256 new tokens (ignore_eos): completion tokens / end-to-end seconds
+  offline  a ThreadPool over one OpenAI client, prompts of ~760 words (~1 token each with DeepSeek's tokenizer), 460
+           new tokens (ignore_eos), 2 x concurrency requests per level: (prompt + completion tokens) / wall seconds
+           (the seeds' [8]), and the mean per request of completion tokens / its seconds ([9]); the server's default
+           --max-running-requests unless --serve-args sets it
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import httpx
+import openai
+
+from mlaserve.bench.serving import WORDS
+
+QUERY = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a short test."
+COLUMNS = ("Torch Compile", "Cuda Graph", "Radix Cache", "Next-N", "EP-MoE", "DP-Attn")
+
+
+class Row(NamedTuple):
+    compile: bool
+    graph: bool
+    radix: bool
+    nextn: bool
+    ep: bool
+    dp: bool
+
+    def flags(self, tp: int) -> list[str]:
+        f = [f"--tp-size {tp}"] if tp > 1 else []
+        f += ["--enable-torch-compile"] if self.compile else []
+        f += [] if self.graph else ["--disable-cuda-graph"]
+        f += [] if self.radix else ["--disable-radix-cache"]
+        f += ["--speculative-algorithm EAGLE"] if self.nextn else []
+        f += [f"--ep-size {tp}"] if self.ep else []
+        f += [f"--enable-dp-attention --dp-size {tp}"] if self.dp else []
+        return shlex.split(" ".join(f))
+
+    def cells(self, info: dict | None = None) -> list[str]:
+        """The row's switches; a graph switch the server resolved off (DP attention, the CPU) says so."""
+        cells = ["✅" if v else "➖" for v in self]
+        if self.graph and (info or {}).get("disable_cuda_graph"):
+            cells[1] = "➖ (resolved off)"
+        return cells
+
+
+# both of the seeds' tables' rows without their Flashinfer-MLA variants (duplicates dropped; the single-query table
+# has radix on in the NextN + EP + DP row, the offline one off: both kept), then NextN rows the seeds could not run
+R = Row
+ROWS = [R(1, 1, 1, 0, 0, 0), R(1, 1, 1, 0, 0, 1), R(1, 1, 1, 0, 1, 1), R(1, 1, 1, 0, 1, 0), R(1, 0, 1, 0, 1, 0),
+        R(0, 1, 1, 0, 1, 0), R(0, 0, 0, 1, 1, 0), R(0, 1, 0, 1, 1, 0), R(1, 1, 0, 1, 1, 0), R(0, 1, 1, 0, 1, 1),
+        R(0, 1, 1, 1, 1, 1), R(0, 1, 0, 1, 1, 1), R(0, 0, 0, 1, 0, 1),
+        R(0, 1, 1, 1, 0, 0), R(1, 1, 1, 1, 0, 0), R(1, 1, 1, 1, 1, 0)]
+
+
+class Server:
+    """`mlaserve serve` with a row's flags on `port`; `error` is its last log line when it did not come up."""
+
+    def __init__(self, args: argparse.Namespace, flags: list[str]):
+        cmd = [sys.executable, "-m", "mlaserve.cli", "serve", "--model-path", args.model_path, "--port",
+               str(args.port), "--log-level", "warning", *flags, *shlex.split(args.serve_args)]
+        self.log = tempfile.TemporaryFile("w+")            # a file, not a pipe: a full pipe would block the server
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        self.url, self.error, self.model, self.info = f"http://127.0.0.1:{args.port}", None, "", {}
+        deadline = time.monotonic() + args.start_timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.model = self.client().models.list().data[0].id
+                    self.info = httpx.get(f"{self.url}/get_server_info", timeout=10).json()
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        self.log.seek(0)
+        lines = [x.strip() for x in self.log.read().replace("\r", "\n").splitlines() if x.strip()]
+        last = lines[-1].split(" ERROR ")[-1].replace("|", "/") if lines else None
+        self.error = last or f"not healthy after {args.start_timeout} s"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=3600,
+                             http_client=httpx.Client(limits=httpx.Limits(max_connections=None)))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+
+
+def complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> tuple[int, int, float]:
+    """(prompt tokens, completion tokens, seconds) of one greedy completion."""
+    t0 = time.perf_counter()
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    return r.usage.prompt_tokens, r.usage.completion_tokens, time.perf_counter() - t0
+
+
+def single(server: Server, args: argparse.Namespace) -> str:
+    c = server.client()
+    complete(c, server.model, QUERY, 8)                     # the first request's one-time costs
+    _, n, dt = complete(c, server.model, QUERY, args.single_new)
+    return f"{n / dt:.1f}"
+
+
+def offline(server: Server, args: argparse.Namespace, concurrency: int) -> tuple[str, str]:
+    rng = random.Random(args.seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(2 * concurrency)]
+    client = server.client()                                # httpx's pool is thread-safe
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            done = list(pool.map(lambda p: complete(client, server.model, p, args.output_len), prompts))
+    except openai.OpenAIError as e:
+        return f"failed: {type(e).__name__}", "N/A"
+    wall = time.perf_counter() - t0
+    per_req = sum(n / dt for _, n, dt in done) / len(done)
+    return f"{sum(p + n for p, n, _ in done) / wall:.2f}", f"{per_req:.2f}"
+
+
+def run_table(args: argparse.Namespace, table: str) -> None:
+    head = ["Runnable", "TPS@1"] if table == "single" else ["Runnable"]
+    tail = [] if table == "single" else ["Client Concurrency", "Avg Throughput (p+d, token/s)",
+                                         "Per-req Throughput (d, token/s)", "Total Req"]
+    print(f"\n### {'Single query' if table == 'single' else 'Offline batch'} performance\n")
+    print("| " + " | ".join([*head, *COLUMNS, *tail]) + " |")
+    print("|" + "---|" * (len(head) + len(COLUMNS) + len(tail)))
+    for row in ROWS:
+        if (row.ep or row.dp) and args.tp < 2:
+            cells = ["needs --tp 2 (two GPUs)"] + ["N/A"] * (len(head) - 1) + row.cells() + ["N/A"] * len(tail)
+            print("| " + " | ".join(cells) + " |", flush=True)
+            continue
+        server = Server(args, row.flags(args.tp))
+        try:
+            if server.error:
+                cells = [f"❌ {server.error}"] + ["N/A"] * (len(head) - 1) + row.cells() + ["N/A"] * len(tail)
+            elif table == "single":
+                cells = ["✅", single(server, args), *row.cells(server.info)]
+            else:
+                levels = [offline(server, args, c) for c in args.concurrency]
+                cells = ["✅", *row.cells(server.info), "<br>".join(map(str, args.concurrency)),
+                         "<br>".join(a for a, _ in levels), "<br>".join(b for _, b in levels),
+                         "<br>".join(str(2 * c) for c in args.concurrency)]
+        finally:
+            server.stop()
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--tp", type=int, default=1, choices=(1, 2), help="GPUs per server (EP / DP rows need 2)")
+    ap.add_argument("--table", nargs="+", default=["single", "offline"], choices=("single", "offline"))
+    ap.add_argument("--serve-args", default="", help="extra `mlaserve serve` flags for every row")
+    ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument("--start-timeout", type=float, default=1200.0)
+    ap.add_argument("--single-new", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=760)
+    ap.add_argument("--output-len", type=int, default=460)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 256, 512, 768])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(f"model {args.model_path}, tp {args.tp}, serve args {args.serve_args!r}, seed {args.seed}")
+    for table in args.table:
+        run_table(args, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
