@@ -3,9 +3,7 @@ against the single process: the model through the Engine API (V2-Lite and V3 sha
 side by side (one idle while the other decodes, aborts, radix hits, retraction on one group)."""
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -14,34 +12,19 @@ from mlaserve.config import ServerConfig
 from mlaserve.core import ForwardMode, SamplingParams
 from mlaserve.distributed import spawn_ranks
 from mlaserve.ipc.messages import GenerateReqMsg
-from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+from parallel_common import VARIANTS as ALL_VARIANTS, checkpoint_builder, clear_prefix, prompt_logprobs
 from seq_runner import drive_scheduler
 
-CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 DP = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
 # name -> (source config, overrides, fp8, widths set after shrinking): V2-Lite (no q_lora, softmax greedy routing,
 # first layer dense), V3 (q_lora, sigmoid + noaux_tc, a dense first layer, 16 experts), and V3 in block FP8 with
 # widths whose per-rank expert shards are whole 128-blocks
-VARIANTS = {"v2-lite": ("deepseek-v2-lite.json", {}, False, {}),
-            "v3": ("deepseek-v3.json", {"first_k_dense_replace": 1}, False, {}),
-            "v3-fp8": ("deepseek-v3.json", {"first_k_dense_replace": 1}, True,
-                       {"qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "moe_intermediate_size": 256,
-                        "intermediate_size": 512})}
+VARIANTS = {k: ALL_VARIANTS[k] for k in ('v2-lite', 'v3', 'v3-fp8')}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dp")
-    built: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            src, overrides, fp8, after = VARIANTS[name]
-            cfg = make_config(json.loads((CONFIGS / src).read_text()) | overrides, num_layers=3, shrink=True,
-                              fp8=fp8) | after
-            built[name] = str(write_checkpoint(cfg, root / name, progress=False))
-        return built[name]
-    return get
+    return checkpoint_builder(tmp_path_factory.mktemp("dp"))
 
 
 def _seeded() -> random.Random:
@@ -61,16 +44,8 @@ def generate(path: str, prompts: list[list[int]], **server) -> tuple[list[dict],
         return greedy, info | {"tree_after_flush": engine.get_server_info()["cached_tokens_in_tree"]}
 
 
-def prompt_logprobs(out: dict) -> list[float]:
-    return [lp for lp, _tok, *_ in out["meta_info"]["input_token_logprobs"][1:]]
 
 
-def clear_prefix(out: dict, margin: float) -> int:
-    """Output tokens before the first greedy choice within `margin` nats of the runner-up."""
-    for i, (first, second) in enumerate(out["meta_info"]["output_top_logprobs"]):
-        if first[0] - second[0] < margin:
-            return i
-    return len(out["output_ids"])
 
 
 # case -> (checkpoint, tp, dp): two groups of one rank (the MoE over both), and two groups of two ranks (attention

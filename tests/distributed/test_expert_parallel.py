@@ -20,20 +20,13 @@ from mlaserve.layers import moe as moe_layer
 from mlaserve.layers.ops import get_ops
 from mlaserve.models import weights as weights_mod
 from mlaserve.models.deepseek import DeepseekForCausalLM
-from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+from mlaserve.tools.make_checkpoint import make_config
+from parallel_common import VARIANTS as ALL_VARIANTS, checkpoint_builder, clear_prefix, prompt_logprobs
 from seq_runner import SeqRunner
 
 CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 # name -> (source config, overrides, fp8, widths set after shrinking); 16 routed experts each (8 per rank)
-VARIANTS = {
-    # V2: q_lora, softmax + group-limited greedy routing, 2 shared experts, first layer dense
-    "v2": ("deepseek-v2-lite.json", {"q_lora_rank": 1536, "topk_method": "group_limited_greedy", "n_group": 8,
-                                     "topk_group": 3, "routed_scaling_factor": 16.0}, False, {}),
-    # V3 in block FP8: sigmoid + noaux_tc, 1 shared expert, MTP layer; widths of whole 128-blocks per TP rank
-    "v3-fp8": ("deepseek-v3.json", {"first_k_dense_replace": 1}, True,
-               {"qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "moe_intermediate_size": 256,
-                "intermediate_size": 512}),
-}
+VARIANTS = {k: ALL_VARIANTS[k] for k in ('v2', 'v3-fp8')}
 # Block FP8 re-quantises every linear's input (e4m3, 3 mantissa bits): the last-bit differences of TP attention's
 # all-reduce now and then flip one rounding and move what follows (tests/distributed/test_tensor_parallel.py
 # measured it; here max 0.13, median 1e-4 in one run). Run as FP8, the V3 checkpoint is held to that file's bounds;
@@ -47,18 +40,7 @@ CASES = {"v2": ("v2", {}), "v3-fp8": ("v3-fp8", {}),
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ep")
-    built: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            src, overrides, fp8, after = VARIANTS[name]
-            d = json.loads((CONFIGS / src).read_text()) | overrides
-            cfg = make_config(d, num_layers=3, shrink=True, fp8=fp8) | after
-            assert cfg["n_routed_experts"] >= 8
-            built[name] = str(write_checkpoint(cfg, root / name, progress=False))
-        return built[name]
-    return get
+    return checkpoint_builder(tmp_path_factory.mktemp("ep"))
 
 
 def engine_run(path: str, prompts: list[list[int]], **server) -> tuple[list[dict], dict]:

@@ -2,9 +2,7 @@
 (V2-Lite, V2 and V3 FP8 shapes), and the scheduler's radix hits, chunked prefill, retraction and aborts."""
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -13,24 +11,10 @@ from mlaserve.config import ServerConfig
 from mlaserve.core import SamplingParams
 from mlaserve.distributed import spawn_ranks
 from mlaserve.ipc.messages import GenerateReqMsg
-from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+from parallel_common import VARIANTS as ALL_VARIANTS, checkpoint_builder, clear_prefix, prompt_logprobs
 from seq_runner import drive_scheduler
 
-CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
-# name -> (source config, overrides, fp8, widths set after shrinking)
-VARIANTS = {
-    # V2-Lite: no q_lora, softmax + greedy routing, 2 shared experts, first layer dense
-    "v2-lite": ("deepseek-v2-lite.json", {}, False, {}),
-    # V2: q_lora, group-limited greedy routing
-    "v2": ("deepseek-v2-lite.json", {"q_lora_rank": 1536, "topk_method": "group_limited_greedy", "n_group": 8,
-                                     "topk_group": 3, "routed_scaling_factor": 16.0}, False, {}),
-    # V3: q_lora, sigmoid + noaux_tc, MTP layer present
-    "v3": ("deepseek-v3.json", {"first_k_dense_replace": 1}, False, {}),
-    # V3 in block FP8, widths whose per-rank shards are whole 128-blocks
-    "v3-fp8": ("deepseek-v3.json", {"first_k_dense_replace": 1}, True,
-               {"qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "moe_intermediate_size": 256,
-                "intermediate_size": 512}),
-}
+VARIANTS = ALL_VARIANTS          # tests/parallel_common.py: v2-lite, v2, v3, v3-fp8
 # NOTE: with block FP8 every linear quantises its input per token per 128 channels (e4m3: 3 mantissa bits). The
 # all-reduced sums differ from one process's GEMM in the last fp32 bit, and now and then that flips one e4m3
 # rounding downstream, which moves everything after it a little. Measured on the v3-fp8 config over 245 prompt
@@ -43,17 +27,7 @@ FP8_TIE_MARGIN = 0.5
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    built: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in built:
-            src, overrides, fp8, after = VARIANTS[name]
-            d = json.loads((CONFIGS / src).read_text()) | overrides
-            cfg = make_config(d, num_layers=3, shrink=True, fp8=fp8) | after
-            built[name] = str(write_checkpoint(cfg, root / name, progress=False))
-        return built[name]
-    return get
+    return checkpoint_builder(tmp_path_factory.mktemp("tp"))
 
 
 def generate(path: str, tp: int, prompts: list[list[int]], **server) -> tuple[list[dict], dict]:
@@ -65,16 +39,8 @@ def generate(path: str, tp: int, prompts: list[list[int]], **server) -> tuple[li
         return greedy + [sampled], engine.get_server_info()
 
 
-def prompt_logprobs(out: dict) -> list[float]:
-    return [lp for lp, _tok, *_ in out["meta_info"]["input_token_logprobs"][1:]]
 
 
-def clear_prefix(out: dict, margin: float) -> int:
-    """Output tokens before the first greedy choice within `margin` nats of the runner-up."""
-    for i, (first, second) in enumerate(out["meta_info"]["output_top_logprobs"]):
-        if first[0] - second[0] < margin:
-            return i
-    return len(out["output_ids"])
 
 
 # case -> (checkpoint, server flags); the FP8 KV cache rounds what it stores to e4m3 as FP8 weights' activations do
