@@ -8,6 +8,7 @@ and always a gloo group for host objects (the scheduler's step messages). Layers
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -279,7 +280,7 @@ def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 360
         for rank, recv in enumerate(pipes):
             if not recv.poll(timeout):
                 raise CollectiveError(f"rank {rank} gave no result in {timeout:.0f} s")
-            status, value = recv.recv()
+            status, value = pickle.loads(recv.recv_bytes())
             if status != "ok":
                 raise CollectiveError(f"rank {rank} failed:\n{value}")
             results.append(value)
@@ -299,10 +300,12 @@ def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, c
         torch.cuda.set_device(dev)
     else:
         torch.set_num_threads(1)
+    # NOTE: plain pickle, by value: multiprocessing's own pickler would send tensors as shared-memory handles that
+    # the caller can no longer open once this rank has exited
     try:
         group = init_distributed(ParallelInfo(world, rank, dp_size=dp_size), addr, 600, dev)
-        conn.send(("ok", fn(group, *args)))
+        conn.send_bytes(pickle.dumps(("ok", fn(group, *args))))
     except BaseException:  # noqa: BLE001 - reported to the caller
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         shutdown_distributed()

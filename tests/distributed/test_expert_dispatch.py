@@ -4,6 +4,7 @@ local experts, with uneven token counts and an idle rank."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -54,8 +55,8 @@ def _all_cases(group, cases: dict, weights: dict) -> dict:
 COUNTS = [(5, 3), (0, 4)]            # uneven; rank 0 idle
 
 
-# NOTE: tensors cross the process boundary as nested lists: a tensor a rank returns is unpickled by connecting to
-# that rank's resource sharer, which is gone once the rank has exited (a race spawn_ranks' readers can lose).
+# NOTE: these cases cross the process boundary as nested lists (written when a tensor a rank returned was still
+# sent as a shared-memory handle; spawn_ranks now returns results by value, see test_spawned_ranks_return_tensors)
 def _lists(obj):
     if isinstance(obj, torch.Tensor):
         return ("tensor", obj.tolist(), str(obj.dtype), tuple(obj.shape))
@@ -128,3 +129,15 @@ def test_single_process_ep_is_the_identity() -> None:
     assert two.to_local(ids, E).tolist() == [[-1, -1], [3, 1]] and not two.holds(3, E) and two.first(E) == 4
     with pytest.raises(ValueError, match="--ep-size 3"):
         ExpertParallel(0, 3).split(E)
+
+
+def _return_tensor(group) -> torch.Tensor:
+    if group.info.rank == 0:
+        time.sleep(3)                 # rank 1 sends its result and exits before the caller reads it
+    return torch.full((3,), float(group.info.rank))
+
+
+def test_spawned_ranks_return_tensors() -> None:
+    """A rank's tensor result comes back by value: rank 1's is read after rank 1 has exited."""
+    out = spawn_ranks(_return_tensor, 2, timeout=120)
+    assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3]
