@@ -103,8 +103,6 @@ class SpecDecoder:
         self.target_fn, self.draft_fn = self.model, self.model.mtp
         self.hidden_buf: torch.Tensor | None = None       # [rows, h]: target hidden at each request's last KV position
         self.graphs = None                                # SpecGraphRunner (engine/graph.py) on the GPU
-        self.verify_steps = 0
-        self.verified_tokens = 0
 
     def attach(self, rows: int) -> None:
         cfg = self.runner.cfg
@@ -141,7 +139,7 @@ class SpecDecoder:
                 take_tok.extend(range(at + 1, at + n))
                 take_hid.extend(range(at, at + n - 1))
             at += n
-        out_slots = wide.out_slots[[i for i in take_tok]] if take_tok else None
+        out_slots = wide.out_slots[torch.tensor(take_tok, dtype=torch.int64)] if take_tok else None
         dev = self.runner.device
         if rows:
             ids = torch.tensor(wide.ids, dtype=torch.int64)[take_tok].to(dev)
@@ -187,8 +185,6 @@ class SpecDecoder:
             kk = req.top_logprobs_num
             out_top.append([list(zip(tops[0][i][j][:kk], tops[1][i][j][:kk])) for j in range(n)]
                            if tops is not None and req.return_logprob and kk else None)
-        self.verify_steps += 1
-        self.verified_tokens += sum(n_acc) + b
         return SpecOutput(out_tokens, out_lp, out_top, n_acc)
 
     def _decode_ctx(self, rows: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
