@@ -167,13 +167,15 @@ def test_fp8_checkpoint_vs_hf_on_dequantised_weights(checkpoints, tmp_path):
     ref = hf(dequantised_copy(path, tmp_path / "deq"), torch.float32)
     fp8_model, cfg = ours(path, torch.float32)
     assert fp8_model.model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn
-    ids = random_prompt(cfg, 32)
-    want = hf_prompt_logprobs(ref, ids)
-    got = ours_prompt_logprobs(fp8_model, cfg, ids)
-    assert_close_stats(got - want, 0.7, 1.3, "FP8 path")
+    # NOTE: four prompts (124 scored positions): over one 32-token prompt the p90 was noisy (1.37 and 1.52 seen in CI);
+    # over four, six draws measured mean 0.36-0.42 and p90 0.70-0.83 (2026-11-24, CPU)
+    prompts = [random_prompt(cfg, 32) for _ in range(4)]
+    want = [hf_prompt_logprobs(ref, ids) for ids in prompts]
+    got = [ours_prompt_logprobs(fp8_model, cfg, ids) for ids in prompts]
+    assert_close_stats(torch.cat(got) - torch.cat(want), 0.7, 1.3, "FP8 path")
     deq_model, _ = ours(path, torch.float32, dequant_fp8=True)
-    exact = ours_prompt_logprobs(deq_model, cfg, ids)
-    assert (exact - want).abs().max() <= FP32_TOL
+    exact = ours_prompt_logprobs(deq_model, cfg, prompts[0])
+    assert (exact - want[0]).abs().max() <= FP32_TOL
 
 
 def test_mtp_draft_logits_match_definition(checkpoints):
