@@ -28,5 +28,5 @@ class BaseAttnBackend(ABC):
         """Non-absorbed MLA. q: [T, H, Dn + R], kv_c: [T, L], k_pe: [T, R] (the new tokens) -> [T, H, Dv]."""
 
     @abstractmethod
-    def decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Absorbed MLA. q: [T, H, L + R] (latent query + roped query) -> o_latent [T, H, L]."""
+    def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Absorbed MLA. q: [T, H, L] latent query, q_pe: [T, H, R] roped query -> o_latent [T, H, L]."""

@@ -29,7 +29,8 @@ class TorchMLABackend(BaseAttnBackend):
             outs.append(_causal_attention(q[start:start + n], k, v, self.sm_scale))
         return torch.cat(outs, dim=0) if outs else q.new_empty(0, q.shape[1], 0)
 
-    def decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q = torch.cat([q, q_pe], dim=-1)                                   # [T, H, L + R]
         outs = []
         n = ctx.num_q
         for b in range(ctx.batch_size):

@@ -73,8 +73,9 @@ def _load_cols(ptrs, rows_ok, offs, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
-                       qk_scale, v_scale, stride_qt, stride_qh, stride_kv, stride_rtt, H, num_q, num_splits,
+def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+                       qk_scale, v_scale, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_rtt, H, num_q,
+                       num_splits,
                        L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        DOT_PREC: tl.constexpr):
@@ -101,8 +102,9 @@ def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     q_row = Q + t * stride_qt + h * stride_qh
+    pe_row = QPe + t * stride_pt + h * stride_ph
     q_nope = _load_cols(q_row[:, None] + offs_l[None, :], row_ok, offs_l, L, BLOCK_L)      # [BLOCK_H, BL]
-    q_pe = _load_cols(q_row[:, None] + L + offs_r[None, :], row_ok, offs_r, R, BLOCK_R)    # [BLOCK_H, BR]
+    q_pe = _load_cols(pe_row[:, None] + offs_r[None, :], row_ok, offs_r, R, BLOCK_R)       # [BLOCK_H, BR]
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -134,10 +136,13 @@ def _mla_decode_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     o = acc / l_safe[:, None] * v_scale
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
     mid = (t * H + h) * num_splits + split           # [BLOCK_H] row of MidO [T*H*S, L] / MidLse [T*H*S]
+    # NOTE: a split past the end (short contexts under a graph's fixed split count) writes only its -inf lse;
+    # the reduce skips its MidO rows, so empty splits cost no memory traffic.
+    o_ok = row_ok & (rows * 0 + start < seq_len)
     if L == BLOCK_L:
-        tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None])
+        tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=o_ok[:, None])
     else:
-        tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=row_ok[:, None] & (offs_l < L)[None, :])
+        tl.store(MidO + mid[:, None] * L + offs_l[None, :], o, mask=o_ok[:, None] & (offs_l < L)[None, :])
     tl.store(MidLse + mid, lse, mask=row_ok)
 
 
@@ -154,7 +159,8 @@ def _mla_decode_reduce_kernel(MidO, MidLse, Out, stride_ot, stride_oh, H, num_sp
     lse = tl.load(MidLse + th * num_splits + offs_s, mask=s_ok, other=float("-inf"))     # [BLOCK_S]
     w = tl.exp2(lse - tl.max(lse, axis=0))           # empty splits weigh 0
     mid = (th * num_splits + offs_s)[:, None] * L + offs_l[None, :]
-    o = tl.load(MidO + mid, mask=s_ok[:, None] & l_ok[None, :], other=0.0)             # [BLOCK_S, BLOCK_L]
+    full = s_ok & (lse > float("-inf"))              # empty splits' MidO rows are never written: not read either
+    o = tl.load(MidO + mid, mask=full[:, None] & l_ok[None, :], other=0.0)             # [BLOCK_S, BLOCK_L]
     res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     out = Out + (th // H) * stride_ot + (th % H) * stride_oh + offs_l
     tl.store(out, res.to(Out.dtype.element_ty), mask=l_ok)
@@ -165,12 +171,24 @@ def _padded(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _check_args(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor,
-                seq_lens: torch.Tensor, kv_lora_rank: int, num_q: int, num_kv_splits: int | None,
-                out: torch.Tensor | None) -> None:
+def _split_q(q: torch.Tensor, q_pe: torch.Tensor | None, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent query [T, H, >= L], rope query [T, H, R]) from q [T, H, L + R] or the pair (q [T, H, L], q_pe)."""
     assert q.dim() == 3, f"q must be [T, H, D], got {tuple(q.shape)}"
-    t, h, d = q.shape
-    assert 0 < kv_lora_rank < d, f"kv_lora_rank ({kv_lora_rank}) must be in (0, D={d})"
+    if q_pe is None:
+        assert 0 < kv_lora_rank < q.shape[2], f"kv_lora_rank ({kv_lora_rank}) must be in (0, D={q.shape[2]})"
+        return q, q[..., kv_lora_rank:]
+    assert q_pe.dim() == 3 and q_pe.shape[:2] == q.shape[:2] and q.shape[2] == kv_lora_rank, \
+        f"q [T, H, L={kv_lora_rank}] and q_pe [T, H, R] expected, got {tuple(q.shape)} and {tuple(q_pe.shape)}"
+    assert q_pe.dtype == q.dtype and q_pe.stride(2) == 1 and q_pe.device == q.device, \
+        "q_pe must share q's dtype and device, contiguous in its last dim"
+    return q, q_pe
+
+
+def _check_args(q: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
+                req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, kv_lora_rank: int, num_q: int,
+                num_kv_splits: int | None, out: torch.Tensor | None) -> None:
+    t, h, _ = q.shape
+    d = kv_lora_rank + q_pe.shape[2]
     assert q.dtype in _FLOAT, f"q dtype must be fp16/bf16/fp32, got {q.dtype}"
     assert q.stride(2) == 1, "q must be contiguous in its last dim"
     assert kv_cache.dim() == 2 and kv_cache.shape[1] == d, \
@@ -195,11 +213,13 @@ def _check_args(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Ten
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor,
                seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512, num_q: int = 1,
                kv_scale: float | None = None, num_kv_splits: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed-MLA decode: out[t, h] = softmax(q[t, h] . K^T * sm_scale) @ V over the request's cached tokens.
 
     Args:
         q: [T, H, D] absorbed latent query (L) + roped query (R); T = B * num_q, request b owns rows b*num_q ...
+            Or, with `q_pe` [T, H, R], q is the latent part alone [T, H, L] (any strides with the last dim
+            contiguous: no concatenation needed).
         kv_cache: [num_slots, D] one layer's latent pool; fp8 values are `stored * kv_scale`.
         req_to_token: [max_reqs, max_context] int32, position -> slot. req_pool_idx: [B] its row per request.
         seq_lens: [B] cached tokens per request including the num_q new ones; query token j of request b sits
@@ -209,8 +229,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     Returns:
         [T, H, L] in q.dtype (written into `out` when given).
     """
-    _check_args(q, kv_cache, req_to_token, req_pool_idx, seq_lens, kv_lora_rank, num_q, num_kv_splits, out)
-    t, h, d = q.shape
+    q, q_pe = _split_q(q, q_pe, kv_lora_rank)
+    _check_args(q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, kv_lora_rank, num_q, num_kv_splits, out)
+    t, h = q.shape[:2]
+    d = kv_lora_rank + q_pe.shape[2]
     big_l = kv_lora_rank
     out = q.new_empty((t, h, big_l)) if out is None else out
     if t == 0:
@@ -223,8 +245,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     mid_lse = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)        # [T, H, S]
     scale = 1.0 if kv_scale is None else float(kv_scale)
     _mla_decode_kernel[(b, head_blocks, splits)](
-        q, kv_cache, req_to_token, req_pool_idx, seq_lens, mid_o, mid_lse,
-        sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), kv_cache.stride(0), req_to_token.stride(0),
+        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, mid_o, mid_lse,
+        sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), req_to_token.stride(0),
         h, num_q, splits, L=big_l, R=d - big_l, BLOCK_L=_padded(big_l), BLOCK_R=_padded(d - big_l),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -239,9 +262,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
 def mla_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                    req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512,
                    num_q: int = 1, kv_scale: float | None = None, num_kv_splits: int | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Reference (the spec of `mla_decode`), one request at a time in fp32. `num_kv_splits` does not change
     the math and is ignored."""
+    if q_pe is not None:
+        q = torch.cat([q[..., :kv_lora_rank], q_pe], dim=-1)
     t, h, _ = q.shape
     res = torch.empty((t, h, kv_lora_rank), dtype=torch.float32, device=q.device)
     scale = 1.0 if kv_scale is None else kv_scale

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from mlaserve.kernels.kv_store import FP8_DTYPES, cache_values_ref, check_cache, fp8_consts, fp8_saturate, \
     scale_tensor
+from mlaserve.kernels.norm import rmsnorm_ref
 
 _BLOCK_H = 16   # heads per program
 
@@ -38,10 +39,10 @@ def _store_cache(ptrs, v, mask, scale_ptr, HAS_SCALE: tl.constexpr, IS_FP8: tl.c
 
 
 @triton.jit
-def _mla_rope_kv_store_kernel(q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr, slot_ptr, scale_ptr,
-                              H, L, stride_qt, stride_qh, stride_kt, stride_ct, stride_pos, stride_cache,
+def _mla_rope_kv_store_kernel(q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr, slot_ptr, scale_ptr, nw_ptr,
+                              eps, H, L, stride_qt, stride_qh, stride_kt, stride_ct, stride_pos, stride_cache,
                               stride_slot, R_HALF: tl.constexpr, BLOCK_RH: tl.constexpr, BLOCK_H: tl.constexpr,
-                              BLOCK_L: tl.constexpr,
+                              BLOCK_L: tl.constexpr, NORM: tl.constexpr,
                               HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                               MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
     # Program (t, hb) rotates heads [hb * BLOCK_H, (hb + 1) * BLOCK_H) of token t; hb == 0 also handles k / kv.
@@ -70,6 +71,12 @@ def _mla_rope_kv_store_kernel(q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr,
         c_row = cache_ptr + tl.load(slot_ptr + t * stride_slot).to(tl.int64) * stride_cache
         lo = tl.arange(0, BLOCK_L)
         kv = tl.load(kvc_ptr + t * stride_ct + lo, mask=lo < L, other=0.0)
+        if NORM:                                     # kv_a_layernorm, as rmsnorm_ref rounds it; kv_c updated in place
+            ty = kv.dtype
+            x = kv.to(tl.float32)
+            y = (x * tl.math.rsqrt(tl.sum(x * x, axis=0) / L + eps)).to(ty).to(tl.float32)
+            kv = (tl.load(nw_ptr + lo, mask=lo < L, other=0.0).to(tl.float32) * y).to(ty)
+            tl.store(kvc_ptr + t * stride_ct + lo, kv, mask=lo < L)
         _store_cache(c_row + lo, kv, lo < L, scale_ptr, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
         _store_cache(c_row + L + i, k_lo, i_ok, scale_ptr, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP,
                      SOFT_ROUND)
@@ -99,14 +106,16 @@ def _check(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, positions
 
 def mla_rope_kv_store(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, positions: torch.Tensor,
                       cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, out_slots: torch.Tensor, *,
-                      kv_scale: float | torch.Tensor | None = None) -> None:
+                      kv_scale: float | torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                      eps: float = 0.0) -> None:
     """Rotate q_pe and k_pe IN PLACE and write cat(kv_c, rot(k_pe)) into kv_cache[out_slots], in one launch.
+    With `norm_weight` [L], kv_c is first RMS-normalised IN PLACE (kv_a_layernorm with `eps`).
 
     Args:
         q_pe: [T, H, R] interleaved rope part of q; may be a strided view into q [T, H, 192] (last dim
             contiguous). Overwritten with its rotation in de-interleaved layout.
         k_pe: [T, R] interleaved shared rope key (rows may be strided); overwritten likewise.
-        kv_c: [T, L] already RMS-normalised latent (rows may be strided).
+        kv_c: [T, L] RMS-normalised latent (rows may be strided); raw when `norm_weight` is given.
         positions: [T] int32/int64 position of each token (any stride), < P.
         cos_sin_cache: [P, R] float32: cos(pos * inv_freq_i) * m in columns [0, R/2), sin * m in [R/2, R).
         kv_cache: [S, L + R] of one layer, dtype of q_pe or fp8 (e4m3 / e5m2).
@@ -119,16 +128,19 @@ def mla_rope_kv_store(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor
     check_cache(kv_cache, out_slots, t, l + r)
     assert kv_cache.dtype in (q_pe.dtype, *FP8_DTYPES), f"kv_cache dtype {kv_cache.dtype} must be {q_pe.dtype} or fp8"
     scale = scale_tensor(kv_scale, kv_cache)
+    if norm_weight is not None:
+        assert norm_weight.shape == (l,) and norm_weight.is_contiguous() and norm_weight.device == kv_c.device, \
+            f"norm_weight must be a contiguous [{l}] tensor on {kv_c.device}"
     if t == 0:
         return
     block_h = min(_BLOCK_H, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block_h))
     _mla_rope_kv_store_kernel[grid](
         q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache, out_slots, scale if scale is not None else kv_cache,
-        h, l, q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), kv_c.stride(0), positions.stride(0),
+        norm_weight if norm_weight is not None else kv_c, float(eps), h, l, q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), kv_c.stride(0), positions.stride(0),
         kv_cache.stride(0), out_slots.stride(0), R_HALF=r // 2, BLOCK_RH=triton.next_power_of_2(r // 2),
         BLOCK_H=block_h,
-        BLOCK_L=triton.next_power_of_2(l), HAS_SCALE=scale is not None, **fp8_consts(kv_cache.dtype, kv_cache.device),
+        BLOCK_L=triton.next_power_of_2(l), NORM=norm_weight is not None, HAS_SCALE=scale is not None, **fp8_consts(kv_cache.dtype, kv_cache.device),
         num_warps=4)
 
 
@@ -147,8 +159,11 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tens
 
 def mla_rope_kv_store_ref(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, positions: torch.Tensor,
                           cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, out_slots: torch.Tensor, *,
-                          kv_scale: float | torch.Tensor | None = None) -> None:
-    """Reference for `mla_rope_kv_store`, with the same in-place effects on q_pe, k_pe and kv_cache."""
+                          kv_scale: float | torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                          eps: float = 0.0) -> None:
+    """Reference for `mla_rope_kv_store`, with the same in-place effects on q_pe, k_pe, kv_c and kv_cache."""
+    if norm_weight is not None:
+        kv_c.copy_(rmsnorm_ref(kv_c, norm_weight, eps))
     q_pe.copy_(rope_ref(q_pe, positions, cos_sin_cache))
     k_pe.copy_(rope_ref(k_pe, positions, cos_sin_cache))
     kv_cache[out_slots.long()] = cache_values_ref(torch.cat([kv_c, k_pe], dim=-1), kv_cache.dtype, kv_scale)

@@ -95,14 +95,23 @@ class MergedLinear(Linear):
     """Linears sharing their input, stacked along the output (gate_proj + up_proj -> gate_up_proj): one GEMM.
 
     `load_part(name, i, tensor, scale)` copies checkpoint tensor part i (its weight or its FP8 scale_inv) into
-    its rows; with FP8 each part must start on a 128-row block.
+    its rows; with FP8 each part must start on a 128-row block. `sharded[i]` says whether part i is
+    column-parallel (cut by the TP rank) or replicated; default: every part as `tp_dim` says.
     """
 
-    def __init__(self, in_features: int, out_parts: list[int], **kw):
-        super().__init__(in_features, sum(out_parts), **kw)
-        self.out_parts = [n // self.tp.size for n in out_parts] if self.tp_dim == 0 else list(out_parts)
+    def __init__(self, in_features: int, out_parts: list[int], *, sharded: list[bool] | None = None, **kw):
+        tp, tp_dim = kw.get("tp", SINGLE), kw.pop("tp_dim", None)
+        self.sharded = [tp_dim == 0] * len(out_parts) if sharded is None else list(sharded)
+        local = [tp.split(n, "output features") if s else n for n, s in zip(out_parts, self.sharded)]
+        super().__init__(in_features, sum(local), **kw)
+        self.tp_dim, self.out_parts = tp_dim, local
         if self.quant is not None and any(n % self.quant.block[0] for n in self.out_parts[:-1]):
             raise ShapeError(f"block-FP8 parts {self.out_parts} must be multiples of {self.quant.block[0]}")
+
+    @staticmethod
+    def can_merge(parts: list[int], quant: QuantConfig | None) -> bool:
+        """Whether local output parts of these sizes can be one MergedLinear (FP8: blocks must not straddle)."""
+        return quant is None or all(n % quant.block[0] == 0 for n in parts[:-1])
 
     def load_part(self, name: str, part: int, loaded: torch.Tensor, scale: bool) -> None:
         start, n = sum(self.out_parts[:part]), self.out_parts[part]
@@ -111,4 +120,4 @@ class MergedLinear(Linear):
             dst = self.weight_scale_inv.narrow(0, start // bn, cdiv(n, bn))
         else:
             dst = self.weight.narrow(0, start, n)
-        copy_checked(name, dst, shard(name, loaded, self.tp_dim, self.tp))
+        copy_checked(name, dst, shard(name, loaded, 0 if self.sharded[part] else None, self.tp))

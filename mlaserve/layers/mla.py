@@ -15,7 +15,7 @@ from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode
 from mlaserve.distributed import TensorParallel
 from mlaserve.kernels.quant import block_dequant_ref
-from mlaserve.layers.linear import SINGLE, Linear
+from mlaserve.layers.linear import SINGLE, Linear, MergedLinear
 from mlaserve.layers.ops import Ops
 from mlaserve.layers.rmsnorm import RMSNorm
 from mlaserve.layers.rope import RotaryEmbedding
@@ -34,17 +34,27 @@ class MLAAttention(torch.nn.Module):
         kw = dict(dtype=dtype, device=device, quant=quant, ops=ops)
         hid, qk = cfg.hidden_size, cfg.qk_head_dim
         cols, rows = dict(tp=tp, tp_dim=0), dict(tp=tp, tp_dim=1)           # split by heads
-        if cfg.q_lora_rank is None:
-            self.q_proj = Linear(hid, heads * qk, **kw, **cols)
-        else:
+        self.q_lora = cfg.q_lora_rank is not None
+        # q_a_proj (or q_proj) and kv_a_proj_with_mqa read the same x: one GEMM `qkv_a_proj` where the parts allow
+        # (no bias; FP8: q's rows a whole number of 128-blocks), with q_proj's part split by heads under TP
+        q_out = cfg.q_lora_rank if self.q_lora else heads * qk
+        q_local = q_out if self.q_lora else self.h * qk
+        self.q_out, self.qkv_a_proj = q_local, None
+        if not cfg.attention_bias and MergedLinear.can_merge([q_local, self.l + self.r], quant):
+            self.qkv_a_proj = MergedLinear(hid, [q_out, self.l + self.r], sharded=[not self.q_lora, False], tp=tp,
+                                           **kw)
+        elif self.q_lora:
             self.q_a_proj = Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
+        else:
+            self.q_proj = Linear(hid, heads * qk, **kw, **cols)
+        if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device, ops=ops)
             self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk, **kw, **cols)
-        self.kv_a_proj_with_mqa = Linear(hid, self.l + self.r, bias=cfg.attention_bias, **kw)
+        if self.qkv_a_proj is None:
+            self.kv_a_proj_with_mqa = Linear(hid, self.l + self.r, bias=cfg.attention_bias, **kw)
         self.kv_a_layernorm = RMSNorm(self.l, cfg.rms_norm_eps, dtype, device, ops=ops)
         self.kv_b_proj = Linear(self.l, heads * (self.dn + self.dv), **kw, **cols)
         self.o_proj = Linear(heads * self.dv, hid, bias=cfg.attention_bias, **kw, **rows)   # partial sums
-        self.q_lora = cfg.q_lora_rank is not None
         # Absorbed weights, derived from kv_b_proj after loading (models/weights.py).
         self.register_buffer("w_kc", torch.empty(self.h, self.dn, self.l, dtype=dtype, device=device), persistent=False)
         self.register_buffer("w_vc", torch.empty(self.h, self.dv, self.l, dtype=dtype, device=device), persistent=False)
@@ -69,28 +79,34 @@ class MLAAttention(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        if self.qkv_a_proj is not None:
+            q, latent = self.qkv_a_proj(x).split([self.q_out, self.l + self.r], dim=-1)   # views of one GEMM
+        else:
+            q, latent = (self.q_a_proj if self.q_lora else self.q_proj)(x), self.kv_a_proj_with_mqa(x)
+        q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q
         q = q.view(t, self.h, self.dn + self.r)                               # [T, H, Dn + R]
-        latent = self.kv_a_proj_with_mqa(x)                                   # [T, L + R]
-        kv_c = self.kv_a_layernorm(latent[:, : self.l])                       # [T, L]
-        # rotate q_pe and k_pe in place and write the [kv_c, k_pe] rows to the cache (one kernel on Triton)
-        pool = ctx.kv_pool
+        # latent: [T, L + R]
+        kv_c = latent[:, : self.l]                                            # [T, L], normalised in place below
+        # kv_a_layernorm on kv_c, rotate q_pe and k_pe, all in place, and write the [kv_c, k_pe] rows to the cache
+        # (one kernel on Triton)
+        pool, norm = ctx.kv_pool, self.kv_a_layernorm
         self.ops.mla_rope_kv_store(q[..., self.dn:], latent[:, self.l:], kv_c, positions, self.rotary.cos_sin_cache,
-                                   pool.kv_buffer(self.layer_id), ctx.out_slots, kv_scale=pool.kv_scale)
+                                   pool.kv_buffer(self.layer_id), ctx.out_slots, kv_scale=pool.kv_scale,
+                                   norm_weight=norm.weight, eps=norm.eps)
         q_pe, k_pe = q[..., self.dn:], latent[:, self.l:]                     # [T, H, R], [T, R] (roped)
         backend = ctx.attn_backend
         if ctx.mode is ForwardMode.DECODE and self.absorb:
-            q_lat = torch.einsum("thd,hdl->thl", q[..., : self.dn], self.w_kc)   # absorb W_UK: [T, H, L]
-            o_lat = _decode(backend, self.layer_id, torch.cat([q_lat, q_pe], dim=-1), ctx)  # [T, H, L]
-            o = torch.einsum("thl,hvl->thv", o_lat, self.w_vc)                 # apply W_UV: [T, H, Dv]
+            q_lat = self.ops.head_gemm(q[..., : self.dn], self.w_kc)           # absorb W_UK: [T, H, L]
+            o_lat = _decode(backend, self.layer_id, q_lat, q_pe, ctx)          # [T, H, L]
+            o = self.ops.head_gemm(o_lat, self.w_vc, trans=True)               # apply W_UV: [T, H, Dv]
         else:
             o = _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
         return self.o_proj(o.reshape(t, self.h * self.dv))
 
 
 @torch.compiler.disable
-def _decode(backend, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-    return backend.decode(layer, q, ctx)
+def _decode(backend, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    return backend.decode(layer, q, q_pe, ctx)
 
 
 @torch.compiler.disable

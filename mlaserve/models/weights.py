@@ -173,6 +173,7 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up
 
 
 _SHARED = re.compile(r"^(.*\.mlp)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+_QKV_A = re.compile(r"^(.*\.self_attn)\.(q_a_proj|q_proj|kv_a_proj_with_mqa)\.weight(_scale_inv)?$")
 _STACKED = re.compile(r"^(.*\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight(_scale_inv)?$")
 
 
@@ -268,6 +269,13 @@ class WeightLoader:
             experts = self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1] + ".experts")
             experts.load_shared(name, m.group(2), tensor, scale=m.group(3) is not None)
             return
+        m = _QKV_A.match(name)
+        if m:
+            attn = self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1])
+            if attn.qkv_a_proj is not None:                   # q_a_proj / q_proj and kv_a_proj_with_mqa as one GEMM
+                attn.qkv_a_proj.load_part(name, int(m.group(2) == "kv_a_proj_with_mqa"), tensor,
+                                          scale=m.group(3) is not None)
+                return
         m = _STACKED.match(name)
         if m:
             module = self.model.get_submodule(self.param_name(m.group(1) + ".")[:-1] + ".gate_up_proj")

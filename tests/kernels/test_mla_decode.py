@@ -145,3 +145,19 @@ def test_bench_arithmetic() -> None:
     assert bench_case.decode_flops(batch=2, heads=128, ctx=4096) == 2 * 2 * 128 * 4096 * (576 + 512)
     # V3 on one GPU: ~241 FLOP per cache byte.
     assert 235 < bench_case.decode_flops(1, 128, 4096) / (4096 * 576 * 2) < 245
+
+
+@pytest.mark.parametrize("splits", [None, 16])
+def test_separate_rope_query(device: str, splits: int | None) -> None:
+    # The decode path passes the absorbed latent query and the roped query as two tensors (no concatenation):
+    # the latent part in a head-major buffer, the rope part a strided view into the projected q. 16 splits over
+    # short contexts leave most splits empty (never written, never read).
+    args = make_case(device, [3, random.randint(20, 60)], heads=4, big_l=64, rope=16, num_q=1,
+                     dtype=torch.float32, kv_dtype=torch.float32)
+    q = args["q"]
+    q_lat = q[..., :64].transpose(0, 1).contiguous().transpose(0, 1)         # [T, H, L] with head-major strides
+    q_pe = torch.cat([torch.randn(2, 4, 40, device=device), q[..., 64:]], dim=-1)[..., 40:]
+    got = mla_decode(**{**args, "q": q_lat}, q_pe=q_pe, num_kv_splits=splits)
+    assert (got - mla_decode_ref(**args)).abs().max().item() <= TOL[torch.float32]
+    with pytest.raises(AssertionError, match="q_pe"):
+        mla_decode(**{**args, "q": q_lat}, q_pe=q_pe[..., :8].contiguous().double())

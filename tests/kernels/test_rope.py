@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mlaserve.bench.kernel_cases import small_ops
+from mlaserve.kernels.norm import rmsnorm_ref
 from mlaserve.kernels.rope import mla_rope_kv_store, mla_rope_kv_store_ref, rope_ref
 
 # Tolerances (abs = rel): fp32 1e-5 (FMA contraction on GPU); fp16 2e-3 (~2 ulp); bf16 1.6e-2 (GPU only).
@@ -102,6 +103,26 @@ def test_mla_rope_kv_store_matches_ref(t: int, h: int, pos_dtype: torch.dtype, d
     untouched = torch.ones(kv_cache.shape[0], dtype=torch.bool, device=device)
     untouched[slots.long()] = False
     assert (kv_cache[untouched].float() == 7.0).all(), "rows outside out_slots must not change"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_kv_a_layernorm_fused_in_place(dtype: torch.dtype, device: str) -> None:
+    # norm_weight: kv_c arrives raw, is RMS-normalised in place (the extend path reads it) and cached normalised
+    t, h = 13, 4
+    q, kv_a, pos, cache_tab, slots, kv_cache = _setup(t, h, dtype, dtype, torch.int64, device)
+    kv_a[:, :L] *= 3.0
+    w = (torch.rand(L, device=device) + 0.5).to(dtype)
+    q_ref, kv_a_ref, kv_cache_ref, raw = q.clone(), kv_a.clone(), kv_cache.clone(), kv_a[:, :L].clone()
+    for fn, qq, kv, cache in ((mla_rope_kv_store, q, kv_a, kv_cache),
+                              (mla_rope_kv_store_ref, q_ref, kv_a_ref, kv_cache_ref)):
+        fn(qq[..., NOPE:], kv[:, L:L + R], kv[:, :L], pos, cache_tab, cache, slots, norm_weight=w, eps=1e-6)
+    tol = TOL[dtype]
+    torch.testing.assert_close(kv_a, kv_a_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(kv_cache, kv_cache_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(kv_a[:, :L], rmsnorm_ref(raw, w, 1e-6), atol=tol, rtol=tol)   # the model's RMSNorm
+    assert (kv_a[:, L + R:] == kv_a_ref[:, L + R:]).all()                  # the padding columns untouched
 
 
 @pytest.mark.parametrize("r", [8, 24])

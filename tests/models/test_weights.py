@@ -77,9 +77,11 @@ def test_fp8_weights_kept_or_dequantised(checkpoints):
     deq, _ = build(path, dequant_fp8=True)
     load_weights(deq, cfg, path, dequant_fp8=True, progress=False)
     attn8, attn = fp8.model.layers[1].self_attn, deq.model.layers[1].self_attn
-    assert attn8.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.q_a_proj.weight.dtype == torch.float32
-    want = block_dequant_ref(attn8.q_a_proj.weight, attn8.q_a_proj.weight_scale_inv, (128, 128), torch.float32)
-    assert torch.equal(attn.q_a_proj.weight, want)
+    # q_a_proj rides in the merged qkv_a_proj where its rows fill whole FP8 blocks (always, dequantised)
+    q8 = attn8.qkv_a_proj if attn8.qkv_a_proj is not None else attn8.q_a_proj
+    assert q8.weight.dtype == torch.float8_e4m3fn and attn.qkv_a_proj.weight.dtype == torch.float32
+    want = block_dequant_ref(q8.weight, q8.weight_scale_inv, (128, 128), torch.float32)
+    assert torch.equal(attn.qkv_a_proj.weight[: want.shape[0]], want)
     e8, e = fp8.model.layers[1].mlp.experts, deq.model.layers[1].mlp.experts
     assert torch.equal(e.w2[3], block_dequant_ref(e8.w2[3], e8.w2_scale[3], (128, 128), torch.float32))
     # absorbed weights come from the dequantised kv_b_proj in both models
