@@ -16,7 +16,7 @@ from mlaserve.kernels.precision import dot_precision
 LOG2E = 1.4426950408889634
 NUM_SMS = 132              # H100 SXM; the split heuristic aims for ~WAVES programs per SM
 WAVES = 1                  # on the H100 sweep a second wave only added reduce work
-MIN_SPLIT_TOKENS = 128     # a split shorter than this costs more in the reduce than it gains
+MIN_SPLIT_TOKENS = 64      # shorter splits cost more in the reduce than they gain (sweep_mla_short.py, H100)
 MAX_SPLITS = 128
 REDUCE_TILE = 8192         # fp32 values of [S, BLOCK_L] one reduce program holds
 
@@ -34,9 +34,11 @@ class MLADecodeConfig(NamedTuple):
 
 # Keyed by query rows per request (num_q * H), smallest key >= rows wins; larger row counts use the last
 # entry with several head blocks. H=16 (V2-Lite) is bandwidth-bound; H=128 (V3, ~241 FLOP/byte) compute-bound.
-# Chosen by benchmarks/sweep_mla_decode.py on an H100 (benchmarks/results/tuning/h100-mla-decode-sweep.txt).
+# Chosen by benchmarks/sweep_mla_decode.py on an H100 (benchmarks/results/tuning/h100-mla-decode-sweep.txt); H=16
+# tiles of 64 tokens by benchmarks/sweep_mla_short.py (decode-graph split counts: 1-3 us faster up to 4k tokens,
+# equal at 16k, 7% slower at 64 x 2048).
 CONFIGS: dict[int, MLADecodeConfig] = {
-    16: MLADecodeConfig(block_h=16, block_n=128, num_warps=4, num_stages=2),
+    16: MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
     32: MLADecodeConfig(block_h=32, block_n=128, num_warps=8, num_stages=2),
     64: MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
 }

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from mlaserve.distributed import TensorParallel
 from mlaserve.layers.linear import SINGLE, copy_checked, shard
+from mlaserve.layers.ops import Ops
 
 
 class VocabEmbedding(torch.nn.Module):
@@ -35,7 +36,12 @@ class VocabEmbedding(torch.nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    """Projects final hidden states [T, h] to fp32 logits [T, V] (each rank its Vl columns, then all-gathered)."""
+    """Projects final hidden states [T, h] to fp32 logits [T, V] (each rank its Vl columns, then all-gathered),
+    through `ops.linear` when given (the decode-size GEMM on the GPU)."""
+
+    def __init__(self, *args, ops: Ops | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.linear = F.linear if ops is None else ops.linear
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(F.linear(hidden, self.weight).float())    # [T, Vl] -> [T, V]
+        return self.tp.all_gather(self.linear(hidden, self.weight).float())   # [T, Vl] -> [T, V]

@@ -7,7 +7,6 @@ full checkpoint tensor (block-FP8 scales on the same 128-block boundaries).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mlaserve.config import QuantConfig
 from mlaserve.distributed import TensorParallel
@@ -83,7 +82,7 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
-            return F.linear(x, self.weight, self.bias)
+            return self.ops.linear(x, self.weight, self.bias)
         y = self.ops.fp8_linear(x, self.weight, self.weight_scale_inv)
         return y if self.bias is None else y + self.bias
 

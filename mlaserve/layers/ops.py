@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from mlaserve.kernels import activation, fp8_gemm, fused_moe, mla_absorb, moe_topk, norm, rope
+from mlaserve.kernels import activation, fp8_gemm, fused_moe, gemv, mla_absorb, moe_topk, norm, rope
 
 KERNEL_BACKENDS = ("triton", "torch")
 
@@ -26,6 +26,7 @@ class Ops(NamedTuple):
     fp8_linear: Callable           # (x, w_q, w_scale_inv) -> y
     mla_rope_kv_store: Callable    # rotate q_pe / k_pe in place and write [kv_c, k_pe] cache rows
     head_gemm: Callable            # (a [T, H, K], w [H, K, N] or [H, N, K] with trans=True) -> [T, H, N]
+    linear: Callable               # (x [T, K], w [N, K], bias) -> [T, N] (16-bit weights)
 
 
 def _opaque(fn: Callable) -> Callable:
@@ -40,9 +41,10 @@ def get_ops(name: str) -> Ops:
         return Ops("triton", _opaque(norm.rmsnorm), _opaque(norm.fused_add_rmsnorm),
                    _opaque(activation.silu_and_mul), _opaque(moe_topk.moe_topk), _opaque(fused_moe.fused_moe),
                    _opaque(fp8_gemm.fp8_linear), _opaque(rope.mla_rope_kv_store),
-                   _opaque(mla_absorb.head_gemm))
+                   _opaque(mla_absorb.head_gemm), _opaque(gemv.linear))
     if name == "torch":
         return Ops("torch", norm.rmsnorm_ref, norm.fused_add_rmsnorm_ref, activation.silu_and_mul_ref,
                    moe_topk.moe_topk_ref, fused_moe.fused_moe_ref, fp8_gemm.fp8_linear_ref,
-                   rope.mla_rope_kv_store_ref, mla_absorb.head_gemm_ref)
+                   rope.mla_rope_kv_store_ref, mla_absorb.head_gemm_ref,
+                   gemv.linear_ref)
     raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(KERNEL_BACKENDS)}")

@@ -86,7 +86,7 @@ class SharedHead(torch.nn.Module):
                  tp: TensorParallel):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
-        self.head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=tp)
+        self.head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=tp, ops=ops)
 
 
 class NextNLayer(torch.nn.Module):
@@ -142,7 +142,7 @@ class DeepseekForCausalLM(torch.nn.Module):
         kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp,
                   dp=dp, ep=ep)
         self.model = DeepseekModel(cfg, self.rotary, **kw)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=self.tp)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=self.tp, ops=self.ops)
         self.mtp = None
         if load_mtp:
             if cfg.num_nextn_predict_layers < 1:

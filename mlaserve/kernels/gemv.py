@@ -1,0 +1,86 @@
+"""Weight-streaming GEMM for decode batch sizes: y [M, N] = x [M, K] @ W[N, K]^T (+ b) with M <= 16.
+
+At M <= 16 a linear layer is a read of W (N * K values) and nothing else; cuBLAS's kernels for these shapes
+reached 1.4-2 TB/s of the H100's 3 TB/s. Each program owns BLOCK_N output columns and streams their W rows
+along K through a multi-stage pipeline; all M rows ride in one 16-row dot tile.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from mlaserve.kernels.precision import dot_precision
+
+MAX_M = 16
+# Output widths from which `linear` takes gemv: at M <= 16 on an H100 it beat cuBLAS by 5-8% on lm_head (102400
+# and 129280 x 7168) and the dense gate_up, tied on q / o projections (2-4k wide) and lost 20% on the dense
+# down_proj (2048 wide, K 10944): benchmarks/bench_decode_gemms.py, benchmarks/results/decode-perf-h100.md.
+MIN_N = 7168
+TARGET_PROGRAMS = 264        # ~2 per SM (H100): enough W bytes in flight to cover HBM latency
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    x_rows = X + offs_m[:, None] * stride_xm
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, BK]
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, BK]
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _block_n(n: int) -> int:
+    """Columns per program: the widest of 64 / 32 / 16 that still gives about TARGET_PROGRAMS programs."""
+    for b in (64, 32):
+        if triton.cdiv(n, b) >= TARGET_PROGRAMS:
+            return b
+    return 16
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16, last dim contiguous) @ w [N, K]^T (+ bias [N]) -> [M, N] in x.dtype."""
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], \
+        f"x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}"
+    m, k = x.shape
+    n = w.shape[0]
+    assert m <= MAX_M, f"gemv takes at most {MAX_M} rows, got {m}"
+    assert x.dtype == w.dtype and x.dtype in _TL_DTYPE and x.device == w.device, \
+        f"x and w must share a float dtype and device, got {x.dtype} / {w.dtype}"
+    assert x.stride(1) == 1 and w.stride(1) == 1, "x and w must be contiguous along K"
+    y = x.new_empty((m, n))
+    if m == 0:
+        return y
+    block_n = _block_n(n)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k >= 256 else 64,
+        DOT_PREC=dot_precision(x.dtype), num_warps=4, num_stages=4)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through `gemv` for up to MAX_M rows of 16-bit activations on the GPU (decode) and outputs at
+    least MIN_N wide, else cuBLAS."""
+    if x.dim() == 2 and x.shape[0] <= MAX_M and w.shape[0] >= MIN_N and x.is_cuda \
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and w.stride(1) == 1:
+        return gemv(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for `linear` / `gemv`: F.linear."""
+    return F.linear(x, w, bias)
