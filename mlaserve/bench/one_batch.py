@@ -122,7 +122,7 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
         pool.free(r.req_pool_idx)
     step = statistics.median(steps) if steps else float("nan")
     gpu = graph_replay_s(runner, bs)
-    return {"graph_replay_s": gpu, "batch_size": bs, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
+    return {"graph_replay_s": gpu, "kernels_per_step": graph_kernels(runner, bs), "batch_size": bs, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
             "prefill_tok_s": bs * input_len / prefill_s, "decode_step_s": step, "decode_tok_s": bs / step}
 
 
@@ -178,6 +178,19 @@ def graph_replay_s(runner: ModelRunner, bs: int) -> float | None:
     return statistics.median(times)
 
 
+def graph_kernels(runner: ModelRunner, bs: int) -> int | None:
+    """GPU kernels one decode step launches (the captured graph replayed once under the torch profiler), or None."""
+    g = runner.graphs
+    if g is None or not g.can_run(bs):
+        return None
+    graph = g.graphs[min(b for b in g.batch_sizes if b >= bs)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.key.startswith(("Memset", "Memcpy")))
+
+
 def allreduce_s(runner: ModelRunner, bs: int) -> float:
     """Time of the step's all-reduces alone (two per layer and the embedding's, [bs, hidden] in the activation
     dtype), back to back: in a CUDA graph on GPUs, eagerly on the CPU. Collective: every rank calls it."""
@@ -197,9 +210,13 @@ def add_floor(row: dict, runner: ModelRunner, ceil: dict) -> dict:
     cfg, bs = runner.cfg, row["batch_size"]
     ctx = row["input_len"] + row["output_len"] // 2
     kv_bytes = runner.pool.buffers[0].element_size()
-    nbytes = decode_step_bytes(cfg, bs, ctx, fp8=cfg.is_fp8 and not runner.server.load.dequant_fp8,
-                               kv_bytes=kv_bytes, tp=runner.group.size)["total"]
+    parts = decode_step_bytes(cfg, bs, ctx, fp8=cfg.is_fp8 and not runner.server.load.dequant_fp8,
+                              kv_bytes=kv_bytes, tp=runner.group.size)
+    nbytes = parts["total"]
     row["decode_floor_s"] = nbytes / ceil["copy_bps"]
+    row["floor_parts_s"] = {"weights": (parts["attention"] + parts["dense_mlp"] + parts["moe"]) / ceil["copy_bps"],
+                            "kv": parts["kv_cache"] / ceil["copy_bps"], "lm_head": parts["lm_head"] / ceil["copy_bps"]}
+    row["num_layers"] = cfg.num_hidden_layers
     # NOTE: speculative rows: the time per bs tokens (one plain step's worth), which can beat the plain floor
     row["decode_frac_floor"] = row["decode_floor_s"] / row.get("decode_token_time_s", row["decode_step_s"])
     flops = prefill_flops(cfg, row["input_len"]) * bs
@@ -211,8 +228,9 @@ def add_floor(row: dict, runner: ModelRunner, ceil: dict) -> dict:
 
 def table(rows: list[dict], title: str) -> str:
     lines = [f"### {title}", "", "| engine | bs | in | out | prefill ms | prefill tok/s | prefill TFLOP/s (of rate) | "
-             "decode step ms | GPU ms (graph replay) | all-reduces ms (of step) | decode tok/s | floor ms | of floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "decode step ms | GPU ms (graph replay) | all-reduces ms (of step) | decode tok/s | floor ms | of floor | "
+             "floor parts ms (weights / KV / lm_head) | kernels per step (per layer) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pf = f"{r['prefill_tflops']:.0f} ({r['prefill_frac_rate']:.0%})" if "prefill_tflops" in r else "-"
         fl = f"{r['decode_floor_s'] * 1e3:.2f}" if "decode_floor_s" in r else "-"
@@ -220,9 +238,13 @@ def table(rows: list[dict], title: str) -> str:
         gs = f"{r['graph_replay_s'] * 1e3:.2f}" if r.get("graph_replay_s") else "-"
         ar = f"{r['allreduce_s'] * 1e3:.2f} ({r['allreduce_s'] / r['decode_step_s']:.0%})" if r.get("allreduce_s") else "-"
         engine = r.get("engine", "mlaserve") + (f", accept {r['accept_length']:.2f}" if "accept_length" in r else "")
+        fp = r.get("floor_parts_s")
+        parts = " / ".join(f"{fp[k] * 1e3:.2f}" for k in ("weights", "kv", "lm_head")) if fp else "-"
+        kn = r.get("kernels_per_step")
+        kern = f"{kn} ({kn / r['num_layers']:.1f})" if kn and r.get("num_layers") else "-"
         lines.append(f"| {engine} | {r['batch_size']} | {r['input_len']} | {r['output_len']} | "
                      f"{r['prefill_s'] * 1e3:.1f} | {r['prefill_tok_s']:.0f} | {pf} | {r['decode_step_s'] * 1e3:.2f} | {gs} | "
-                     f"{ar} | {r['decode_tok_s']:.0f} | {fl} | {fr} |")
+                     f"{ar} | {r['decode_tok_s']:.0f} | {fl} | {fr} | {parts} | {kern} |")
     return "\n".join(lines)
 
 
