@@ -25,3 +25,11 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
   timeout 200 $B --model-config /tmp/v3_4l.json --batch-size 1 16 64 --input-len 256 --output-len 32 \
     --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -4
 fi
+if [ "$PART" = all ] || [ "$PART" = prefill ]; then
+  python3 benchmarks/profile_prefill.py --len 4096 2>&1 | grep -v "loading\|Warn\|warn" | tee $OUT/prof_prefill_v2l.txt | head -30
+  python3 benchmarks/profile_prefill.py --len 4096 --model-config /tmp/v3_4l.json 2>&1 | grep -v "loading\|Warn\|warn\|no tuned" | tee $OUT/prof_prefill_v3.txt | head -30
+fi
+if [ "$PART" = tune ]; then   # the dense MLP shapes of V3 / R1 (first_k_dense_replace layers), TP 1
+  timeout 500 python3 -m mlaserve.tools.tune_fp8_gemm --shapes 36864,7168 7168,18432 --batch-sizes ${TUNE_BS:-1 16 64 256 1024 4096} \
+    --out-dir $OUT/configs 2>&1 | grep -v Warn | tail -20
+fi

@@ -13,10 +13,11 @@ class TritonMLABackend(BaseAttnBackend):
     def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
         k_nope, v = expand_kv(kv_c)                                           # [T, H, Dn], [T, H, Dv]
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)   # [T, H, Dn + R]
-        return mla_prefill(q, k, v, torch.tensor(ctx.extend_lens_cpu), torch.tensor(ctx.prefix_lens_cpu),
+        k_pe = k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)               # [T, H, R], one row per token
+        return mla_prefill(q, k_nope, v, torch.tensor(ctx.extend_lens_cpu), torch.tensor(ctx.prefix_lens_cpu),
                            ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, expand_kv,
-                           self.sm_scale, kv_lora_rank=self.kv_lora_rank, kv_scale=ctx.kv_pool.kv_scale)
+                           self.sm_scale, kv_lora_rank=self.kv_lora_rank, kv_scale=ctx.kv_pool.kv_scale,
+                           k_pe_new=k_pe)
 
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return mla_decode(q, ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,

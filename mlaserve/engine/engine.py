@@ -154,7 +154,7 @@ class ModelRunner:
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                         sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,
-                                        compile_max_bs=sched.torch_compile_max_bs)
+                                        compile_max_bs=sched.torch_compile_max_bs, token_buf=self.token_buf)
 
     # --- one step ----------------------------------------------------------------------------
     def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:
@@ -200,7 +200,12 @@ class ModelRunner:
     def launch_forward(self, batch: Batch) -> ForwardStep:
         """Queue the model forward only; `launch_sample` queues the sampling (the CPU may work in between)."""
         rows, prompt_rows, sample_row = self._logit_rows(batch)
-        rows_dev = torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64).to(self.device, non_blocking=True)
+        pool_rows = [r.req_pool_idx for r in batch.reqs]
+        if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run(batch.size):
+            # the graph's inputs: one pinned copy; its input tokens are token_buf's (no host round trip)
+            logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows)
+            return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
+        rows_dev = torch.tensor(pool_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return ForwardStep(batch, self._logits(batch, rows, rows_dev), rows_dev, prompt_rows, sample_row)
 
     @torch.no_grad()
@@ -256,12 +261,6 @@ class ModelRunner:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
         if batch.mode is ForwardMode.DECODE:
             ids = self.token_buf[rows_dev]                                     # [B] last sampled tokens
-            if self.graphs is not None and self.graphs.can_run(batch.size):
-                # NOTE: host -> device copies only (pinned, non-blocking): a blocking one would wait for the step
-                # in flight and undo the overlap
-                prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-                return self.graphs.replay(ids, prefix, to_device(batch.out_slots, self.device), rows_dev,
-                                          (prefix + 1).to(torch.int32))
         elif self.spec is not None:
             return self._spec_extend_logits(batch, rows)
         else:

@@ -2,6 +2,11 @@
 
 Padded rows decode a dummy request whose single cache position is the padding slot 0, so they read and
 write nothing real. Sampling runs after the replay, outside the graph.
+
+A step's host inputs (positions, output slots, pool rows) travel as ONE pinned [3, bs] copy into a device buffer
+the graph reads; the graph itself derives the sequence lengths (positions + 1) and gathers the input tokens from
+the runner's `token_buf` (the previous step's samples, already on the device), so a replay costs the host one copy
+and one launch.
 """
 from __future__ import annotations
 
@@ -20,9 +25,11 @@ logger = logging.getLogger(__name__)
 class DecodeGraphRunner:
     """Captures `model` decode forwards; `replay(...)` returns the logits [bs, V] of a real batch."""
 
+    STAGING = 4        # pinned input buffers in rotation: one is refilled only after its copy has run
+
     def __init__(self, model: torch.nn.Module, kv_pool, attn_backend, req_to_token: torch.Tensor,
                  dummy_req: int, batch_sizes: list[int], max_context: int, device: torch.device,
-                 compile_max_bs: int = 0):
+                 compile_max_bs: int = 0, token_buf: torch.Tensor | None = None):
         self.model, self.batch_sizes = model, sorted(batch_sizes)
         self.compile_max_bs = compile_max_bs
         self.compiled = None
@@ -33,11 +40,16 @@ class DecodeGraphRunner:
             self.compiled = torch.compile(model, dynamic=False)
         self.dummy_req, self.device = dummy_req, device
         n = self.batch_sizes[-1]
+        # rows of `inputs`: positions, output slots, pool rows (the padding rows: position 0, slot 0, dummy row)
+        self.inputs = torch.tensor([[0] * n, [0] * n, [dummy_req] * n], dtype=torch.int64, device=device)
+        self.positions, self.out_slots, self.req_pool_idx = self.inputs[0], self.inputs[1], self.inputs[2]
+        self.staging = [self.inputs.cpu().pin_memory() for _ in range(self.STAGING)]
+        self.staged: list[torch.cuda.Event | None] = [None] * self.STAGING
+        self.next_staging = 0
+        self.token_buf = token_buf if token_buf is not None else torch.zeros(max(dummy_req + 1, 1), dtype=torch.int64,
+                                                                             device=device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
-        self.req_pool_idx = torch.full((n,), dummy_req, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.ctxs: dict[int, ForwardContext] = {}
@@ -65,10 +77,12 @@ class DecodeGraphRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):                        # warm up: Triton and torch.compile compile here
+                    self._prologue(bs)
                     fn(ids, pos, ctx)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                self._prologue(bs)
                 out = fn(ids, pos, ctx).logits
             self.pool = graph.pool()
             self.graphs[bs], self.outputs[bs], self.ctxs[bs] = graph, out, ctx
@@ -76,24 +90,53 @@ class DecodeGraphRunner:
         logger.info("captured %d decode CUDA graphs (bs %s) in %.1f s", len(self.graphs),
                     self.batch_sizes, time.monotonic() - t0)
 
+    def _prologue(self, bs: int) -> None:
+        """Captured first: each row's sequence length (its position + 1) and its input token, the last one sampled
+        for its pool row (`token_buf`)."""
+        torch.add(self.positions[:bs], 1, out=self.seq_lens[:bs])
+        torch.index_select(self.token_buf, 0, self.req_pool_idx[:bs], out=self.input_ids[:bs])
+
     def can_run(self, bs: int) -> bool:
         return bs <= self.batch_sizes[-1]
 
+    def _capture_size(self, bs: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def replay_host(self, positions: list[int], out_slots: torch.Tensor, req_pool_idx: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode bs requests from host inputs: each one's position (its cached length), output slot ([bs] CPU
+        tensor) and pool row, its input token being `token_buf[row]`. Returns (logits [bs, V], the pool rows on
+        the device [bs]: a view valid until the next replay is queued)."""
+        bs = len(positions)
+        cbs = self._capture_size(bs)
+        i = self.next_staging
+        self.next_staging = (i + 1) % self.STAGING
+        if self.staged[i] is not None:
+            self.staged[i].synchronize()                  # its previous copy has run (steps ago, in practice)
+        host = self.staging[i]
+        host[0, :bs] = torch.tensor(positions, dtype=torch.int64)
+        host[1, :bs] = out_slots
+        host[2, :bs] = torch.tensor(req_pool_idx, dtype=torch.int64)
+        host[:2, bs:cbs] = 0                                                # padding rows: the dummy request
+        host[2, bs:cbs] = self.dummy_req
+        self.inputs[:, :cbs].copy_(host[:, :cbs], non_blocking=True)
+        self.staged[i] = torch.cuda.Event()
+        self.staged[i].record()
+        self.graphs[cbs].replay()
+        return self.outputs[cbs][:bs], self.req_pool_idx[:bs]
+
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
-               req_pool_idx: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+               req_pool_idx: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode from device inputs (distinct pool rows; `input_ids` are written to `token_buf` at them). The
+        sequence lengths are positions + 1, as in every decode step (`seq_lens` is not read)."""
         bs = input_ids.shape[0]
-        cbs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-        self.input_ids[:bs].copy_(input_ids)
+        cbs = self._capture_size(bs)
+        self.token_buf[req_pool_idx] = input_ids
         self.positions[:bs].copy_(positions)
         self.out_slots[:bs].copy_(out_slots)
         self.req_pool_idx[:bs].copy_(req_pool_idx)
-        self.seq_lens[:bs].copy_(seq_lens)
-        if cbs > bs:                                      # padding rows: the dummy request, slot 0
-            self.input_ids[bs:cbs].zero_()
-            self.positions[bs:cbs].zero_()
-            self.out_slots[bs:cbs].zero_()
-            self.req_pool_idx[bs:cbs].fill_(self.dummy_req)
-            self.seq_lens[bs:cbs].fill_(1)
+        self.inputs[:2, bs:cbs] = 0                                         # padding rows: the dummy request
+        self.inputs[2, bs:cbs] = self.dummy_req
         self.graphs[cbs].replay()
         return self.outputs[cbs][:bs]
 

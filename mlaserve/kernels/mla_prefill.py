@@ -362,10 +362,9 @@ def _expand_prefix(rows: torch.Tensor, expand_kv: ExpandKV, kv_lora_rank: int,
     return k_nope if k_nope.stride(2) == 1 else k_nope.contiguous(), k_pe, v if v.stride(2) == 1 else v.contiguous()
 
 
-def _check_mla(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ext: list[int], pre: list[int],
+def _check_mla(q: torch.Tensor, v_new: torch.Tensor, ext: list[int], pre: list[int],
                kv_cache: torch.Tensor, req_to_token: torch.Tensor, kv_lora_rank: int) -> None:
-    assert q.dim() == 3 and k_new.shape == q.shape, \
-        f"q / k_new must be [T, H, Dn + R]: got {tuple(q.shape)}, {tuple(k_new.shape)}"
+    assert q.dim() == 3, f"q must be [T, H, Dn + R], got {tuple(q.shape)}"
     assert v_new.dim() == 3 and v_new.shape[:2] == q.shape[:2], f"v_new must be [T, H, Dv], got {tuple(v_new.shape)}"
     assert len(ext) == len(pre), "extend_lens and prefix_lens must both be [B]"
     assert sum(ext) == q.shape[0], f"sum(extend_lens) = {sum(ext)} but q has {q.shape[0]} tokens"
@@ -377,11 +376,14 @@ def _check_mla(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, ext: l
 def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, extend_lens: torch.Tensor,
                 prefix_lens: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_idx: torch.Tensor, expand_kv: ExpandKV, sm_scale: float, *, kv_lora_rank: int = 512,
-                kv_scale: float | torch.Tensor | None = None, prefix_chunk: int = 4096) -> torch.Tensor:
+                kv_scale: float | torch.Tensor | None = None, prefix_chunk: int = 4096,
+                k_pe_new: torch.Tensor | None = None) -> torch.Tensor:
     """Non-absorbed MLA attention of the new tokens of a ragged batch (DeepSeek-V2 sec. 2.1).
 
     Args:
-        q, k_new: [T, H, Dn + R] (new tokens, roped); v_new: [T, H, Dv]; T = sum(extend_lens).
+        q, k_new: [T, H, Dn + R] (new tokens, roped); v_new: [T, H, Dv]; T = sum(extend_lens). Or, with
+            `k_pe_new` [T, H, R] (the shared rope key, e.g. a stride-0 view over heads), k_new is k_nope alone
+            [T, H, Dn]: no concatenation.
         extend_lens, prefix_lens: [B] ints (CPU tensors avoid a sync). New token i of request b sits at
             position prefix_lens[b] + i and sees the request's prefix and new tokens 0..i.
         kv_cache: [S, L + R] latent rows (normalised c_kv, roped k_pe); FP8 rows mean stored * kv_scale.
@@ -392,11 +394,18 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
         out [T, H, Dv] in q.dtype.
     """
     ext, pre = [int(x) for x in extend_lens.tolist()], [int(x) for x in prefix_lens.tolist()]
-    _check_mla(q, k_new, v_new, ext, pre, kv_cache, req_to_token, kv_lora_rank)
-    assert prefix_chunk > 0, "prefix_chunk must be positive"
     d_nope = q.shape[2] - (kv_cache.shape[1] - kv_lora_rank)
+    _check_mla(q, v_new, ext, pre, kv_cache, req_to_token, kv_lora_rank)
+    if k_pe_new is None:
+        assert k_new.shape == q.shape, f"q / k_new must be [T, H, Dn + R]: got {tuple(q.shape)}, {tuple(k_new.shape)}"
+        k_nope_new, k_pe_new = k_new[..., :d_nope], k_new[..., d_nope:]
+    else:
+        assert k_new.shape == (*q.shape[:2], d_nope) and k_pe_new.shape == (*q.shape[:2], q.shape[2] - d_nope), \
+            f"k_new [T, H, {d_nope}] and k_pe_new [T, H, R] expected, got {tuple(k_new.shape)}, {tuple(k_pe_new.shape)}"
+        k_nope_new = k_new
+    assert prefix_chunk > 0, "prefix_chunk must be positive"
     acc_dtype = torch.float32 if sum(pre) > 0 else q.dtype      # running state stays fp32 across merges
-    out, lse = _flash_attn(q, k_new[..., :d_nope], k_new[..., d_nope:], v_new, tuple(ext), tuple(ext),
+    out, lse = _flash_attn(q, k_nope_new, k_pe_new, v_new, tuple(ext), tuple(ext),
                            sm_scale, True, acc_dtype)                  # out: [T, H, Dv], lse: [T, H]
     cu_q = [0, *itertools.accumulate(ext)]
     chunks = _prefix_chunks(tuple(pre), prefix_chunk)
@@ -419,10 +428,14 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
 def mla_prefill_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, extend_lens: torch.Tensor,
                     prefix_lens: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                     req_pool_idx: torch.Tensor, expand_kv: ExpandKV, sm_scale: float, *, kv_lora_rank: int = 512,
-                    kv_scale: float | torch.Tensor | None = None, prefix_chunk: int = 4096) -> torch.Tensor:
+                    kv_scale: float | torch.Tensor | None = None, prefix_chunk: int = 4096,
+                    k_pe_new: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of `mla_prefill`: per request, the whole prefix at once, fp32 softmax (`prefix_chunk` unused)."""
     ext, pre = [int(x) for x in extend_lens.tolist()], [int(x) for x in prefix_lens.tolist()]
-    _check_mla(q, k_new, v_new, ext, pre, kv_cache, req_to_token, kv_lora_rank)
+    if k_pe_new is not None:
+        k_new = torch.cat([k_new, k_pe_new], dim=-1)
+    _check_mla(q, v_new, ext, pre, kv_cache, req_to_token, kv_lora_rank)
+    assert k_new.shape == q.shape, f"q / k_new must be [T, H, Dn + R]: got {tuple(q.shape)}, {tuple(k_new.shape)}"
     heads, outs, t0 = q.shape[1], [], 0
     for b, (e, p) in enumerate(zip(ext, pre)):
         k, v = k_new[t0:t0 + e].float(), v_new[t0:t0 + e].float()                       # [e, H, Dn + R], [e, H, Dv]

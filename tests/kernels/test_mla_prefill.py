@@ -188,3 +188,16 @@ def test_bench_case_arithmetic() -> None:
     assert bench_case.expand_flops([100, 28], 16) == 2 * 128 * 512 * 16 * 256
     assert bench_case.min_bytes([1], [1], 1) == 2 * ((2 * 192 + 2 * 128) + 576 + 256 * 512)
     assert [s[0] for s in bench_case.SHAPES] and all(s[1] in (16, 128) for s in bench_case.SHAPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mla_prefill_separate_rope_key(dtype: torch.dtype, device: str) -> None:
+    # the extend path passes k_nope and the shared rope key as a stride-0 view over heads (no concatenation)
+    x = _mla_inputs([7, 13], [9, 0], dtype, device, **SMALL)
+    k_new = x.pop("k_new")
+    d_r = x["kv_cache"].shape[1] - x["kv_lora_rank"]
+    k_pe = k_new[:, :1, -d_r:].expand(-1, k_new.shape[1], -1)               # one rope key per token, all heads
+    k_nope = k_new[..., :-d_r].contiguous()
+    want = mla_prefill_ref(**x, k_new=torch.cat([k_nope, k_pe], dim=-1))
+    _close(mla_prefill(**x, k_new=k_nope, k_pe_new=k_pe, prefix_chunk=8), want, _tols(dtype, device)[0])
+    _close(mla_prefill_ref(**x, k_new=k_nope, k_pe_new=k_pe), want, 0.0)

@@ -1,0 +1,58 @@
+"""Kernel-level profile of one prefill (dummy weights, full width): where a long prompt's GPU time goes.
+
+Prints the kernels of one warm prefill of `--len` tokens (batch 1): launches, mean us, total us."""
+import argparse
+
+import torch
+
+from mlaserve.bench.one_batch import build_runner, model_dir
+from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
+ap.add_argument("--len", type=int, default=4096)
+a = ap.parse_args()
+args = argparse.Namespace(model_path=None, model_config=a.model_config, load_format="dummy", batch_size=[1],
+                          input_len=a.len, output_len=8, dtype="auto", device="auto", attention_backend="auto",
+                          disable_cuda_graph=True, enable_torch_compile=False, speculative_algorithm=None,
+                          speculative_num_steps=None)
+runner, pool, alloc = build_runner(args, model_dir(args))
+req = Req("p", torch.randint(2, runner.cfg.vocab_size, (a.len,)).tolist(),
+          SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), seed=0)
+slots = alloc.alloc(a.len)
+req.req_pool_idx = pool.alloc()
+pool.write(req.req_pool_idx, 0, slots)
+batch = Batch(ForwardMode.EXTEND, [req], list(req.input_ids), slots, [0], [a.len], [True])
+for _ in range(2):
+    runner.forward(batch)
+torch.cuda.synchronize()
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+runner.forward(batch)
+end.record()
+end.synchronize()
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+    runner.forward(batch)
+    torch.cuda.synchronize()
+rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+rows.sort(key=lambda e: -e.device_time_total)
+total = sum(e.device_time_total for e in rows)
+print(f"config {a.model_config} prefill 1 x {a.len}: {start.elapsed_time(end):.2f} ms wall, "
+      f"{total / 1000:.2f} ms kernel time, {sum(e.count for e in rows)} kernels")
+print(f"{'count':>6} {'mean us':>9} {'total us':>9}  kernel")
+for e in rows[:30]:
+    print(f"{e.count:6d} {e.device_time_total / e.count:9.1f} {e.device_time_total:9.1f}  {e.key[:100]}")
+
+# GPU idle time: gaps between consecutive kernels, the largest with the kernels around them and the host op that
+# was running (the CPU event spanning the gap's end: what the GPU waited for)
+kern = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+              key=lambda e: e.time_range.start)
+cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+gaps = [(b.time_range.start - a.time_range.end, a, b) for a, b in zip(kern, kern[1:])]
+print(f"GPU idle between kernels: {sum(g for g, _, _ in gaps if g > 0) / 1000:.2f} ms over {len(gaps)} gaps")
+for g, a, b in sorted(gaps, key=lambda x: -x[0])[:12]:
+    mid = (a.time_range.end + b.time_range.start) / 2
+    host = sorted((c for c in cpu if c.time_range.start <= mid <= c.time_range.end),
+                  key=lambda c: c.time_range.end - c.time_range.start)
+    print(f"  {g:8.1f} us after {a.name[:40]!r} before {b.name[:40]!r}; host in: {[c.name[:40] for c in host[:4]]}")
