@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.quant import block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref
+from mlaserve.kernels.reduce import sum_dim1
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
         EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split > 1:
-        out.copy_(c.sum(dim=0))                                          # [S, M, N] fp32 -> [M, N]
+        sum_dim1(c.view(1, split, m * n), out=out.view(1, m * n))        # [S, M, N] fp32 -> [M, N]
     return out
 
 

@@ -18,6 +18,7 @@ import triton.language as tl
 from mlaserve.kernels import quant
 from mlaserve.kernels.precision import dot_precision
 from mlaserve.kernels.quant import round_to_fp8_grid
+from mlaserve.kernels.reduce import bf16_rne, sum_dim1
 
 logger = logging.getLogger(__name__)
 
@@ -169,13 +170,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
 
 # ------------------------------------------------------------------------------------------ grouped GEMM
 @triton.jit
-def _bf16_rne(v):
-    # Round fp32 to bf16 precision, ties to even (interpreter only: its own fp32 -> bf16 cast truncates).
-    bits = v.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _quant_rows(a, INTERPRET: tl.constexpr):
     # a: [BM, GROUP] fp32, one quantisation group per row -> (a_q e4m3, scale [BM]) with scale = amax / 448.
     scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)
@@ -261,7 +255,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
     if ROUND_BF16:
-        acc = _bf16_rne(acc)
+        acc = bf16_rne(acc)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
@@ -370,7 +364,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
     _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg, fuse_quant,
                   block_shape, 1, False)
-    return torch.sum(y.view(t, top_k, k), dim=1, out=out)
+    return sum_dim1(y.view(t, top_k, k), out=out)                              # [T, k, K] -> [T, K]
 
 
 # ------------------------------------------------------------------------------------------- reference
