@@ -17,7 +17,7 @@ import triton.language as tl
 
 from mlaserve.kernels import quant
 from mlaserve.kernels.precision import dot_precision
-from mlaserve.kernels.quant import round_to_fp8_grid
+from mlaserve.kernels.quant import quant_group_rows
 from mlaserve.kernels.reduce import bf16_rne, sum_dim1
 
 logger = logging.getLogger(__name__)
@@ -170,17 +170,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
 
 # ------------------------------------------------------------------------------------------ grouped GEMM
 @triton.jit
-def _quant_rows(a, INTERPRET: tl.constexpr):
-    # a: [BM, GROUP] fp32, one quantisation group per row -> (a_q e4m3, scale [BM]) with scale = amax / 448.
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)
-    scale = tl.math.div_rn(scale, tl.full(scale.shape, 448.0, tl.float32))
-    q = tl.minimum(tl.maximum(tl.math.div_rn(a, scale[:, None]), -448.0), 448.0)
-    if INTERPRET:
-        q = round_to_fp8_grid(q, 3, -6)   # e4m3: 3 mantissa bits, min exponent -6
-    return q.to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr,
          DOT_PREC: tl.constexpr):
     # acc [BM, TN] += a [BM, BK] @ b [BK, TN] (times a_s [BM] * b_s [TN] in fp8 mode)
@@ -242,7 +231,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
         a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
         if QUANT_A:
-            a, a_s = _quant_rows(a.to(tl.float32), INTERPRET)
+            a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
         elif FP8:
             a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
         k_blk = k0 // GROUP_K
