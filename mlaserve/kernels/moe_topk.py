@@ -7,6 +7,7 @@ Methods (as Hugging Face's DeepseekV2/V3 TopkRouter): "greedy"; "group_limited_g
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -275,7 +276,7 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, topk_method:
 def moe_route_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, sync: torch.Tensor | None = None,
                   config: dict | None = None, **routing) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec of `moe_route`: fp32 logits, then `moe_topk_ref` (`sync` / `config` are the kernel's own)."""
-    return moe_topk_ref(x.float() @ weight.float().t(), top_k, **routing)
+    return moe_topk_ref(F.linear(x.float(), weight.float()), top_k, **routing)          # logits [T, E]
 
 
 def _mask_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
