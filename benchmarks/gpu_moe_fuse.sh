@@ -3,9 +3,9 @@
 #   bash benchmarks/gpu_moe_fuse.sh            # GPU tests of the new kernels, then the microbenchmarks
 #   bash benchmarks/gpu_moe_fuse.sh bench      # microbenchmarks only
 #   bash benchmarks/gpu_moe_fuse.sh model      # whole model on the Triton kernels vs HF (GPU variants)
-# Writes $OUT/env.txt, $OUT/gpu_tests.txt, $OUT/moe_fuse.txt (us per call, old vs new; ROUTE_FUSED_MAX_TOKENS in
-# layers/moe.py and FUSE_QUANT_MAX_M in kernels/fp8_gemm.py are read off its route and fp8 tables),
-# $OUT/model_tests.txt.
+# Writes $OUT/env.txt, $OUT/gpu_tests.txt, $OUT/moe_fuse.txt (us per call, old vs new; the thresholds
+# ROUTE_FUSED_MAX_TOKENS (layers/moe.py), COMBINE_MAX_TOKENS (kernels/fused_moe.py) and FUSE_QUANT_MAX_M
+# (kernels/fp8_gemm.py) are read off its route, moe and fp8 tables), $OUT/model_tests.txt.
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1

@@ -4,7 +4,8 @@ Times are CUDA-graph replays with L2 flushed before each (`time_cuda`), as in a 
   route  router of one MoE layer: cuBLAS fp32 GEMM + moe_topk + 2 torch.cat (old) vs moe_route (new, one launch)
          vs cuBLAS + moe_topk writing the shared slots (new path above the threshold), T = 1 .. 128; a tile sweep
   sum    fused_moe's combine: torch.sum(y.view(T, k, h), 1) vs sum_dim1
-  moe    one MoE layer at decode (router + fused_moe with the shared slots): old vs new
+  moe    one MoE layer at decode (router + fused_moe with the shared slots): old vs new with the combine as
+         sum_dim1 vs new with the combine inside the second GEMM (fused_moe `sync`), T = 1 .. 32
   fp8    fp8_linear at the V3 (N, K) shapes: per_token_group_quant_fp8 + fp8_gemm vs the in-GEMM quantisation
          (tuned tables), and whether the two outputs are bit-identical
 Usage: PYTHONPATH=$PWD python3 benchmarks/moe_fuse.py [route] [sum] [moe] [fp8]
@@ -34,7 +35,7 @@ ROUTERS = [
 ]
 ROUTE_TOKENS = (1, 2, 4, 8, 16, 24, 32, 64, 128)
 SUM_TOKENS = (1, 4, 16, 64, 256)
-MOE_TOKENS = (1, 4, 16)
+MOE_TOKENS = (1, 2, 4, 8, 16, 32)
 FP8_M = (1, 16, 64, 128)
 DEV = "cuda"
 
@@ -109,7 +110,8 @@ def torch_sum_combine():
 
 
 def part_moe() -> None:
-    print("\n== moe: one MoE layer at decode (router + fused_moe, shared slots fused), us per call (old | new)")
+    print("\n== moe: one MoE layer at decode (router + fused_moe, shared slots fused), us per call "
+          "(old | new, sum_dim1 | new, in-GEMM combine)")
     for s, (name, e, h, k, ns, kw) in zip(MODELS, ROUTERS):
         if s.fp8:       # V3 at its TP-8 rank width (the full stack is 11 GB)
             s = s._replace(moe_intermediate_size=256)
@@ -119,6 +121,8 @@ def part_moe() -> None:
         shared_ids = torch.arange(e, e + ns, dtype=torch.int32, device=DEV)[None]
         shared_w = torch.ones(1, ns, device=DEV)
         sync = torch.zeros(256, dtype=torch.int32, device=DEV)
+        combine_sync = torch.zeros(1024, dtype=torch.int32, device=DEV)
+        fm.COMBINE_MAX_TOKENS = max(MOE_TOKENS)                    # measure the in-GEMM combine at every T
         for t in MOE_TOKENS:
             x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
 
@@ -126,17 +130,18 @@ def part_moe() -> None:
                 tw, ti = old_route(x, w32, k, ns, kw, shared_ids, shared_w)
                 return fm.fused_moe(x, **wts, topk_weights=tw, topk_ids=ti, num_routed_experts=e)
 
-            def new():
+            def new(combine_in_gemm: bool):
                 tw, ti = moe_route(x, w, k, n_shared=ns, sync=sync, **kw)
-                return fm.fused_moe(x, **wts, topk_weights=tw, topk_ids=ti, num_routed_experts=e)
+                return fm.fused_moe(x, **wts, topk_weights=tw, topk_ids=ti, num_routed_experts=e,
+                                    sync=combine_sync if combine_in_gemm else None)
 
             with torch_sum_combine():
                 a = us(old)
                 ref = old()
-            b = us(new)
-            err = ((new().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            print(f"  {name} I={s.moe_intermediate_size} T={t:3d}  old {a:7.2f}  new {b:7.2f}  "
-                  f"saved {a - b:6.2f}  rel diff {err:.1e}")
+            b, c = us(lambda: new(False)), us(lambda: new(True))
+            err = max(((new(f).float() - ref.float()).abs().max() / ref.float().abs().max()).item() for f in (0, 1))
+            print(f"  {name} I={s.moe_intermediate_size} T={t:3d}  old {a:7.2f}  new {b:7.2f}  in-GEMM {c:7.2f}"
+                  f"  rel diff {err:.1e}  zero counts {not combine_sync.any()}")
         del wts
         torch.cuda.empty_cache()
 
@@ -159,6 +164,8 @@ def part_fp8() -> None:
 PARTS = dict(route=part_route, sum=part_sum, moe=part_moe, fp8=part_fp8)
 
 if __name__ == "__main__":
-    print(torch.cuda.get_device_name(), "fused_moe tables for", fm.gpu_name())
+    from mlaserve.layers.moe import ROUTE_FUSED_MAX_TOKENS
+    print(torch.cuda.get_device_name(), "| thresholds now: ROUTE_FUSED_MAX_TOKENS", ROUTE_FUSED_MAX_TOKENS,
+          "COMBINE_MAX_TOKENS", fm.COMBINE_MAX_TOKENS, "FUSE_QUANT_MAX_M", fp8_mod.FUSE_QUANT_MAX_M)
     for part in sys.argv[1:] or PARTS:
         PARTS[part]()

@@ -145,6 +145,9 @@ class RoutedExperts(ExpertStack):
         kw = dict(quant=quant, dtype=dtype, device=device, ops=ops)
         super().__init__(n_local + (n_shared if fused else 0), h, i, **kw)
         self.n_total, self.n_routed, self.n_shared, self.tp, self.ep = cfg.n_routed_experts, n_local, n_shared, tp, ep
+        # NOTE: fused_moe's per-tile arrival counts (its in-GEMM combine), zero between launches
+        self.register_buffer("combine_sync", torch.zeros(cdiv(h, 16), dtype=torch.int32, device=device),
+                             persistent=False)
         self.shared = None
         if not fused and n_shared:
             self.shared = ExpertStack(n_shared, h, tp.split(cfg.moe_intermediate_size, "moe_intermediate_size"),
@@ -180,7 +183,7 @@ class RoutedExperts(ExpertStack):
         """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert)."""
         # tuned tiles are keyed by this rank's routed experts; the shared slots ride along
         return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
-                                  w2_scale=self.w2_scale, num_routed_experts=self.n_routed)
+                                  w2_scale=self.w2_scale, num_routed_experts=self.n_routed, sync=self.combine_sync)
 
 
 class MoE(torch.nn.Module):
