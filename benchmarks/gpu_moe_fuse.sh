@@ -15,13 +15,14 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/env.txt"
 part=${1:-all}
 if [ "$part" = all ]; then
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_moe_topk.py tests/kernels/test_reduce.py \
+  timeout 110 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_moe_topk.py tests/kernels/test_reduce.py \
     tests/kernels/test_fp8_gemm.py tests/kernels/test_fused_moe.py tests/layers/test_moe.py 2>&1 \
     | tail -30 | tee "$OUT/gpu_tests.txt"
 fi
 if [ "$part" = all ] || [ "$part" = bench ]; then
-  timeout 70 python3 benchmarks/moe_fuse.py route sum moe 2>&1 | tee "$OUT/moe_fuse.txt"
-  timeout 100 python3 benchmarks/moe_fuse.py fp8 2>&1 | tee -a "$OUT/moe_fuse.txt"
+  timeout 45 python3 benchmarks/moe_fuse.py route sum 2>&1 | tee "$OUT/moe_fuse.txt"
+  timeout 70 python3 benchmarks/moe_fuse.py moe 2>&1 | tee -a "$OUT/moe_fuse.txt"
+  timeout 75 python3 benchmarks/moe_fuse.py fp8 2>&1 | tee -a "$OUT/moe_fuse.txt"
 fi
 if [ "$part" = model ]; then
   timeout 280 python3 -m pytest -q -p no:cacheprovider -rfE tests/models/test_deepseek_vs_hf.py -k "triton_kernels" \

@@ -35,7 +35,7 @@ ROUTERS = [
 ]
 ROUTE_TOKENS = (1, 2, 4, 8, 16, 24, 32, 64, 128)
 SUM_TOKENS = (1, 4, 16, 64, 256)
-MOE_TOKENS = (1, 2, 4, 8, 16, 32)
+MOE_TOKENS = (1, 4, 16, 32)
 FP8_M = (1, 16, 64, 128)
 DEV = "cuda"
 

@@ -23,7 +23,7 @@ class Ops(NamedTuple):
     silu_and_mul: Callable         # gate_up [T, 2I] -> [T, I]
     moe_topk: Callable             # router logits [T, E] -> (weights [T, K (+ n_shared)], ids [T, K (+ n_shared)])
     moe_route: Callable            # (x [T, h], gate weight [E, h], K) -> moe_topk of the fp32 logits, one launch
-    fused_moe: Callable            # (x, w13, w2, weights, ids, w13_scale=, w2_scale=) -> [T, h]
+    fused_moe: Callable            # (x, w13, w2, weights, ids, w13_scale=, w2_scale=, sync=) -> [T, h]
     fp8_linear: Callable           # (x, w_q, w_scale_inv) -> y
     mla_rope_kv_store: Callable    # rotate q_pe / k_pe in place and write [kv_c, k_pe] cache rows
 
