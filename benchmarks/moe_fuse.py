@@ -40,6 +40,16 @@ FP8_M = (1, 16, 64, 128)
 DEV = "cuda"
 
 
+def last_win(sizes: tuple[int, ...], wins: list[bool]) -> int:
+    """The largest size up to which the new kernel won at every measured size (0: it lost at the first)."""
+    best = 0
+    for size, win in zip(sizes, wins):
+        if not win:
+            break
+        best = size
+    return best
+
+
 def us(fn) -> float:
     return 1e3 * time_cuda(fn, warmup=3, iters=30)
 
@@ -69,6 +79,7 @@ def part_route() -> None:
         shared_w = torch.ones(1, ns, device=DEV)
         sync = torch.zeros(256, dtype=torch.int32, device=DEV)
         print(f"{name}: E={e} h={h} k={k} n_shared={ns} tiles {route_config(e, h)}")
+        wins = []
         for t in ROUTE_TOKENS:
             x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
             old = us(lambda: old_route(x, w32, k, ns, kw, shared_ids, shared_w))
@@ -77,6 +88,8 @@ def part_route() -> None:
             ok = same_sets(moe_route(x, w, k, n_shared=ns, sync=sync, **kw)[1],
                            old_route(x, w32, k, ns, kw, shared_ids, shared_w)[1])
             print(f"  T={t:4d}  old {old:6.2f}  moe_route {new:6.2f}  cublas+topk {big:6.2f}  same experts {ok}")
+            wins.append(new < big)
+        print(f"  -> moe_route beats cublas+topk up to T={last_win(ROUTE_TOKENS, wins)} (ROUTE_FUSED_MAX_TOKENS)")
         x = torch.randn(1, h, device=DEV, dtype=torch.bfloat16)
         sweep = []
         for be in (1, 2, 4, 8):
@@ -123,6 +136,7 @@ def part_moe() -> None:
         sync = torch.zeros(256, dtype=torch.int32, device=DEV)
         combine_sync = torch.zeros(1024, dtype=torch.int32, device=DEV)
         fm.COMBINE_MAX_TOKENS = max(MOE_TOKENS)                    # measure the in-GEMM combine at every T
+        wins = []
         for t in MOE_TOKENS:
             x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
 
@@ -142,6 +156,8 @@ def part_moe() -> None:
             err = max(((new(f).float() - ref.float()).abs().max() / ref.float().abs().max()).item() for f in (0, 1))
             print(f"  {name} I={s.moe_intermediate_size} T={t:3d}  old {a:7.2f}  new {b:7.2f}  in-GEMM {c:7.2f}"
                   f"  rel diff {err:.1e}  zero counts {not combine_sync.any()}")
+            wins.append(c < b)
+        print(f"  -> in-GEMM combine beats sum_dim1 up to T={last_win(MOE_TOKENS, wins)} (COMBINE_MAX_TOKENS)")
         del wts
         torch.cuda.empty_cache()
 
@@ -150,7 +166,7 @@ def part_fp8() -> None:
     print("\n== fp8: fp8_linear us per call (quant + gemm | in-GEMM quant), bit-identical outputs")
     for n, kk in V3_SHAPES:
         w_q, w_s = block_quant_fp8_ref(torch.randn(n, kk, device=DEV) * kk ** -0.5)
-        row = []
+        row, wins = [], []
         for m in FP8_M:
             x = torch.randn(m, kk, device=DEV, dtype=torch.bfloat16)
             a = us(lambda: fp8_mod.fp8_linear(x, w_q, w_s, fuse_quant=False))
@@ -158,7 +174,8 @@ def part_fp8() -> None:
             same = torch.equal(fp8_mod.fp8_linear(x, w_q, w_s, fuse_quant=False),
                                fp8_mod.fp8_linear(x, w_q, w_s, fuse_quant=True))
             row.append(f"M={m}: {a:.1f} | {b:.1f}{'' if same else ' NOT-IDENTICAL'}")
-        print(f"  N={n} K={kk}  " + "  ".join(row))
+            wins.append(b <= a)
+        print(f"  N={n} K={kk}  " + "  ".join(row) + f"  -> fused up to M={last_win(FP8_M, wins)}")
 
 
 PARTS = dict(route=part_route, sum=part_sum, moe=part_moe, fp8=part_fp8)

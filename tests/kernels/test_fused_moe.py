@@ -349,13 +349,13 @@ def test_fused_moe_in_gemm_combine(dtype: torch.dtype, tokens: int, fp8: bool, e
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_in_gemm_combine_cuda_graph(fp8: bool) -> None:
+@pytest.mark.parametrize("fp8,tokens", [(False, 1), (False, fm.COMBINE_MAX_TOKENS), (True, 4)])
+def test_fused_moe_in_gemm_combine_cuda_graph(fp8: bool, tokens: int) -> None:
     """Captured once with the combine, replayed on new inputs: every replay matches the reference."""
     s = Shape(64, 8 if fp8 else 6, 1024, 384)
     w = fp8_weights(s, "cuda") if fp8 else dense_weights(s, torch.bfloat16, "cuda")
-    topk_weights, topk_ids = routing(4, s, "cuda", active=50)
-    x = torch.randn(4, s.hidden, device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = routing(tokens, s, "cuda", active=50)
+    x = torch.randn(tokens, s.hidden, device="cuda", dtype=torch.bfloat16)
     sync = torch.zeros(64, dtype=torch.int32, device="cuda")
     ref_fn = spec_ref if fp8 else device_ref
     fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, sync=sync)         # compile

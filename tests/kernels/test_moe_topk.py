@@ -155,10 +155,10 @@ def test_moe_route_cuda_graph_replays() -> None:
     """V3 routing at its real size, captured once and replayed on new inputs (the counts reset themselves)."""
     _seed()
     kw = V3_NOAUX
-    x = torch.randn(4, 7168, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, 7168, device="cuda", dtype=torch.bfloat16)          # 16 x 256 programs race per replay
     weight = (torch.randn(256, 7168, device="cuda") * 0.02).to(torch.bfloat16)
     bias = torch.randn(256, device="cuda") * 0.1
-    sync = torch.zeros(4, dtype=torch.int32, device="cuda")
+    sync = torch.zeros(16, dtype=torch.int32, device="cuda")
     moe_route(x, weight, e_score_correction_bias=bias, n_shared=1, sync=sync, **kw)          # compile
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
