@@ -3,7 +3,7 @@
 Times are CUDA-graph replays with L2 flushed before each (`time_cuda`), as in a decode step. Parts:
   route  router of one MoE layer: cuBLAS fp32 GEMM + moe_topk + 2 torch.cat (old) vs moe_route (new, one launch)
          vs cuBLAS + moe_topk writing the shared slots (new path above the threshold), T = 1 .. 128; a tile sweep
-  sum    fused_moe's combine: torch.sum(y.view(T, k, h), 1) vs sum_dim1
+  sum    fused_moe's combine: torch.sum(y.view(T, k, h), 1) vs sum_dim1; fp8_gemm's split-K sum likewise
   moe    one MoE layer at decode (router + fused_moe with the shared slots): old vs new with the combine as
          sum_dim1 vs new with the combine inside the second GEMM (fused_moe `sync`), T = 1 .. 32
   fp8    fp8_linear at the V3 (N, K) shapes: per_token_group_quant_fp8 + fp8_gemm vs the in-GEMM quantisation
@@ -109,6 +109,13 @@ def part_sum() -> None:
             b = us(lambda: sum_dim1(y, out=out))
             err = (sum_dim1(y).float() - y.float().sum(1)).abs().max().item()
             print(f"  k={k} h={h} T={t:4d}  torch.sum {a:6.2f}  sum_dim1 {b:6.2f}  max|d| vs fp32 {err:.1e}")
+    print("  fp8_gemm split-K sum [S, M, N] fp32 -> [M, N] bf16 (out.copy_(c.sum(0)) | sum_dim1)")
+    for split, m, n in ((8, 1, 2112), (4, 1, 7168), (8, 16, 4096)):
+        c = torch.randn(split, m, n, device=DEV)
+        out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+        a = us(lambda: out.copy_(c.sum(dim=0)))
+        b = us(lambda: sum_dim1(c.view(1, split, m * n), out=out.view(1, m * n)))
+        print(f"  S={split} M={m} N={n}  torch {a:6.2f}  sum_dim1 {b:6.2f}")
 
 
 @contextmanager
