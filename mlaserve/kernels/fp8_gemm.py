@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.quant import block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref
+from mlaserve.kernels.quant import (block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref,
+                                    quant_group_rows)
+from mlaserve.kernels.reduce import sum_dim1
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +41,11 @@ def _fp8_gemm_kernel(
     stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    QUANT_A: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Grid: (tiles of C, SPLIT_K). GROUP_M swizzle: consecutive programs walk GROUP_M row-tiles of one
-    # column of C, so the B tiles they share are still in L2.
+    # column of C, so the B tiles they share are still in L2. QUANT_A: a is the unquantised activation and
+    # each [BM, BK = SCALE_K] tile is quantised in registers (one group per row, as per_token_group_quant_fp8).
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n
@@ -80,7 +84,10 @@ def _fp8_gemm_kernel(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         ks = (kt * BLOCK_K) // SCALE_K
-        a_s = tl.load(as_ptrs + ks * stride_ask)
+        if QUANT_A:
+            a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
+        else:
+            a_s = tl.load(as_ptrs + ks * stride_ask)
         b_s = tl.load(bs_ptrs + ks * stride_bsk)
         # Promote each K-block's fp8 product to fp32 with both scales (DeepSeek-V3 sec. 3.3.2).
         if SCALE_N % BLOCK_N == 0:
@@ -110,42 +117,58 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     (m, k), n = x_q.shape, w_q.shape[0]
     cfg = dict(config) if config is not None else get_fp8_gemm_config(n, k, m)
     assert block[1] % cfg["BLOCK_K"] == 0, f"BLOCK_K={cfg['BLOCK_K']} must divide the scale block {block[1]}"
+    return _launch(x_q, x_scale, w_q, w_scale_inv, out_dtype, block, cfg, quant_a=False)
+
+
+def _launch(a: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+            out_dtype: torch.dtype, block: tuple[int, int], cfg: dict, quant_a: bool) -> torch.Tensor:
+    # a: [M, K] e4m3 with a_scale [M, G], or (quant_a) the unquantised activation (a_scale unused)
+    (m, k), n = a.shape, w_q.shape[0]
     split = cfg.get("SPLIT_K", 1)
-    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
-    c = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x_q.device)
+    c = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
     _fp8_gemm_kernel[grid](
-        x_q, w_q, c, x_scale, w_scale_inv, m, n, k,
-        x_q.stride(0), w_q.stride(0), c.stride(0) if split > 1 else 0, c.stride(-2),
-        x_scale.stride(0), x_scale.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
+        a, w_q, c, a_scale, w_scale_inv, m, n, k,
+        a.stride(0), w_q.stride(0), c.stride(0) if split > 1 else 0, c.stride(-2),
+        a_scale.stride(0), a_scale.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         SCALE_N=block[0], SCALE_K=block[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1), SPLIT_K=split,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        EVEN_K=k % cfg["BLOCK_K"] == 0, QUANT_A=quant_a, INTERPRET=not a.is_cuda,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split > 1:
-        out.copy_(c.sum(dim=0))                                          # [S, M, N] fp32 -> [M, N]
+        sum_dim1(c.view(1, split, m * n), out=out.view(1, m * n))        # [S, M, N] fp32 -> [M, N]
     return out
 
 
 def _check_gemm_args(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
                      block: tuple[int, int]) -> None:
-    assert x_q.dim() == 2 and w_q.dim() == 2, f"x_q [M, K] and w_q [N, K], got {tuple(x_q.shape)}, {tuple(w_q.shape)}"
-    assert x_q.dtype == w_q.dtype == torch.float8_e4m3fn, (
-        f"x_q, w_q must be float8_e4m3fn, got {x_q.dtype}, {w_q.dtype}")
-    (m, k), (n, kw) = x_q.shape, w_q.shape
-    assert k == kw, f"K mismatch: x_q has {k}, w_q has {kw}"
-    assert x_q.stride(1) == 1 and w_q.stride(1) == 1, "x_q and w_q must be contiguous along K"
-    gk, gn = -(-k // block[1]), -(-n // block[0])
+    assert x_q.dim() == 2, f"x_q must be [M, K], got {tuple(x_q.shape)}"
+    assert x_q.dtype == torch.float8_e4m3fn, f"x_q, w_q must be float8_e4m3fn, got {x_q.dtype}, {w_q.dtype}"
+    (m, k) = x_q.shape
+    assert x_q.stride(1) == 1, "x_q and w_q must be contiguous along K"
+    _check_weight(w_q, w_scale_inv, k, block)
+    gk = -(-k // block[1])
     assert x_scale.shape == (m, gk) and x_scale.dtype == torch.float32, (
         f"x_scale must be float32 [{m}, {gk}], got {x_scale.dtype} {tuple(x_scale.shape)}")
-    assert w_scale_inv.shape == (gn, gk) and w_scale_inv.dtype == torch.float32, (
-        f"w_scale_inv must be float32 [{gn}, {gk}], got {w_scale_inv.dtype} {tuple(w_scale_inv.shape)}")
     devices = {t.device for t in (x_q, x_scale, w_q, w_scale_inv)}
     assert len(devices) == 1, f"all operands must be on one device, got {devices}"
+
+
+def _check_weight(w_q: torch.Tensor, w_scale_inv: torch.Tensor, k: int, block: tuple[int, int]) -> None:
+    assert w_q.dim() == 2, f"w_q must be [N, K], got {tuple(w_q.shape)}"
+    assert w_q.dtype == torch.float8_e4m3fn, f"x_q, w_q must be float8_e4m3fn, got {w_q.dtype}"
+    n, kw = w_q.shape
+    assert k == kw, f"K mismatch: x_q has {k}, w_q has {kw}"
+    assert w_q.stride(1) == 1, "x_q and w_q must be contiguous along K"
+    gk, gn = -(-k // block[1]), -(-n // block[0])
+    assert w_scale_inv.shape == (gn, gk) and w_scale_inv.dtype == torch.float32, (
+        f"w_scale_inv must be float32 [{gn}, {gk}], got {w_scale_inv.dtype} {tuple(w_scale_inv.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,20 +234,37 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Up to this many rows fp8_linear quantises the activations inside the GEMM (one launch); above it the separate
+# per_token_group_quant_fp8 pass (every N tile would otherwise re-quantise the same rows). Measured by
+# benchmarks/gpu_moe_fuse.sh (fp8 part).
+FUSE_QUANT_MAX_M = 64
+
+
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, fuse_quant: bool | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w_q, w_scale_inv)^T (+ bias), x quantised per token per 128 channels.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); `fp8_linear_ref` on plain CPU. Output dtype: out_dtype or x.dtype.
+    fuse_quant: quantise x inside the GEMM (bit-identical codes and scales to `per_token_group_quant_fp8`); default
+    for M <= FUSE_QUANT_MAX_M when the tile config's BLOCK_K is the 128-channel group.
     """
     if not _use_triton(x):
         return fp8_linear_ref(x, w_q, w_scale_inv, bias, out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
-    x_q, x_scale = per_token_group_quant_fp8(x.reshape(-1, k), 128)     # [T, K], [T, ceil(K/128)]
-    y = fp8_gemm(x_q, x_scale, w_q, w_scale_inv, out_dtype=out_dtype or x.dtype)
+    x2 = x.reshape(-1, k)                                                # [M, K]
+    m, n = x2.shape[0], w_q.shape[0]
+    cfg = get_fp8_gemm_config(n, k, m)
+    if fuse_quant is None:
+        fuse_quant = m <= FUSE_QUANT_MAX_M
+    if fuse_quant and cfg["BLOCK_K"] == 128 and x2.stride(1) == 1:
+        _check_weight(w_q, w_scale_inv, k, (128, 128))
+        y = _launch(x2, x2, w_q, w_scale_inv, out_dtype or x.dtype, (128, 128), cfg, quant_a=True)
+    else:
+        x_q, x_scale = per_token_group_quant_fp8(x2, 128)                # [M, K], [M, ceil(K/128)]
+        y = fp8_gemm(x_q, x_scale, w_q, w_scale_inv, out_dtype=out_dtype or x.dtype, config=cfg)
     if bias is not None:
         y += bias
-    return y.view(*lead, w_q.shape[0])
+    return y.view(*lead, n)
 
 
 def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,

@@ -17,12 +17,16 @@ import triton.language as tl
 
 from mlaserve.kernels import quant
 from mlaserve.kernels.precision import dot_precision
-from mlaserve.kernels.quant import round_to_fp8_grid
+from mlaserve.kernels.quant import quant_group_rows
+from mlaserve.kernels.reduce import bf16_rne, sum_dim1
 
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 FP8_DTYPE = torch.float8_e4m3fn
+# Up to this many tokens (given a `sync` buffer) the second grouped GEMM also combines each token's k rows;
+# above it sum_dim1 does (the last program per tile would sum T * k rows alone). benchmarks/gpu_moe_fuse.sh.
+COMBINE_MAX_TOKENS = 16
 
 
 # ----------------------------------------------------------------------------------------------- align
@@ -169,24 +173,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
 
 # ------------------------------------------------------------------------------------------ grouped GEMM
 @triton.jit
-def _bf16_rne(v):
-    # Round fp32 to bf16 precision, ties to even (interpreter only: its own fp32 -> bf16 cast truncates).
-    bits = v.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quant_rows(a, INTERPRET: tl.constexpr):
-    # a: [BM, GROUP] fp32, one quantisation group per row -> (a_q e4m3, scale [BM]) with scale = amax / 448.
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)
-    scale = tl.math.div_rn(scale, tl.full(scale.shape, 448.0, tl.float32))
-    q = tl.minimum(tl.maximum(tl.math.div_rn(a, scale[:, None]), -448.0), 448.0)
-    if INTERPRET:
-        q = round_to_fp8_grid(q, 3, -6)   # e4m3: 3 mantissa bits, min exponent -6
-    return q.to(tl.float8e4nv), scale
-
-
-@triton.jit
 def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr,
          DOT_PREC: tl.constexpr):
     # acc [BM, TN] += a [BM, BK] @ b [BK, TN] (times a_s [BM] * b_s [TN] in fp8 mode)
@@ -211,19 +197,44 @@ def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
     return first_m + (pid % per_group) % rows_in_group, (pid % per_group) // rows_in_group
 
 
+@triton.jit
+def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, num_slots, stride_cm, stride_om,
+                  TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_T: tl.constexpr, TILE_N: tl.constexpr):
+    # The last of N tile pid_n's programs to store its rows of c sums them per token:
+    # out[t, tile] = sum_j c[t * TOP_K + j, tile] in fp32, rounded once.
+    # NOTE: as in moe_route: a barrier, then one acq_rel count per program; the last one's loads skip L1.
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == used_blocks - 1:
+        tl.atomic_xchg(sync_ptr + pid_n, 0, sem="relaxed", scope="gpu")           # ready for the next launch
+        num_tokens = num_slots // TOP_K
+        for t0 in range(0, num_tokens, BLOCK_T):
+            tok = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+            mask = (tok < num_tokens)[:, None] & n_ok[None, :]
+            acc = tl.zeros([BLOCK_T, TILE_N], dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                rows = c_ptr + (tok * TOP_K + j)[:, None] * stride_cm + offs_n[None, :]
+                acc += tl.load(rows, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if ROUND_BF16:
+                acc = bf16_rne(acc)
+            tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_slots", "num_padded"])   # one compile for every token count
 def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
-                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, N, K, num_slots, num_padded,
-                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, N, K, num_slots, num_padded,
+                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_om,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                       QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
-                      DOT_PREC: tl.constexpr,
+                      DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                       GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
                       BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
+    # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`).
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(num_padded, BLOCK_SIZE_M), tl.cdiv(N, TILE_N),
                                 GROUP_SIZE_M)
-    if pid_m * BLOCK_SIZE_M >= tl.load(num_post_pad_ptr):
+    used = tl.load(num_post_pad_ptr)
+    if pid_m * BLOCK_SIZE_M >= used:
         return
     slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)  # [BM]
     valid = slots < num_slots
@@ -235,6 +246,9 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
         if not GATED:                     # (their h rows are never read: the second GEMM lands here too)
             tl.store(c_ptrs, tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=c_ptr.dtype.element_ty),
                      mask=valid[:, None] & n_ok[None, :])
+            if COMBINE:
+                _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots,
+                              stride_cm, stride_om, TOP_K, ROUND_BF16, BLOCK_T, TILE_N)
         return
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
@@ -248,7 +262,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
         a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
         if QUANT_A:
-            a, a_s = _quant_rows(a.to(tl.float32), INTERPRET)
+            a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
         elif FP8:
             a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
         k_blk = k0 // GROUP_K
@@ -261,8 +275,11 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
     if ROUND_BF16:
-        acc = _bf16_rne(acc)
+        acc = bf16_rne(acc)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    if COMBINE:
+        _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
+                      stride_om, TOP_K, ROUND_BF16, BLOCK_T, TILE_N)
 
 
 def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,8 +290,9 @@ def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, c: torch.Tensor,
                   routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weights: torch.Tensor | None,
-                  cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int, gated: bool) -> None:
-    # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]
+                  cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int, gated: bool,
+                  combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
     sorted_ids, expert_ids, num_post_pad = routing
     fp8 = w_scale is not None
     a_scale = a
@@ -285,13 +303,17 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
     tile_n = cfg["BLOCK_SIZE_N"] // 2 if gated else cfg["BLOCK_SIZE_N"]
     grid = (triton.cdiv(sorted_ids.numel(), cfg["BLOCK_SIZE_M"]) * triton.cdiv(n_out, tile_n),)
     bs = w_scale if fp8 else w
+    out, sync = combine or (c, sorted_ids)
+    if combine:
+        assert sync.dtype == torch.int32 and sync.numel() >= triton.cdiv(n_out, tile_n), \
+            f"sync must be int32 [>= {triton.cdiv(n_out, tile_n)}]"
     _fused_moe_kernel[grid](
-        a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad,
+        a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
         n_out, k, c.shape[0], sorted_ids.numel(), a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        a_scale.stride(0), bs.stride(0), bs.stride(1),
+        a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0),
         A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
-        DOT_PREC=dot_precision(a.dtype),
+        DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, TOP_K=c.shape[0] // out.shape[0], BLOCK_T=8,
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -337,7 +359,8 @@ def _check_config(cfg: dict, fp8: bool, fuse_quant: bool, block_k: int) -> None:
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               block_shape: tuple[int, int] = (128, 128), config: dict | None = None,
-              num_routed_experts: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              num_routed_experts: int | None = None, out: torch.Tensor | None = None,
+              sync: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
     Args:
@@ -348,6 +371,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM).
         num_routed_experts: the E the tuned tables are keyed by (default: all E stacked experts). A model that
             stacks its shared experts after its routed ones passes its routed count (see `get_moe_config`).
+        sync: int32 zeros [>= ceil(K / 32)], owned by the caller and left zero (one launch at a time per buffer).
+            With it, up to COMBINE_MAX_TOKENS tokens, the second GEMM also sums each token's k rows (the last
+            program of each output tile); otherwise `sum_dim1` does, as one more launch.
     Returns:
         out [T, K] in x.dtype. No host sync: capturable in a CUDA graph for a fixed T.
     """
@@ -368,9 +394,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
     _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
+    combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg, fuse_quant,
-                  block_shape, 1, False)
-    return torch.sum(y.view(t, top_k, k), dim=1, out=out)
+                  block_shape, 1, False, combine)
+    return out if combine else sum_dim1(y.view(t, top_k, k), out=out)         # [T, k, K] -> [T, K]
 
 
 # ------------------------------------------------------------------------------------------- reference
@@ -387,10 +414,10 @@ def _expert_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] = (128, 128),
-                  num_routed_experts: int | None = None) -> torch.Tensor:
+                  num_routed_experts: int | None = None, sync: torch.Tensor | None = None) -> torch.Tensor:
     """The spec of `fused_moe`: per expert in fp32, with the kernel's roundings (fp8 activation quantisation,
     h = silu(gate) * up stored in x.dtype). Returns [T, K] in x.dtype; ids -1 add nothing. `num_routed_experts` is the launcher's
-    tile-table key; the reference has no tiles, so it takes the argument for a common signature only."""
+    tile-table key and `sync` its workspace; the reference takes them for a common signature only."""
     i = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():

@@ -7,6 +7,7 @@ Methods (as Hugging Face's DeepseekV2/V3 TopkRouter): "greedy"; "group_limited_g
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -22,9 +23,9 @@ def _first_max(s, idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _scores(logits_ptr, idx, ok, SIGMOID: tl.constexpr):
-    # [BG, BPG] fp32 scores (softmax over all experts, or sigmoid); -inf outside the E experts
-    logits = tl.load(logits_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
+def _scores(logits, ok, SIGMOID: tl.constexpr):
+    # logits [BG, BPG] fp32 -> scores (softmax over all experts, or sigmoid); -inf outside the E experts
+    logits = tl.where(ok, logits, float("-inf"))
     if SIGMOID:
         scores = tl.sigmoid(logits)
     else:
@@ -51,18 +52,25 @@ def _kept_groups(choice, g, j, n_group, METHOD: tl.constexpr, TOPK_GROUP: tl.con
 
 
 @triton.jit
-def _moe_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, per_group, n_group, stride_l,
-                     routed_scaling_factor, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                     METHOD: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr):
-    # One program per token, experts laid out [group, expert in group]; METHOD indexes METHODS.
-    row = tl.program_id(0).to(tl.int64)
+def _expert_grid(per_group, n_group, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr):
+    # experts laid out [group, expert in group]: (group g [BG], j [BPG], in-range mask and expert id [BG, BPG])
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_PG)
     ok = (g < n_group)[:, None] & (j < per_group)[None, :]
+    idx = tl.where(ok, g[:, None] * per_group + j[None, :], BLOCK_G * BLOCK_PG)
+    return g, j, ok, idx
+
+
+@triton.jit
+def _select_row(logits, bias_ptr, weights_ptr, ids_ptr, per_group, n_group, routed_scaling_factor,
+                TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
+                NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr,
+                BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One token: logits [BG, BPG] fp32 -> its K + N_SHARED output slots (weights_ptr / ids_ptr point at its row).
+    # METHOD indexes METHODS; shared slot s is expert E + s with weight 1.0.
+    g, j, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
     big = BLOCK_G * BLOCK_PG
-    idx = tl.where(ok, g[:, None] * per_group + j[None, :], big)               # [BG, BPG] expert ids
-    scores = _scores(logits_ptr + row * stride_l, idx, ok, SIGMOID)
+    scores = _scores(logits, ok, SIGMOID)
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + idx, mask=ok, other=0.0).to(tl.float32)
@@ -75,7 +83,7 @@ def _moe_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, per_group, n_gr
             choice = tl.where(keep, choice, float("-inf"))
     slot = tl.arange(0, BLOCK_K)
     w_out = tl.zeros([BLOCK_K], dtype=tl.float32)
-    id_out = tl.zeros([BLOCK_K], dtype=tl.int32)
+    id_out = slot - TOP_K + per_group * n_group                                # shared slots: E + s
     for i in tl.static_range(TOP_K):
         best, pick = _first_max(choice, idx, big)
         w = tl.sum(tl.sum(tl.where(idx == pick, scores, 0.0), axis=1), axis=0)
@@ -86,8 +94,23 @@ def _moe_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, per_group, n_gr
         choice = tl.where(idx == pick, float("-inf"), choice)
     if NORM:
         w_out = w_out / (tl.sum(w_out, axis=0) + 1e-20)
-    tl.store(weights_ptr + row * TOP_K + slot, w_out * routed_scaling_factor, mask=slot < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + slot, id_out, mask=slot < TOP_K)
+    w_out = tl.where(slot < TOP_K, w_out * routed_scaling_factor, 1.0)
+    tl.store(weights_ptr + slot, w_out, mask=slot < TOP_K + N_SHARED)
+    tl.store(ids_ptr + slot, id_out, mask=slot < TOP_K + N_SHARED)
+
+
+@triton.jit
+def _moe_topk_kernel(logits_ptr, stride_l, bias_ptr, weights_ptr, ids_ptr, per_group, n_group,
+                     routed_scaling_factor, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                     METHOD: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per token.
+    row = tl.program_id(0).to(tl.int64)
+    _, _, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
+    logits = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    out = row * (TOP_K + N_SHARED)
+    _select_row(logits, bias_ptr, weights_ptr + out, ids_ptr + out, per_group, n_group, routed_scaling_factor,
+                TOP_K, TOPK_GROUP, METHOD, SIGMOID, NORM, HAS_BIAS, N_SHARED, BLOCK_G, BLOCK_PG, BLOCK_K)
 
 
 def _check(router_logits: torch.Tensor, top_k: int, topk_method: str, scoring_func: str, n_group: int,
@@ -104,41 +127,52 @@ def _check(router_logits: torch.Tensor, top_k: int, topk_method: str, scoring_fu
         assert e_score_correction_bias.shape == (e,), f"e_score_correction_bias must be [{e}]"
 
 
+def _launch_select(kernel, grid: tuple[int, ...], args: tuple, t: int, e: int, top_k: int, topk_method: str,
+                   scoring_func: str, n_group: int, topk_group: int, norm_topk_prob: bool,
+                   routed_scaling_factor: float, e_score_correction_bias: torch.Tensor | None, n_shared: int,
+                   device: torch.device, **meta) -> tuple[torch.Tensor, torch.Tensor]:
+    # outputs [T, K + n_shared]; `args` are the kernel's leading pointer / size arguments
+    weights = torch.empty(t, top_k + n_shared, dtype=torch.float32, device=device)
+    ids = torch.empty(t, top_k + n_shared, dtype=torch.int32, device=device)
+    if t == 0:
+        return weights, ids
+    groups = 1 if topk_method == "greedy" else n_group
+    method = METHODS.index(topk_method)
+    bias = e_score_correction_bias.contiguous() if method == 2 and e_score_correction_bias is not None else None
+    kernel[grid](*args, weights if bias is None else bias, weights, ids, e // groups, groups,
+                 float(routed_scaling_factor), TOP_K=top_k, TOPK_GROUP=topk_group if method else 1, METHOD=method,
+                 SIGMOID=scoring_func == "sigmoid", NORM=bool(norm_topk_prob), HAS_BIAS=bias is not None,
+                 N_SHARED=n_shared, BLOCK_G=triton.next_power_of_2(groups),
+                 BLOCK_PG=triton.next_power_of_2(e // groups), BLOCK_K=triton.next_power_of_2(top_k + n_shared),
+                 **meta)
+    return weights, ids
+
+
 def moe_topk(router_logits: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str, n_group: int = 1,
              topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
-             e_score_correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             e_score_correction_bias: torch.Tensor | None = None,
+             n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Select each token's experts (Triton, one program per token, E up to a few hundred).
 
     Args:
         router_logits: [T, E] float32 (`gate` linear output). e_score_correction_bias: [E], noaux_tc only.
+        n_shared: shared-expert slots appended to each row: ids E .. E + n_shared - 1, weight 1.0.
     Returns:
-        (topk_weights [T, k] float32, topk_ids [T, k] int32); ids are in selection order (best first), ties
-        go to the lower expert id.
+        (topk_weights [T, k + n_shared] float32, topk_ids [T, k + n_shared] int32); routed ids are in selection
+        order (best first), ties go to the lower expert id.
     """
     _check(router_logits, top_k, topk_method, scoring_func, n_group, topk_group, e_score_correction_bias)
     t, e = router_logits.shape
-    groups = 1 if topk_method == "greedy" else n_group
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
-    if t == 0:
-        return weights, ids
-    method = METHODS.index(topk_method)
-    bias = e_score_correction_bias if method == 2 else None
-    block_pg = triton.next_power_of_2(e // groups)
-    _moe_topk_kernel[(t,)](
-        logits, bias.contiguous() if bias is not None else logits, weights, ids, e // groups, groups,
-        logits.stride(0), float(routed_scaling_factor), TOP_K=top_k, TOPK_GROUP=topk_group if method else 1,
-        METHOD=method, SIGMOID=scoring_func == "sigmoid", NORM=bool(norm_topk_prob), HAS_BIAS=bias is not None,
-        BLOCK_G=triton.next_power_of_2(groups), BLOCK_PG=block_pg, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4 if e > 128 else 2)
-    return weights, ids
+    return _launch_select(_moe_topk_kernel, (t,), (logits, logits.stride(0)), t, e, top_k, topk_method,
+                          scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                          e_score_correction_bias, n_shared, logits.device, num_warps=4 if e > 128 else 2)
 
 
 def moe_topk_ref(router_logits: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False,
-                 routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
+                 n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec of `moe_topk` in plain PyTorch (fp32)."""
     _check(router_logits, top_k, topk_method, scoring_func, n_group, topk_group, e_score_correction_bias)
     t, e = router_logits.shape
@@ -157,7 +191,92 @@ def moe_topk_ref(router_logits: torch.Tensor, top_k: int, *, topk_method: str, s
         weights = scores.gather(1, ids)                                               # unbiased scores
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids.to(torch.int32)
+    weights, ids = weights * routed_scaling_factor, ids.to(torch.int32)
+    if n_shared:                                                                      # + the shared slots
+        shared = torch.arange(e, e + n_shared, dtype=torch.int32, device=ids.device).expand(t, -1)
+        weights = torch.cat([weights, torch.ones(t, n_shared, device=weights.device)], dim=1)
+        ids = torch.cat([ids, shared], dim=1)
+    return weights, ids
+
+
+# --------------------------------------------------------------------------------------------- gate + top-k
+# Small T (decode): one launch computes the gate GEMV and selects. The E experts are cut into slices of
+# BLOCK_E rows of the gate weight; program (slice, t) writes logits[t, slice] to a scratch row, then counts
+# itself done in sync[t]; the last of token t's programs (the only one to see count S - 1) resets the count
+# and selects from the complete row.
+@triton.jit
+def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, stride_x, stride_w,
+                      bias_ptr, weights_ptr, ids_ptr, per_group, n_group, routed_scaling_factor,
+                      TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
+                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(1).to(tl.int64)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_h = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):                                    # fp32 products of exact upcasts
+        h_ok = offs_h < hidden - h0
+        x = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=h_ok, other=0.0).to(tl.float32)       # [BH]
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + h0 + offs_h[None, :],
+                    mask=(e < n_experts)[:, None] & h_ok[None, :], other=0.0).to(tl.float32)       # [BE, BH]
+        acc += w * x[None, :]
+    tl.store(logits_ptr + t * n_experts + e, tl.sum(acc, axis=1), mask=e < n_experts)
+    # NOTE: the barrier orders every thread's logits store before the (release) count; the last program's
+    # acquire then sees all of token t's row. Its loads skip L1 (.cg), which is not coherent across SMs.
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(sync_ptr + t, 0, sem="relaxed", scope="gpu")           # ready for the next launch
+        _, _, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
+        logits = tl.load(logits_ptr + t * n_experts + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        out = t * (TOP_K + N_SHARED)
+        _select_row(logits, bias_ptr, weights_ptr + out, ids_ptr + out, per_group, n_group, routed_scaling_factor,
+                    TOP_K, TOPK_GROUP, METHOD, SIGMOID, NORM, HAS_BIAS, N_SHARED, BLOCK_G, BLOCK_PG, BLOCK_K)
+
+
+def route_config(e: int, hidden: int) -> dict:
+    """Gate-GEMV tiles: whole rows of up to 8192 channels, ~4K weights per program (V2-Lite: 32 programs per
+    token, V3: 256)."""
+    block_h = min(triton.next_power_of_2(hidden), 8192)
+    block_e = min(triton.next_power_of_2(e), max(1, 4096 // block_h))
+    return dict(BLOCK_E=block_e, BLOCK_H=block_h, num_warps=8 if block_e * block_h >= 8192 else 4)
+
+
+def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str,
+              n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
+              e_score_correction_bias: torch.Tensor | None = None, n_shared: int = 0,
+              sync: torch.Tensor | None = None, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits x @ weight^T in fp32 and `moe_topk` on them, in one launch (small T: decode).
+
+    Args:
+        x: [T, h] any float dtype, rows contiguous. weight: [E, h] (`mlp.gate.weight`, any float dtype; both are
+            upcast exactly, products and sums in fp32). Routing arguments and n_shared: as `moe_topk`.
+        sync: int32 [>= T] zeros, owned by the caller and left zero (the kernel's arrival counts; one launch at a
+            time per buffer); default a fresh one. config: BLOCK_E, BLOCK_H, num_warps (`route_config`).
+    Returns:
+        as `moe_topk`: (weights [T, k + n_shared] float32, ids [T, k + n_shared] int32).
+    """
+    t, h = x.shape
+    e = weight.shape[0]
+    assert weight.dim() == 2 and weight.shape[1] == h, f"weight must be [E, {h}], got {tuple(weight.shape)}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight need contiguous rows"
+    _check(x.new_empty(0, e, device="meta"), top_k, topk_method, scoring_func, n_group, topk_group,
+           e_score_correction_bias)
+    if sync is None:
+        sync = torch.zeros(t, dtype=torch.int32, device=x.device)
+    assert sync.dtype == torch.int32 and sync.numel() >= t, f"sync must be int32 [>= {t}]"
+    cfg = dict(config or route_config(e, h))
+    block_e, block_h = cfg.pop("BLOCK_E"), cfg.pop("BLOCK_H")
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)                 # scratch: [T, E]
+    return _launch_select(_moe_route_kernel, (triton.cdiv(e, block_e), t),
+                          (x, weight, logits, sync, e, h, x.stride(0), weight.stride(0)), t, e, top_k, topk_method,
+                          scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                          e_score_correction_bias, n_shared, x.device, BLOCK_E=block_e, BLOCK_H=block_h, **cfg)
+
+
+def moe_route_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, sync: torch.Tensor | None = None,
+                  config: dict | None = None, **routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec of `moe_route`: fp32 logits, then `moe_topk_ref` (`sync` / `config` are the kernel's own)."""
+    return moe_topk_ref(F.linear(x.float(), weight.float()), top_k, **routing)          # logits [T, E]
 
 
 def _mask_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:

@@ -80,6 +80,21 @@ def round_to_fp8_grid(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def quant_group_rows(a, INTERPRET: tl.constexpr):
+    """a: [BM, GROUP] fp32, one e4m3 quantisation group per row -> (a_q [BM, GROUP] e4m3, scale [BM] = amax / 448).
+
+    For GEMMs that quantise their activation tile in registers: the same operations and roundings as
+    `_per_token_group_quant_fp8_kernel` (bit-identical codes and scales), for tiles of exactly one group.
+    """
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-10)                       # FP8_MIN_SCALE
+    scale = tl.math.div_rn(scale, tl.full(scale.shape, 448.0, tl.float32))    # FP8_E4M3_MAX
+    q = tl.minimum(tl.maximum(tl.math.div_rn(a, scale[:, None]), -448.0), 448.0)
+    if INTERPRET:
+        q = round_to_fp8_grid(q, 3, -6)   # e4m3: 3 mantissa bits, min exponent -6
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _per_token_group_quant_fp8_kernel(
     x_ptr, xq_ptr, scale_ptr, M, K, G, stride_xm, stride_xk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,

@@ -20,6 +20,9 @@ from mlaserve.layers.ops import Ops
 # Up to this many tokens the shared experts run inside the fused-MoE call (decode: fewer, fuller launches);
 # above it, as dense GEMMs (prefill: the grouped GEMM is slower than a plain one for an expert every token uses).
 FUSE_SHARED_MAX_TOKENS = 256
+# Up to this many tokens the router is one launch (`moe_route`: gate GEMV + top-k); above it a cuBLAS fp32 GEMM
+# and `moe_topk`. Measured by benchmarks/gpu_moe_fuse.sh (route part).
+ROUTE_FUSED_MAX_TOKENS = 16
 
 
 class DenseMLP(torch.nn.Module):
@@ -52,18 +55,25 @@ class Router(torch.nn.Module):
             self.e_score_correction_bias = torch.nn.Parameter(
                 torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False)
             self.e_score_correction_bias.weight_loader = lambda name, p, t: copy_checked(name, p, t)
+        # NOTE: `moe_route`'s arrival counts, zero between launches; one per layer, as layers run one at a time
+        self.register_buffer("route_sync", torch.zeros(ROUTE_FUSED_MAX_TOKENS, dtype=torch.int32, device=device),
+                             persistent=False)
 
     def post_load(self) -> None:
         self.weight_f32 = self.weight.float()        # routing runs in fp32; convert once, not every step
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, h] -> (weights [T, K + n_shared] f32, global ids [T, K + n_shared] int32); the n_shared shared
+        slots (ids E .., weight 1) come last."""
+        c = self.cfg
+        kw = dict(topk_method=c.topk_method, scoring_func=c.scoring_func, n_group=c.n_group, topk_group=c.topk_group,
+                  norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
+                  e_score_correction_bias=self.e_score_correction_bias, n_shared=n_shared)
+        if x.shape[0] <= ROUTE_FUSED_MAX_TOKENS:    # the gate weight as stored: upcasting it is exact
+            return self.ops.moe_route(x, self.weight, c.num_experts_per_tok, sync=self.route_sync, **kw)
         w = getattr(self, "weight_f32", None)
         logits = F.linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
-        c = self.cfg
-        return self.ops.moe_topk(logits, c.num_experts_per_tok, topk_method=c.topk_method, scoring_func=c.scoring_func,
-                    n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
-                    routed_scaling_factor=c.routed_scaling_factor,
-                    e_score_correction_bias=self.e_score_correction_bias)  # weights [T, K] f32, ids [T, K]
+        return self.ops.moe_topk(logits, c.num_experts_per_tok, **kw)
 
 
 class ExpertStack(torch.nn.Module):
@@ -135,6 +145,9 @@ class RoutedExperts(ExpertStack):
         kw = dict(quant=quant, dtype=dtype, device=device, ops=ops)
         super().__init__(n_local + (n_shared if fused else 0), h, i, **kw)
         self.n_total, self.n_routed, self.n_shared, self.tp, self.ep = cfg.n_routed_experts, n_local, n_shared, tp, ep
+        # NOTE: fused_moe's per-tile arrival counts (its in-GEMM combine), zero between launches
+        self.register_buffer("combine_sync", torch.zeros(cdiv(h, 16), dtype=torch.int32, device=device),
+                             persistent=False)
         self.shared = None
         if not fused and n_shared:
             self.shared = ExpertStack(n_shared, h, tp.split(cfg.moe_intermediate_size, "moe_intermediate_size"),
@@ -170,7 +183,7 @@ class RoutedExperts(ExpertStack):
         """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert)."""
         # tuned tiles are keyed by this rank's routed experts; the shared slots ride along
         return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
-                                  w2_scale=self.w2_scale, num_routed_experts=self.n_routed)
+                                  w2_scale=self.w2_scale, num_routed_experts=self.n_routed, sync=self.combine_sync)
 
 
 class MoE(torch.nn.Module):
@@ -182,21 +195,15 @@ class MoE(torch.nn.Module):
         super().__init__()
         self.gate = Router(cfg, dtype, device, ops=ops)
         self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp, ep=ep)
-        e, ns = self.experts.n_routed, cfg.n_shared_experts
-        self.register_buffer("shared_ids", torch.arange(e, e + ns, dtype=torch.int32, device=device)[None], persistent=False)
-        self.register_buffer("shared_weights", torch.ones(1, ns, dtype=torch.float32, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)                                           # [T, K] f32, [T, K] int32 global
         ex = self.experts
         if ex.ep.size > 1:                                                    # EP: local ids, -1 elsewhere
+            weights, ids = self.gate(x)                                       # [T, K] f32, [T, K] int32 global
             out = ex(x, weights, ex.ep.to_local(ids, ex.n_total))
             return out + ex.shared_forward(x) if ex.n_shared else out
-        t = x.shape[0]
-        if not self.shared_ids.shape[1]:
-            return self.experts(x, weights, ids)
-        if t <= FUSE_SHARED_MAX_TOKENS:                                       # + the shared slots, weight 1
-            ids = torch.cat([ids.to(torch.int32), self.shared_ids.expand(t, -1)], dim=1)
-            weights = torch.cat([weights, self.shared_weights.expand(t, -1)], dim=1)
-            return self.experts(x, weights, ids)
-        return self.experts(x, weights, ids) + self.experts.shared_forward(x)
+        fuse_shared = x.shape[0] <= FUSE_SHARED_MAX_TOKENS
+        # [T, K (+ n_shared)]: the shared slots E .. E + n_shared - 1 (weight 1) ride along in the fused call
+        weights, ids = self.gate(x, n_shared=ex.n_shared if fuse_shared else 0)
+        out = ex(x, weights, ids)
+        return out if fuse_shared or not ex.n_shared else out + ex.shared_forward(x)

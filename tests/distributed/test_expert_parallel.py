@@ -272,11 +272,14 @@ def test_tuned_tables_are_looked_up_by_the_local_expert_count(monkeypatch) -> No
     monkeypatch.setattr(fm, "_load_configs", lambda path: looked_up.append(path.name))
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
+    monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
     monkeypatch.setattr(fm, "gpu_name", lambda: "NVIDIA_H200")
     ops = get_ops("triton")._replace(
         fused_moe=fm.fused_moe, silu_and_mul=lambda gu: gu[:, : gu.shape[1] // 2],
         moe_topk=lambda logits, k, **_: (logits.new_empty(logits.shape[0], k),
                                          logits.new_empty(logits.shape[0], k, dtype=torch.int32)),
+        moe_route=lambda x, w, k, **_: (x.new_empty(x.shape[0], k, dtype=torch.float32),
+                                        x.new_empty(x.shape[0], k, dtype=torch.int32)),
         fp8_linear=lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
     layer = moe_layer.MoE(cfg, quant=cfg.quant, dtype=torch.bfloat16, device="meta", ops=ops,
                           tp=TensorParallel(1, 2), ep=ExpertParallel(1, 2))

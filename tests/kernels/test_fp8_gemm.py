@@ -1,9 +1,11 @@
-"""fp8_gemm / fp8_linear (Triton; interpreter on CPU) against their references, config lookup,
-the tuner's search space and the bench cases' arithmetic."""
+"""fp8_gemm / fp8_linear (Triton; interpreter on CPU) against their references, the in-GEMM activation
+quantisation against the separate pass (bit-identical), config lookup, the tuner's search space and the bench
+cases' arithmetic."""
 from __future__ import annotations
 
 import json
 import logging
+import random
 
 import pytest
 import torch
@@ -140,3 +142,31 @@ def test_bench_case_arithmetic() -> None:
     assert gemm_cases.gemm_flops(4096, 7168, 16384) == 2 * 4096 * 7168 * 16384
     assert len(gemm_cases.shape_grid(quick=False)) == 24
     assert quant_cases.quant_bytes(4096, 7168) == 4096 * 7168 * 3 + 4096 * 56 * 4
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 200, 384), (5, 256, 300), (64, 96, 1000), (70, 130, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_fused_quant_is_bit_identical(m: int, n: int, k: int, dtype: torch.dtype, device: str) -> None:
+    """Activations quantised inside the GEMM give the same bits as the separate per_token_group_quant_fp8 pass
+    (same codes, same scales, same tiles), with and without split-K, K not a multiple of 128."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    x = (torch.randn(m, k, device=device) * torch.rand(m, 1, device=device) * 4).to(dtype)
+    x[0, : min(k, 128)] = 0.0                                            # an all-zero group: scale = MIN_SCALE
+    w_q, w_s = block_quant_fp8_ref(torch.randn(n, k, device=device) * 0.05)
+    cfg = get_fp8_gemm_config(n, k, m)
+    fused = fp8_linear(x, w_q, w_s, fuse_quant=True)
+    two_pass = fp8_linear(x, w_q, w_s, fuse_quant=False)
+    assert torch.equal(fused, two_pass), (cfg, (fused.float() - two_pass.float()).abs().max().item())
+    assert _rel_max(fused, fp8_linear_ref(x, w_q, w_s)) <= TOL[torch.bfloat16]
+
+
+def test_fp8_linear_fuses_quant_for_small_m(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    calls = []
+    monkeypatch.setattr(fp8_gemm_mod, "per_token_group_quant_fp8",
+                        lambda x, g: calls.append(x.shape[0]) or per_token_group_quant_fp8_ref(x, g))
+    w_q, w_s = block_quant_fp8_ref(torch.randn(64, 256, device=device))
+    for m in (1, fp8_gemm_mod.FUSE_QUANT_MAX_M, fp8_gemm_mod.FUSE_QUANT_MAX_M + 1):
+        fp8_linear(torch.randn(m, 256, device=device), w_q, w_s)
+    assert calls == [fp8_gemm_mod.FUSE_QUANT_MAX_M + 1]

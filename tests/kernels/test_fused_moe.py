@@ -316,3 +316,55 @@ def test_fused_moe_with_every_id_sentinel_is_zero(device: str) -> None:
     assert torch.equal(fused_moe(x, **w, topk_weights=topk_weights, topk_ids=ids, config=CFG, out=out),
                        torch.zeros_like(x))
     assert torch.equal(fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=ids), torch.zeros_like(x))
+
+
+# --- in-GEMM combine: the second GEMM's last program per output tile sums each token's k rows -----------------
+
+@pytest.mark.parametrize("dtype,tokens,fp8,ep", [(torch.float32, 1, False, False), (torch.float16, 5, False, True),
+                                                 (torch.bfloat16, fm.COMBINE_MAX_TOKENS, False, False),
+                                                 (torch.float16, 3, True, True),
+                                                 (torch.float16, fm.COMBINE_MAX_TOKENS + 1, False, False)])
+def test_fused_moe_in_gemm_combine(dtype: torch.dtype, tokens: int, fp8: bool, ep: bool, device: str) -> None:
+    """With a sync buffer: the same output as the separate combine (fp32 sums of the same rows, another order),
+    within the reference's tolerance, expert-parallel sentinel ids included; the counts are left zero."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    shape = V3 if fp8 else V2_LITE
+    w = fp8_weights(shape, device) if fp8 else dense_weights(shape, dtype, device)
+    topk_weights, topk_ids = routing(tokens, shape, device)
+    if ep:                                                         # experts 8.. live on another rank
+        w = {k: v[:8].contiguous() for k, v in w.items()}
+        topk_ids = split_ids(topk_ids, 0, 8)
+    x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
+    config = FP8_CFG if fp8 else CFG
+    sync = torch.zeros(64, dtype=torch.int32, device=device)
+    separate = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config)
+    for _ in range(2):
+        got = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config, sync=sync)
+        assert not sync.any()
+        assert rel_err(got, separate) < (FP8_TOL if fp8 else TOL)[dtype] / 4
+    ref = (spec_ref if fp8 else device_ref)(x, w, topk_weights, topk_ids)
+    assert rel_err(got, ref) < (FP8_TOL if fp8 else TOL)[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8,tokens", [(False, 1), (False, fm.COMBINE_MAX_TOKENS), (True, 4)])
+def test_fused_moe_in_gemm_combine_cuda_graph(fp8: bool, tokens: int) -> None:
+    """Captured once with the combine, replayed on new inputs: every replay matches the reference."""
+    s = Shape(64, 8 if fp8 else 6, 1024, 384)
+    w = fp8_weights(s, "cuda") if fp8 else dense_weights(s, torch.bfloat16, "cuda")
+    topk_weights, topk_ids = routing(tokens, s, "cuda", active=50)
+    x = torch.randn(tokens, s.hidden, device="cuda", dtype=torch.bfloat16)
+    sync = torch.zeros(64, dtype=torch.int32, device="cuda")
+    ref_fn = spec_ref if fp8 else device_ref
+    fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, sync=sync)         # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, sync=sync)
+    for _ in range(10):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref_fn(x, w, topk_weights, topk_ids)) < (FP8_TOL if fp8 else TOL)[torch.bfloat16]
+    assert not sync.any()

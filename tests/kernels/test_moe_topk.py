@@ -1,5 +1,8 @@
-"""moe_topk (Triton) vs moe_topk_ref vs Hugging Face's DeepseekV2/V3 TopkRouter on small configs."""
+"""moe_topk and the fused gate + top-k moe_route (Triton) vs their references vs Hugging Face's DeepseekV2/V3
+TopkRouter on small configs."""
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -7,7 +10,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from mlaserve.kernels.moe_topk import moe_topk, moe_topk_ref
+from mlaserve.kernels.moe_topk import moe_route, moe_route_ref, moe_topk, moe_topk_ref
 
 # weights: fp32 scores; exp / sigmoid / normalisation may differ by a few ulps between Triton and torch
 TOL = 1e-6
@@ -94,3 +97,74 @@ def test_noaux_tc_bias_chooses_but_does_not_weigh(device: str) -> None:
     pos = (ids == 5).long().argmax(dim=-1)
     assert (ids == 5).any(dim=-1).all()
     torch.testing.assert_close(w.gather(1, pos[:, None])[:, 0], logits[:, 5].sigmoid(), rtol=TOL, atol=TOL)
+
+
+def _seed() -> None:
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+
+
+def test_moe_topk_appends_shared_slots(device: str) -> None:
+    _seed()
+    logits = torch.randn(5, 64, device=device)
+    bias = torch.randn(64, device=device) * 0.1
+    w, ids = moe_topk(logits, e_score_correction_bias=bias, n_shared=2, **V3_NOAUX)
+    assert w.shape == ids.shape == (5, 10)
+    assert_same_routing((w[:, :8], ids[:, :8]), moe_topk(logits, e_score_correction_bias=bias, **V3_NOAUX))
+    assert (ids[:, 8:] == torch.tensor([64, 65], device=device)).all() and (w[:, 8:] == 1.0).all()
+    assert_same_routing((w, ids), moe_topk_ref(logits, e_score_correction_bias=bias, n_shared=2, **V3_NOAUX))
+
+
+# (routing, E, hidden): V2-Lite (h 2048) / V3 (h 7168) scaled down; hidden not a power of two; V3 at its real
+# E and h once (its gate GEMV loops over h in 8192-wide tiles only past 8192, so this is one tile per row).
+ROUTE_CASES = [(V2_GREEDY, 64, 200), (V2_GROUPED, 64, 128), (V3_NOAUX, 64, 300),
+               (dict(V3_NOAUX, n_group=8, topk_group=4), 256, 7168)]
+
+
+@pytest.mark.parametrize("kw,num_experts,hidden", ROUTE_CASES)
+@pytest.mark.parametrize("tokens,n_shared", [(1, 2), (5, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_route_matches_ref(kw: dict, num_experts: int, hidden: int, tokens: int, n_shared: int,
+                               dtype: torch.dtype, device: str) -> None:
+    """Same experts as gate-in-fp32 + moe_topk_ref, weights within fp32 rounding; the sync counts left zero."""
+    _seed()
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    weight = (torch.randn(num_experts, hidden, device=device) * hidden ** -0.5).to(dtype)
+    bias = torch.randn(num_experts, device=device) * 0.1 if kw["topk_method"] == "noaux_tc" else None
+    sync = torch.zeros(8, dtype=torch.int32, device=device)
+    for _ in range(2):                                          # the second launch reuses the counts
+        got = moe_route(x, weight, e_score_correction_bias=bias, n_shared=n_shared, sync=sync, **kw)
+        assert got[0].shape == got[1].shape == (tokens, kw["top_k"] + n_shared) and got[1].dtype == torch.int32
+        assert not sync.any()
+        assert_same_routing(got, moe_route_ref(x, weight, e_score_correction_bias=bias, n_shared=n_shared, **kw))
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK_E=1, BLOCK_H=64, num_warps=1), dict(BLOCK_E=32, BLOCK_H=32, num_warps=4)])
+def test_moe_route_tile_configs(config: dict, device: str) -> None:
+    # one expert per program (S = E) and all experts in one program (S = 1), h in several tiles
+    _seed()
+    x = torch.randn(3, 100, device=device)
+    weight = torch.randn(32, 100, device=device)
+    got = moe_route(x, weight, config=config, **V2_GREEDY)
+    assert_same_routing(got, moe_route_ref(x, weight, **V2_GREEDY))
+
+
+@pytest.mark.gpu
+def test_moe_route_cuda_graph_replays() -> None:
+    """V3 routing at its real size, captured once and replayed on new inputs (the counts reset themselves)."""
+    _seed()
+    kw = V3_NOAUX
+    x = torch.randn(16, 7168, device="cuda", dtype=torch.bfloat16)          # 16 x 256 programs race per replay
+    weight = (torch.randn(256, 7168, device="cuda") * 0.02).to(torch.bfloat16)
+    bias = torch.randn(256, device="cuda") * 0.1
+    sync = torch.zeros(16, dtype=torch.int32, device="cuda")
+    moe_route(x, weight, e_score_correction_bias=bias, n_shared=1, sync=sync, **kw)          # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_route(x, weight, e_score_correction_bias=bias, n_shared=1, sync=sync, **kw)
+    for _ in range(20):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert_same_routing(out, moe_route_ref(x, weight, e_score_correction_bias=bias, n_shared=1, **kw))
+    assert not sync.any()

@@ -58,14 +58,16 @@ def stub_launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], Ops]:
         looked_up.append(path.name)
         return real_load(path)
 
-    def topk(logits: torch.Tensor, k: int, **_: object):
-        return logits.new_empty(logits.shape[0], k), logits.new_empty(logits.shape[0], k, dtype=torch.int32)
+    def topk(logits: torch.Tensor, k: int, n_shared: int = 0, **_: object):
+        t, k = logits.shape[0], k + n_shared
+        return logits.new_empty(t, k, dtype=torch.float32), logits.new_empty(t, k, dtype=torch.int32)
 
     monkeypatch.setattr(fm, "_load_configs", load)
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
+    monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
     ops = get_ops("triton")._replace(
-        moe_topk=topk, fused_moe=fm.fused_moe, silu_and_mul=lambda gu: gu[:, : gu.shape[1] // 2],
+        moe_topk=topk, moe_route=lambda x, w, k, **kw: topk(x, k, **kw), fused_moe=fm.fused_moe, silu_and_mul=lambda gu: gu[:, : gu.shape[1] // 2],
         fp8_linear=lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
     return looked_up, ops
 
@@ -122,3 +124,24 @@ def test_shipped_tables_parse() -> None:
     for path in fm.CONFIG_DIR.glob("E=*.json"):
         table = json.loads(path.read_text())
         assert table and all({"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"} <= set(c) for c in table.values())
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
+@pytest.mark.parametrize("tokens", [3, moe_layer.ROUTE_FUSED_MAX_TOKENS + 4])   # one-launch router; cuBLAS + top-k
+def test_moe_layer_triton_matches_torch_kernels(name: str, tokens: int, one_thread) -> None:
+    """A scaled-down MoE layer (shared experts fused into the call) on the Triton kernels (CPU: interpreter, fp32)
+    equals the torch kernel set; both router paths."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = dataclasses.replace(ModelConfig.from_hf(CONFIGS / f"{name}.json"), hidden_size=64,
+                              moe_intermediate_size=32, n_routed_experts=16)
+    layers = [moe_layer.MoE(cfg, quant=None, dtype=torch.float32, device=device, ops=get_ops(k))
+              for k in ("triton", "torch")]
+    for p, q in zip(layers[0].parameters(), layers[1].parameters()):
+        q.data.copy_(p.data.normal_(0, 0.2))
+    x = torch.randn(tokens, cfg.hidden_size, device=device)
+    got, want = (layer(x) for layer in layers)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert not layers[0].gate.route_sync.any()
