@@ -25,8 +25,12 @@ logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).parent / "configs"
 FP8_DTYPE = torch.float8_e4m3fn
 # Up to this many tokens (given a `sync` buffer) the second grouped GEMM also combines each token's k rows;
-# above it sum_dim1 does (the last program per tile would sum T * k rows alone). benchmarks/gpu_moe_fuse.sh.
-COMBINE_MAX_TOKENS = 16
+# above it sum_dim1 does (the last program per tile would sum T * k rows alone). benchmarks/gpu_moe_fuse.sh on an
+# H100: 1 us faster at one token, 1-2 us slower from 4.
+COMBINE_MAX_TOKENS = 1
+# Up to this many combined values (T x hidden) sum_dim1 does the combine, above it torch.sum (H100: sum_dim1 won
+# 0.4-1 us up to 64 x 2048 and 4 x 7168, lost 3-47 us from 16 x 7168 on).
+SUM_DIM1_MAX_VALUES = 32768
 
 
 # ----------------------------------------------------------------------------------------------- align
@@ -397,7 +401,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg, fuse_quant,
                   block_shape, 1, False, combine)
-    return out if combine else sum_dim1(y.view(t, top_k, k), out=out)         # [T, k, K] -> [T, K]
+    if combine:
+        return out
+    if t * k <= SUM_DIM1_MAX_VALUES:
+        return sum_dim1(y.view(t, top_k, k), out=out)                         # [T, k, K] -> [T, K]
+    return torch.sum(y.view(t, top_k, k), dim=1, out=out)
 
 
 # ------------------------------------------------------------------------------------------- reference

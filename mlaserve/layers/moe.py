@@ -21,8 +21,11 @@ from mlaserve.layers.ops import Ops
 # above it, as dense GEMMs (prefill: the grouped GEMM is slower than a plain one for an expert every token uses).
 FUSE_SHARED_MAX_TOKENS = 256
 # Up to this many tokens the router is one launch (`moe_route`: gate GEMV + top-k); above it a cuBLAS fp32 GEMM
-# and `moe_topk`. Measured by benchmarks/gpu_moe_fuse.sh (route part).
-ROUTE_FUSED_MAX_TOKENS = 16
+# and `moe_topk`. Measured by benchmarks/gpu_moe_fuse.sh (route part) on an H100: it won up to 128 tokens for
+# V2-Lite's 64 x 2048 gate (8-18 us vs 18-24), up to 16 for V3's 256 x 7168 (it re-reads the gate per token).
+ROUTE_FUSED_MAX_TOKENS = 128
+ROUTE_FUSED_MAX_TOKENS_LARGE = 16           # gates of more than ROUTE_SMALL_GATE values
+ROUTE_SMALL_GATE = 64 * 2048
 
 
 class DenseMLP(torch.nn.Module):
@@ -55,8 +58,9 @@ class Router(torch.nn.Module):
             self.e_score_correction_bias = torch.nn.Parameter(
                 torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False)
             self.e_score_correction_bias.weight_loader = lambda name, p, t: copy_checked(name, p, t)
+        self.route_max_tokens = ROUTE_FUSED_MAX_TOKENS if e * h <= ROUTE_SMALL_GATE else ROUTE_FUSED_MAX_TOKENS_LARGE
         # NOTE: `moe_route`'s arrival counts, zero between launches; one per layer, as layers run one at a time
-        self.register_buffer("route_sync", torch.zeros(ROUTE_FUSED_MAX_TOKENS, dtype=torch.int32, device=device),
+        self.register_buffer("route_sync", torch.zeros(self.route_max_tokens, dtype=torch.int32, device=device),
                              persistent=False)
 
     def post_load(self) -> None:
@@ -69,7 +73,7 @@ class Router(torch.nn.Module):
         kw = dict(topk_method=c.topk_method, scoring_func=c.scoring_func, n_group=c.n_group, topk_group=c.topk_group,
                   norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
                   e_score_correction_bias=self.e_score_correction_bias, n_shared=n_shared)
-        if x.shape[0] <= ROUTE_FUSED_MAX_TOKENS:    # the gate weight as stored: upcasting it is exact
+        if x.shape[0] <= self.route_max_tokens:    # the gate weight as stored: upcasting it is exact
             return self.ops.moe_route(x, self.weight, c.num_experts_per_tok, sync=self.route_sync, **kw)
         w = getattr(self, "weight_f32", None)
         logits = F.linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
