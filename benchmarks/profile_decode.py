@@ -35,3 +35,42 @@ print(f"{'per step':>8} {'mean us':>8} {'us/step':>8}  kernel")
 for e in rows:
     print(f"{e.count / a.replays:8.1f} {e.device_time_total / e.count:8.2f} {e.device_time_total / a.replays:8.1f}  "
           f"{e.key[:110]}")
+
+# One whole decode step as the one-batch bench times it (host work + replay + sampling): the host ops that run
+# while the GPU waits, by self CPU time.
+from mlaserve.core import Batch, ForwardMode, Req, SamplingParams  # noqa: E402
+
+reqs = [Req(f"h{i}", torch.randint(2, runner.cfg.vocab_size, (32,)).tolist(),
+            SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True), seed=i) for i in range(a.bs)]
+slots = alloc.alloc(a.bs * 32)
+for i, r in enumerate(reqs):
+    r.req_pool_idx = pool.alloc()
+    pool.write(r.req_pool_idx, 0, slots[i * 32:(i + 1) * 32])
+    r.kv_len = 32
+runner.forward(Batch(ForwardMode.EXTEND, reqs, [t for r in reqs for t in r.input_ids], slots, [0] * a.bs,
+                     [32] * a.bs, [True] * a.bs))
+
+
+def decode_step() -> None:
+    s = alloc.alloc(a.bs)
+    prefix = [r.kv_len for r in reqs]
+    for r, slot in zip(reqs, s):
+        pool.write(r.req_pool_idx, r.kv_len, slot.view(1))
+        r.kv_len += 1
+    runner.forward(Batch(ForwardMode.DECODE, reqs, [0] * a.bs, s, prefix, [1] * a.bs, [True] * a.bs))
+
+
+for _ in range(3):
+    decode_step()
+torch.cuda.synchronize()
+import time  # noqa: E402
+t0 = time.perf_counter()
+for _ in range(10):
+    decode_step()
+torch.cuda.synchronize()
+print(f"\nwhole decode step (host + replay + sampling, synchronous): {(time.perf_counter() - t0) / 10 * 1e3:.3f} ms")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+    decode_step()
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
