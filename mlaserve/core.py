@@ -67,11 +67,11 @@ class ForwardContext:
             "a mixed batch ends with its one-token decodes"
         common = dict(logits_indices=None, num_decode=0, parts=None)
         ext = replace(self, positions=self.positions[:-n], out_slots=self.out_slots[:-n],
-                      req_pool_idx=self.req_pool_idx[:b], seq_lens=self.seq_lens[:b], seq_lens_cpu=self.seq_lens_cpu[:b],
-                      extend_lens_cpu=self.extend_lens_cpu[:b], **common)
+                      req_pool_idx=self.req_pool_idx[:b], seq_lens=self.seq_lens[:b],
+                      seq_lens_cpu=self.seq_lens_cpu[:b], extend_lens_cpu=self.extend_lens_cpu[:b], **common)
         dec = replace(self, mode=ForwardMode.DECODE, positions=self.positions[-n:], out_slots=self.out_slots[-n:],
-                      req_pool_idx=self.req_pool_idx[b:], seq_lens=self.seq_lens[b:], seq_lens_cpu=self.seq_lens_cpu[b:],
-                      extend_lens_cpu=[1] * n, **common)
+                      req_pool_idx=self.req_pool_idx[b:], seq_lens=self.seq_lens[b:],
+                      seq_lens_cpu=self.seq_lens_cpu[b:], extend_lens_cpu=[1] * n, **common)
         return ext, dec
 
     @property
