@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,52 @@ def test_retraction_with_mixed_batches(ckpt):
     assert small.num_retracted > 0 and small.stats["mixed_steps"] > 0, (small.num_retracted, small.stats)
     assert_same(got, big)
     assert_no_leak(small)
+
+
+def test_grammar_masks_in_mixed_batches(tmp_path_factory, monkeypatch):
+    """Structured output (the demo model, sampled at temperature 1): constrained requests decoding inside mixed
+    batches get their own grammar's mask, the same tokens as without mixing, and outputs that match."""
+    from mlaserve.server.launch import demo_model_path
+    from mlaserve.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("MLASERVE_CACHE", str(tmp_path_factory.mktemp("mlaserve-cache")))
+    demo = str(demo_model_path())
+    tok = load_tokenizer(demo)
+    regex = r"(yes|no)-[0-9]{2,4}"
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"]}
+    prompts = [tok.encode(t) for t in ("Answer:", "def f(x):\n    return", "Give me JSON:", "import os\n")]
+    kinds = [{"regex": regex}, {}, {"json_schema": json.dumps(schema)}, {"regex": regex}]
+
+    def msgs() -> list[GenerateReqMsg]:
+        return [GenerateReqMsg(f"g{i}", p, SamplingParams(max_new_tokens=40, seed=i + 1, **kw), seed=i + 1)
+                for i, (p, kw) in enumerate(zip(prompts, kinds))]
+
+    arrivals = {f"g{i}": 3 * i for i in range(len(prompts))}
+    got = {}
+    for mixed in (False, True):
+        sched = Scheduler(ServerConfig.from_flat(model_path=demo, device="cpu", dtype="float32", log_level="warning",
+                                                 max_total_tokens=4096, chunked_prefill_size=4,
+                                                 enable_mixed_chunk=mixed), demo)
+        riding = []                    # constrained requests that decoded inside a mixed batch
+        bitmask = sched.grammar.bitmask
+
+        def spy(batch, _inner=bitmask, _sched=sched):
+            riding.extend(r.rid for i, r in enumerate(batch.reqs)
+                          if batch.num_decode and batch.is_decode(i) and r.rid in _sched.grammar.states)
+            return _inner(batch)
+
+        monkeypatch.setattr(sched.grammar, "bitmask", spy)
+        got[mixed] = run(sched, msgs(), arrivals)
+        assert (sched.stats["mixed_steps"] > 0) == mixed and bool(riding) == mixed, riding
+        assert not sched.grammar.states
+    assert_same(got[True], got[False])
+    for i, kw in enumerate(kinds):
+        text = tok.decode(got[True][f"g{i}"]["ids"])
+        if "regex" in kw:
+            assert re.fullmatch(regex, text), text
+        elif "json_schema" in kw:
+            assert 0 <= json.loads(text)["n"] <= 99, text
 
 
 def test_non_absorbed_decode_in_mixed_batches(ckpt):
