@@ -104,9 +104,11 @@ class Scheduler:
             self.end(req, FinishReason("abort", message=message, status_code=500))
 
     def flush_cache(self) -> bool:
-        if self.running or self.waiting or self.chunked or self.pending:
+        if self.running or self.waiting or self.chunked:
             return False
-        return self.kv.flush()
+        # NOTE: under overlap a step may still be in flight with only finished requests' last (discarded) tokens
+        self.drain()
+        return not (self.running or self.waiting or self.chunked) and self.kv.flush()
 
     # --- one iteration: plan -> run -> process ----------------------------------------------------
     @property
@@ -217,13 +219,14 @@ class Scheduler:
 
     def _join_running(self, pending: PendingStep | None) -> None:
         """Overlap: the requests whose last prompt token is in the step just queued decode from the next step on
-        (their first token is read on the device, like any decode input), not a step after it is processed."""
+        (their first token is read on the device, like any decode input), not a step after it is processed.
+        A request with one token to make (a health check, a score) has nothing to decode: it never joins."""
         if pending is None or pending.batch.mode is not ForwardMode.EXTEND:
             return
         batch = pending.batch
         for i, req in enumerate(batch.reqs):
             if (batch.sampling[i] and not batch.is_decode(i) and req.finished is None
-                    and req.params.max_new_tokens > 0 and req not in self.running):
+                    and req.params.max_new_tokens > 1 and req not in self.running):
                 self.running.append(req)
 
     def _idle_for_grammar(self) -> None:
