@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import mlaserve
 from mlaserve.config import ServerConfig
@@ -218,6 +219,20 @@ def test_grammar_masks_in_mixed_batches(tmp_path_factory, monkeypatch):
             assert re.fullmatch(regex, text), text
         elif "json_schema" in kw:
             assert 0 <= json.loads(text)["n"] <= 99, text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU runs the Triton kernels under the interpreter; "
+                    "on a GPU tests/test_combinations.py's graphs-mixed-chunk row covers them")
+def test_triton_kernels_in_mixed_batches(ckpt):
+    """--attention-backend triton (TRITON_INTERPRET=1 here): mla_prefill over the prompts' part, mla_decode with
+    its split count chosen on the host over the decodes' part; the same tokens as without mixing."""
+    msgs = [msg("k0", [5, 6, 7], max_new=4), msg("k1", [8, 9, 10, 11, 12, 13], max_new=2)]
+    arrivals = {"k0": 0, "k1": 1}
+    kw = dict(attention_backend="triton", chunked_prefill_size=4)
+    plain = run(make(ckpt, **kw), msgs, arrivals)
+    sched = make(ckpt, enable_mixed_chunk=True, **kw)
+    assert_same(run(sched, msgs, arrivals), plain)
+    assert sched.stats["mixed_steps"] >= 2
 
 
 def test_non_absorbed_decode_in_mixed_batches(ckpt):
