@@ -70,6 +70,8 @@ def assert_no_leak(sched: Scheduler) -> None:
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("chunk", [-1, 8], ids=["whole", "chunk8"])
 def test_mixed_batches_give_the_same_greedy_tokens(ckpt, overlap, chunk):
+    """Requests arriving every 3 steps while the earlier ones decode: token for token the plain run's, and no
+    request ever waits a step between two of its tokens."""
     msgs, arrivals = staggered()
     kw = dict(chunked_prefill_size=chunk, disable_overlap_schedule=not overlap)
     plain_sched = make(ckpt, **kw)
