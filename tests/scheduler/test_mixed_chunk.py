@@ -162,18 +162,24 @@ def max_gap(steps: list[int]) -> int:
     return max((b - a for a, b in zip(steps, steps[1:])), default=1)
 
 
-def test_retraction_with_mixed_batches(ckpt):
-    """A pool small enough that decode must retract: mixed batches and retraction together give the tokens of a
-    roomy plain run, and free everything."""
+def test_retraction_and_aborts_with_mixed_batches(ckpt):
+    """A pool small enough that decode must retract, and aborts at random steps: mixed batches give the tokens of a
+    roomy plain run (an aborted request a prefix of them), and free everything."""
     rng = random.Random(7)
     msgs = [msg(f"t{i}", p, max_new=rng.randint(4, 30)) for i, p in enumerate(prompts(14, 4, 70, seed=7))]
     arrivals = {x.rid: rng.randint(0, 25) for x in msgs}
+    aborts = {x.rid: arrivals[x.rid] + rng.randint(0, 12) for x in rng.sample(msgs, 3)}
     big = run(make(ckpt), msgs, arrivals)
     small = make(ckpt, enable_mixed_chunk=True, max_total_tokens=260, max_running_requests=12,
                  chunked_prefill_size=32, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
-    got = run(small, msgs, arrivals)
+    got = run(small, msgs, arrivals, aborts)
     assert small.num_retracted > 0 and small.stats["mixed_steps"] > 0, (small.num_retracted, small.stats)
-    assert_same(got, big)
+    for x in msgs:
+        r = got[x.rid]
+        if x.rid in aborts and r["finished"].kind == "abort":
+            assert big[x.rid]["ids"][: len(r["ids"])] == r["ids"], x.rid
+        else:
+            assert (r["ids"], r["finished"]) == (big[x.rid]["ids"], big[x.rid]["finished"]), x.rid
     assert_no_leak(small)
 
 
