@@ -19,6 +19,8 @@ ConfigError naming the flags); a concurrency that fails (OOM, errors) says so in
            new tokens (ignore_eos), 2 x concurrency requests per level: (prompt + completion tokens) / wall seconds
            (the seeds' [8]), and the mean per request of completion tokens / its seconds ([9]); the server's default
            --max-running-requests unless --serve-args sets it
+With `--plot FILE.png` (matplotlib) it also charts every runnable row against concurrency: offline throughput, and
+per-request throughput (the single-query TPS@1 is that row's point at concurrency 1).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from typing import NamedTuple
 import httpx
 import openai
 
+from mlaserve.bench.plot import Panel, draw, missing_matplotlib
 from mlaserve.bench.serving import WORDS
 
 QUERY = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a short test."
@@ -58,6 +61,11 @@ class Row(NamedTuple):
         f += [f"--ep-size {tp}"] if self.ep else []
         f += [f"--enable-dp-attention --dp-size {tp}"] if self.dp else []
         return shlex.split(" ".join(f))
+
+    def label(self) -> str:
+        """The row's switches that are on, for a chart legend."""
+        names = ("compile", "graph", "radix", "nextn", "ep", "dp")
+        return " + ".join(n for n, v in zip(names, self) if v) or "none"
 
     def cells(self, info: dict | None = None) -> list[str]:
         """The row's switches; a graph switch the server resolved off (DP attention, the CPU) says so."""
@@ -119,14 +127,15 @@ def complete(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) ->
     return r.usage.prompt_tokens, r.usage.completion_tokens, time.perf_counter() - t0
 
 
-def single(server: Server, args: argparse.Namespace) -> str:
+def single(server: Server, args: argparse.Namespace) -> float:
     c = server.client()
     complete(c, server.model, QUERY, 8)                     # the first request's one-time costs
     _, n, dt = complete(c, server.model, QUERY, args.single_new)
-    return f"{n / dt:.1f}"
+    return n / dt
 
 
-def offline(server: Server, args: argparse.Namespace, concurrency: int) -> tuple[str, str]:
+def offline(server: Server, args: argparse.Namespace, concurrency: int) -> tuple[float, float] | str:
+    """(throughput p + d, mean per-request d throughput) in tokens / s, or why the level failed."""
     rng = random.Random(args.seed)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(2 * concurrency)]
     client = server.client()                                # httpx's pool is thread-safe
@@ -135,13 +144,16 @@ def offline(server: Server, args: argparse.Namespace, concurrency: int) -> tuple
         with ThreadPoolExecutor(concurrency) as pool:
             done = list(pool.map(lambda p: complete(client, server.model, p, args.output_len), prompts))
     except openai.OpenAIError as e:
-        return f"failed: {type(e).__name__}", "N/A"
+        return f"failed: {type(e).__name__}"
     wall = time.perf_counter() - t0
-    per_req = sum(n / dt for _, n, dt in done) / len(done)
-    return f"{sum(p + n for p, n, _ in done) / wall:.2f}", f"{per_req:.2f}"
+    return sum(p + n for p, n, _ in done) / wall, sum(n / dt for _, n, dt in done) / len(done)
 
 
-def run_table(args: argparse.Namespace, table: str) -> None:
+# chart -> row label -> (concurrency, tokens / s) points, filled as the tables run
+Points = dict[str, dict[str, list[tuple[float, float]]]]
+
+
+def run_table(args: argparse.Namespace, table: str, points: Points) -> None:
     head = ["Runnable", "TPS@1"] if table == "single" else ["Runnable"]
     tail = [] if table == "single" else ["Client Concurrency", "Avg Throughput (p+d, token/s)",
                                          "Per-req Throughput (d, token/s)", "Total Req"]
@@ -158,11 +170,18 @@ def run_table(args: argparse.Namespace, table: str) -> None:
             if server.error:
                 cells = [f"❌ {server.error}"] + ["N/A"] * (len(head) - 1) + row.cells() + ["N/A"] * len(tail)
             elif table == "single":
-                cells = ["✅", single(server, args), *row.cells(server.info)]
+                tps = single(server, args)
+                points["per_req"].setdefault(row.label(), []).append((1, tps))
+                cells = ["✅", f"{tps:.1f}", *row.cells(server.info)]
             else:
                 levels = [offline(server, args, c) for c in args.concurrency]
+                for c, level in zip(args.concurrency, levels):
+                    if not isinstance(level, str):
+                        points["throughput"].setdefault(row.label(), []).append((c, level[0]))
+                        points["per_req"].setdefault(row.label(), []).append((c, level[1]))
+                shown = [(x, "N/A") if isinstance(x, str) else (f"{x[0]:.2f}", f"{x[1]:.2f}") for x in levels]
                 cells = ["✅", *row.cells(server.info), "<br>".join(map(str, args.concurrency)),
-                         "<br>".join(a for a, _ in levels), "<br>".join(b for _, b in levels),
+                         "<br>".join(a for a, _ in shown), "<br>".join(b for _, b in shown),
                          "<br>".join(str(2 * c) for c in args.concurrency)]
         finally:
             server.stop()
@@ -182,10 +201,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=460)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 256, 512, 768])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", default=None, metavar="FILE.png", help="chart the runnable rows against concurrency")
     args = ap.parse_args(argv)
+    if args.plot and missing_matplotlib():
+        print(f"error: {missing_matplotlib()}", file=sys.stderr)
+        return 2
     print(f"model {args.model_path}, tp {args.tp}, serve args {args.serve_args!r}, seed {args.seed}")
+    points: Points = {"throughput": {}, "per_req": {}}
     for table in args.table:
-        run_table(args, table)
+        run_table(args, table, points)
+    if args.plot:
+        draw([Panel("offline throughput (prompt + completion)", "tokens / s", points["throughput"]),
+              Panel("per-request throughput (completion)", "tokens / s", points["per_req"])],
+             args.plot, f"ablation: {args.model_path}, tp {args.tp}")
+        print(f"\nplot: {args.plot}")
     return 0
 
 

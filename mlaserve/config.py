@@ -302,6 +302,8 @@ class SchedConfig:
     init_new_token_ratio: float = opt(0.7, "share of max_new_tokens reserved for running requests at first")
     min_new_token_ratio: float = opt(0.1, "floor of that share as it decays")
     disable_overlap_schedule: bool = opt(False, "do CPU scheduling after, not during, the GPU step")
+    enable_mixed_chunk: bool = opt(False, "run the requests that are decoding in the same batch as a prefill (or "
+                                   "prompt chunk), one token each, instead of pausing them for that step")
     disable_cuda_graph: bool = opt(False, "run decode eagerly (no CUDA graphs; always so on the CPU, with "
                                    "--attention-backend torch and with --disable-mla)")
     cuda_graph_max_bs: int | None = opt(None, "largest decode batch captured in a CUDA graph "

@@ -348,6 +348,9 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
         if given:
             _reject(f"{' '.join(given)}: act only with --speculative-algorithm EAGLE")
         return s
+    if s.enable_mixed_chunk:
+        _reject(f"--enable-mixed-chunk with --speculative-algorithm {alg}: mixing decode into prefill batches is "
+                "not implemented for speculative decoding (a verify step is not a one-token extend); drop one")
     if model.num_nextn_predict_layers < 1:
         _reject(f"--speculative-algorithm {alg}: this checkpoint has no MTP (NextN) layer to draft with "
                 "(num_nextn_predict_layers is 0 in its config.json)")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
@@ -48,10 +48,31 @@ class ForwardContext:
     logits_indices: torch.Tensor | None = None   # rows of T whose logits are wanted (None: all)
     num_kv_splits: int | None = None     # split-KV count of the decode kernel (fixed under CUDA graphs)
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
+    num_decode: int = 0              # EXTEND mode: the last num_decode requests are one-token decodes (mixed batch)
+    parts: "tuple[ForwardContext, ForwardContext] | None" = None   # a mixed batch's `split_mixed()`, made once
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def split_mixed(self) -> tuple[ForwardContext, ForwardContext]:
+        """A mixed batch (EXTEND, num_decode = n > 0) as (its extends, EXTEND; its decodes, DECODE), so attention
+        runs the non-absorbed form on the first and the absorbed one on the second:
+
+            requests  | 0 .. B - n - 1: prompts, prompt chunks | B - n .. B - 1: decodes, one token each |
+            tokens    | 0 .. T - n - 1                         | T - n .. T - 1                         |
+        """
+        n, b = self.num_decode, self.batch_size - self.num_decode
+        assert self.mode is ForwardMode.EXTEND and n > 0 and self.extend_lens_cpu[b:] == [1] * n, \
+            "a mixed batch ends with its one-token decodes"
+        common = dict(logits_indices=None, num_decode=0, parts=None)
+        ext = replace(self, positions=self.positions[:-n], out_slots=self.out_slots[:-n],
+                      req_pool_idx=self.req_pool_idx[:b], seq_lens=self.seq_lens[:b],
+                      seq_lens_cpu=self.seq_lens_cpu[:b], extend_lens_cpu=self.extend_lens_cpu[:b], **common)
+        dec = replace(self, mode=ForwardMode.DECODE, positions=self.positions[-n:], out_slots=self.out_slots[-n:],
+                      req_pool_idx=self.req_pool_idx[b:], seq_lens=self.seq_lens[b:],
+                      seq_lens_cpu=self.seq_lens_cpu[b:], extend_lens_cpu=[1] * n, **common)
+        return ext, dec
 
     @property
     def prefix_lens_cpu(self) -> list[int]:
@@ -330,10 +351,17 @@ class Batch:
     sampling: list[bool]
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
     slot_tokens: list[list[int]] | None = None   # DP attention: [forward of the step][group] tokens (agreed)
+    # --enable-mixed-chunk: an EXTEND batch whose last num_decode requests are running decodes riding along, one
+    # token each; their input ids are read on the device like a DECODE batch's (input_ids holds placeholders)
+    num_decode: int = 0
 
     @property
     def size(self) -> int:
         return len(self.reqs)
+
+    def is_decode(self, i: int) -> bool:
+        """True when request i of the batch decodes this step (a DECODE batch, or the tail of a mixed one)."""
+        return self.mode is ForwardMode.DECODE or i >= len(self.reqs) - self.num_decode
 
     @property
     def num_tokens(self) -> int:

@@ -242,6 +242,24 @@ def test_combination_equals_the_plain_run(models, baseline, combo: Combo):
     check_flushed(got)
 
 
+# --enable-mixed-chunk (prompt chunks of 8 tokens, so the later prompts' chunks run while the earlier requests
+# decode, in the same batches) over the parallel layouts; on one process it is tested in tests/scheduler.
+MIXED_ROWS = {"tp2-ep2-nooverlap": LAYOUTS["tp2-ep2"] | {"disable_overlap_schedule": True},
+              "dp2": LAYOUTS["dp2"]}
+
+
+@pytest.mark.parametrize("name", list(MIXED_ROWS))
+def test_mixed_chunk_with_parallel_layouts(models, baseline, name: str):
+    path, prompts = models["random"]
+    got = run(path, prompts, enable_mixed_chunk=True, chunked_prefill_size=8, **MIXED_ROWS[name])
+    assert [o["output_ids"] for o in got.first] == [o["output_ids"] for o in baseline("random", False).first]
+    assert [o["output_ids"] for o in got.second] == [o["output_ids"] for o in got.first]
+    info = got.info
+    assert info["enable_mixed_chunk"] and info["mixed_steps"] > 0, info
+    check_idle(info, radix=True)
+    check_flushed(got)
+
+
 # --- GPU: CUDA graphs and torch.compile ----------------------------------------------------------------------
 
 # name -> (flags over the eager GPU baseline's, GPUs). Graphs are on by default on a GPU; compile acts inside them.
@@ -253,6 +271,7 @@ GPU_ROWS = {"graphs": ({}, 1),
                                            "kv_cache_dtype": "fp8_e4m3"}, 1),
             "graphs-noradix-nooverlap-chunk": ({"disable_radix_cache": True, "disable_overlap_schedule": True,
                                                 "chunked_prefill_size": 8}, 1),
+            "graphs-mixed-chunk": ({"enable_mixed_chunk": True, "chunked_prefill_size": 8}, 1),
             "tp2-ep2-graphs-compile-spec": ({"tp_size": 2, "ep_size": 2, "enable_torch_compile": True,
                                              "speculative_algorithm": "EAGLE"}, 2),
             "dp2-ep2-spec-fp8kv (graphs resolve off)": (LAYOUTS["dp2-ep2"] | {"speculative_algorithm": "EAGLE",

@@ -210,11 +210,19 @@ def test_speculative_decoding_resolves_sglang_defaults():
     (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_num_steps=0), "must be >= 1"),
     (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/elsewhere"),
      "separate draft checkpoint"),
+    (V3_FP8, dict(speculative_algorithm="EAGLE", enable_mixed_chunk=True),
+     "--enable-mixed-chunk with --speculative-algorithm EAGLE: mixing decode into prefill batches is not implemented"),
 ])
 def test_speculative_flags_fail_in_one_line(model, flags, words):
     with pytest.raises(ConfigError, match=re.escape(words)) as e:
         resolve(CPU, model, **flags)
     assert "\n" not in str(e.value)
+
+
+def test_mixed_chunk_resolves_with_every_layout_and_the_overlap_scheduler():
+    for flags in ({}, dict(tp_size=8, dp_size=2, enable_dp_attention=True, ep_size=8), dict(tp_size=2)):
+        r = resolve(H100, V3_FP8, enable_mixed_chunk=True, chunked_prefill_size=512, **flags)
+        assert r.sched.enable_mixed_chunk and not r.sched.disable_overlap_schedule
 
 
 def test_speculative_decoding_with_dp_attention_resolves():

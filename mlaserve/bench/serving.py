@@ -1,6 +1,9 @@
 """`mlaserve bench serving`: a load generator for any OpenAI-compatible server (flags as SGLang's bench_serving).
 
 Sends random prompts at a Poisson rate, streams every answer and reports TTFT, TPOT, ITL, E2E latency and throughput.
+ITL is per generated token on the native backend (`/generate` streams the completion token count: a chunk that
+carries k tokens k gaps of 1/k of its wait each), per content chunk on the OpenAI backends (their chunks carry no
+count). Several --max-concurrency levels run in turn, each a report and a JSON line; --plot charts them.
 """
 from __future__ import annotations
 
@@ -45,7 +48,12 @@ class RequestResult:
     output_tokens: int = 0
     ttft: float = 0.0  # seconds from send to the first non-empty content chunk
     latency: float = 0.0  # end-to-end seconds
-    itl: list[float] = field(default_factory=list)  # seconds between consecutive content chunks
+    # one gap per output token after the first chunk's: a chunk of k tokens gives k gaps of (its wait) / k (the
+    # OpenAI backends count one token per content chunk, `ITL_UNITS`)
+    itl: list[float] = field(default_factory=list)
+
+
+ITL_UNITS = {"mlaserve": "token", "openai": "chunk", "openai-chat": "chunk"}   # what one ITL sample spans
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -123,8 +131,9 @@ class StreamState:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
 
-    def feed(self, backend: str, obj: dict[str, Any]) -> bool:
-        """Read one parsed chunk; True when it carries new output (a content chunk)."""
+    def feed(self, backend: str, obj: dict[str, Any]) -> int:
+        """Read one parsed chunk; the output tokens it carries (0: no new output; OpenAI backends: 1 per content
+        chunk, their chunks carry no count)."""
         if backend == "mlaserve":
             return self._feed_native(obj)
         usage = obj.get("usage") or {}
@@ -133,19 +142,21 @@ class StreamState:
         choice = (obj.get("choices") or [{}])[0]
         if backend == "openai-chat":
             delta = choice.get("delta") or {}
-            return bool(delta.get("content") or delta.get("reasoning_content"))
-        return bool(choice.get("text"))
+            return int(bool(delta.get("content") or delta.get("reasoning_content")))
+        return int(bool(choice.get("text")))
 
-    def _feed_native(self, obj: dict[str, Any]) -> bool:
+    def _feed_native(self, obj: dict[str, Any]) -> int:
         # native stream (SGLang /generate format): "text" is cumulative, counts are in "meta_info"
         meta = obj.get("meta_info") or {}
-        before = self.completion_tokens
+        before = self.completion_tokens or 0
         self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
         self.completion_tokens = meta.get("completion_tokens", self.completion_tokens)
         text = obj.get("text") or ""
         new = text[len(self.text):] if text.startswith(self.text) else text
         self.text = text if text.startswith(self.text) else self.text + text
-        return bool(new) or (self.completion_tokens or 0) > (before or 0)
+        if "completion_tokens" in meta:       # the server's count: a chunk may carry several tokens (or none)
+            return max(int(self.completion_tokens or 0) - before, 0)
+        return int(bool(new))
 
 
 def parse_sse_line(line: str) -> dict[str, Any] | None:
@@ -180,14 +191,15 @@ async def send_request(
                 raise ValueError(f"HTTP {resp.status_code}: {body[:300]}")
             async for line in resp.aiter_lines():
                 obj = parse_sse_line(line)
-                if obj is None or not state.feed(backend, obj):
+                new = state.feed(backend, obj) if obj is not None else 0
+                if not new:
                     continue
                 now = time.perf_counter()
                 if res.output_tokens == 0:
-                    res.ttft = now - start
+                    res.ttft = now - start    # NOTE: the first chunk's other tokens came with it: no gap of theirs
                 else:
-                    res.itl.append(now - last)
-                last, res.output_tokens = now, res.output_tokens + 1
+                    res.itl.extend([(now - last) / new] * new)
+                last, res.output_tokens = now, res.output_tokens + new
         res.latency = time.perf_counter() - start
     except Exception as e:  # noqa: BLE001 - a benchmark reports failures, it never crashes on them
         res.error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
@@ -282,7 +294,7 @@ def stats(name: str, values_s: list[float]) -> dict[str, float | None]:
     return {f"{k}_{name}_ms": (float(f(ms)) if ms.size else None) for k, f in fns.items()}
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+def summarize(results: list[RequestResult], duration: float, backend: str = "mlaserve") -> dict[str, Any]:
     ok = [r for r in results if r.success]
     dur = max(duration, 1e-9)
     n_in, n_out = sum(r.prompt_len for r in ok), sum(r.output_tokens for r in ok)
@@ -291,7 +303,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "total_input_tokens": n_in, "total_output_tokens": n_out,
         "request_throughput": len(ok) / dur, "input_throughput": n_in / dur,
         "output_throughput": n_out / dur, "total_throughput": (n_in + n_out) / dur,
-        "concurrency": sum(r.latency for r in ok) / dur,
+        "concurrency": sum(r.latency for r in ok) / dur, "itl_unit": ITL_UNITS[backend],
     }
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     out |= stats("ttft", [r.ttft for r in ok]) | stats("tpot", tpots)
@@ -321,7 +333,8 @@ def print_report(m: dict[str, Any], args: argparse.Namespace) -> None:
         rows.append(("Accept length (tokens / verify step)", m["accept_length"]))
     print(f"{' serving benchmark ':=^56}")
     print("\n".join(f"{label:<40}{_fmt(v):>16}" for label, v in rows))
-    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E latency")):
+    itl = f"ITL per {m.get('itl_unit', 'token')}"
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", itl), ("e2e_latency", "E2E latency")):
         print(f"{' ' + title + ' (ms) ':-^56}")
         print("\n".join(f"{k:<40}{_fmt(m[f'{k}_{name}_ms']):>16}" for k in ("mean", "median", "std", "p99")))
     print("=" * 56)
@@ -356,18 +369,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="lengths are uniform in [ratio * len, len]")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson arrivals; inf = all at once")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=None,
+                   help="most requests in flight at once; several values run one after another (e.g. 1 16 64)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory: prompts of exact token lengths")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--output-file", default=None, help="append one JSON line per run")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="chart throughput, TTFT and TPOT / ITL percentiles against concurrency (needs matplotlib)")
     args = p.parse_args(argv)
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    if args.request_rate <= 0 or args.num_prompts < 1 or (args.max_concurrency or 1) < 1:
+    if args.request_rate <= 0 or args.num_prompts < 1 or min(args.max_concurrency or [1]) < 1:
         p.error("--request-rate, --num-prompts and --max-concurrency must be positive")
     return args
+
+
+def levels(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """One namespace per --max-concurrency value (one int each), in the order given; the seed moves on per level
+    so a later level does not find the earlier one's prompts in the server's prefix cache."""
+    values = args.max_concurrency or [None]
+    return [argparse.Namespace(**(vars(args) | {"max_concurrency": c, "seed": args.seed + 1000 * i}))
+            for i, c in enumerate(values)]
 
 
 def raise_fd_limit() -> None:
@@ -393,15 +417,31 @@ def main(argv: list[str]) -> int:
         except (OSError, ValueError) as e:
             print(f"error: cannot load tokenizer from {args.tokenizer}: {e}", file=sys.stderr)
             return 1
+    if args.plot:
+        from mlaserve.bench.plot import missing_matplotlib
+
+        missing = missing_matplotlib()
+        if missing:
+            print(f"error: {missing}", file=sys.stderr)
+            return 2
     raise_fd_limit()
-    reqs = random_requests(args, tok)
-    results, duration, model, accept = asyncio.run(run_load(args, reqs))
-    metrics = summarize(results, duration) | {"accept_length": accept}
-    print_report(metrics, args)
-    if args.output_file:
-        with open(args.output_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record(metrics, args, model)) + "\n")
-    return 0 if metrics["completed"] > 0 else 1
+    records, completed = [], 0
+    for run_args in levels(args):
+        results, duration, model, accept = asyncio.run(run_load(run_args, random_requests(run_args, tok)))
+        metrics = summarize(results, duration, args.backend) | {"accept_length": accept}
+        print_report(metrics, run_args)
+        records.append(record(metrics, run_args, model))
+        completed += metrics["completed"]
+        if args.output_file:
+            with open(args.output_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps(records[-1]) + "\n")
+    if args.plot:
+        from mlaserve.bench.plot import draw, serving_panels
+
+        draw(serving_panels(records), args.plot, f"bench serving: {records[0]['model']}, {args.backend} backend, "
+             f"in {args.random_input_len} / out {args.random_output_len}")
+        print(f"plot: {args.plot}")
+    return 0 if completed > 0 else 1
 
 
 if __name__ == "__main__":

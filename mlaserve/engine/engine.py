@@ -17,6 +17,7 @@ from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
 from mlaserve.distributed.expert import expert_parallel
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.engine.spec import SpecDecoder, SpecOutput, widen
+from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
@@ -161,9 +162,9 @@ class ModelRunner:
         """Rows of T whose logits are needed: prompt log-prob positions per request, and the sampling row."""
         rows, prompt_rows, sample_row = [], [], []
         start = 0
-        for req, p, n, s in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampling):
+        for i, (req, p, n, s) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampling)):
             mine = []
-            if req.return_logprob and batch.mode is ForwardMode.EXTEND:
+            if req.return_logprob and not batch.is_decode(i):
                 # logits at position q predict token q + 1; wanted for q + 1 in [logprob_start, len(prompt))
                 lo, hi = max(p, req.logprob_start - 1), min(p + n, len(req.input_ids) - 1)
                 mine = [start + q - p for q in range(lo, hi)]
@@ -265,10 +266,16 @@ class ModelRunner:
             return self._spec_extend_logits(batch, rows)
         else:
             ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            if batch.num_decode:                     # a mixed batch: its decodes' inputs are on the device
+                ids[-batch.num_decode:] = self.token_buf[rows_dev[-batch.num_decode:]]
         ctx = build_context(batch.mode, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
                             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, out_slots=batch.out_slots,
                             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
-                            device=self.device, last_token_logits=False)
+                            device=self.device, last_token_logits=False, num_decode=batch.num_decode)
+        if ctx.parts is not None:                    # NOTE: chosen on the host: the kernel's own choice syncs
+            dec = ctx.parts[1]
+            dec.num_kv_splits = choose_num_kv_splits(decode_programs(dec.batch_size, self.model.num_local_heads),
+                                                     max(dec.seq_lens_cpu))
         ctx.logits_indices = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         ctx.global_num_tokens = batch.global_num_tokens
         return self.model(ids, ctx.positions, ctx).logits                    # [len(rows), V] fp32
@@ -317,7 +324,7 @@ class ModelRunner:
         """Tokens the request had sampled before this step (its RNG counter), exact even while the previous
         step's token is still in flight: a decode step's input is output token number prefix_len - prompt."""
         req = batch.reqs[i]
-        if batch.mode is ForwardMode.DECODE:
+        if batch.is_decode(i):
             return batch.prefix_lens[i] - len(req.input_ids) + 1
         return len(req.output_ids)
 

@@ -93,15 +93,23 @@ class MLAAttention(torch.nn.Module):
         self.ops.mla_rope_kv_store(q[..., self.dn:], latent[:, self.l:], kv_c, positions, self.rotary.cos_sin_cache,
                                    pool.kv_buffer(self.layer_id), ctx.out_slots, kv_scale=pool.kv_scale,
                                    norm_weight=norm.weight, eps=norm.eps)
-        q_pe, k_pe = q[..., self.dn:], latent[:, self.l:]                     # [T, H, R], [T, R] (roped)
+        k_pe = latent[:, self.l:]                                             # [T, R] (roped)
+        if ctx.parts is not None and self.absorb:       # a mixed batch: its prompts non-absorbed, its decodes absorbed
+            n = t - ctx.num_decode
+            (ext, dec), a, b = ctx.parts, slice(None, n), slice(n, None)
+            o = torch.cat([self._attend(q[a], kv_c[a], k_pe[a], ext), self._attend(q[b], kv_c[b], k_pe[b], dec)])
+        else:
+            o = self._attend(q, kv_c, k_pe, ctx)
+        return self.o_proj(o.reshape(t, self.h * self.dv))
+
+    def _attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # q: [T, H, Dn + R] (q_pe roped), kv_c: [T, L], k_pe: [T, R] -> o: [T, H, Dv]
         backend = ctx.attn_backend
         if ctx.mode is ForwardMode.DECODE and self.absorb:
             q_lat = self.ops.head_gemm(q[..., : self.dn], self.w_kc)           # absorb W_UK: [T, H, L]
-            o_lat = _decode(backend, self.layer_id, q_lat, q_pe, ctx)          # [T, H, L]
-            o = self.ops.head_gemm(o_lat, self.w_vc, trans=True)               # apply W_UV: [T, H, Dv]
-        else:
-            o = _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
-        return self.o_proj(o.reshape(t, self.h * self.dv))
+            o_lat = _decode(backend, self.layer_id, q_lat, q[..., self.dn:], ctx)   # [T, H, L]
+            return self.ops.head_gemm(o_lat, self.w_vc, trans=True)            # apply W_UV: [T, H, Dv]
+        return _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
 
 
 @torch.compiler.disable

@@ -98,12 +98,18 @@ class KVCacheManager:
         if req.req_pool_idx is None:
             return
         row = self.req_pool.slots(req.req_pool_idx, req.kv_len)        # host ids: no device sync
+        # NOTE: under overlap a step in flight may hold a slot past fill_ids (its input token never reached the
+        # CPU: the request ended while the step before was processed); that slot has no token to cache under
+        known = min(req.kv_len, len(req.fill_ids))
+        if known < req.kv_len:
+            self.allocator.free(row[known:])
+            row = row[:known]
         own = row[req.prefix_len:]
         if self.tree.disable:
             if len(own):
                 self.allocator.free(own)
         else:
-            present = self.tree.insert(req.fill_ids[: req.kv_len], row.clone())
+            present = self.tree.insert(req.fill_ids[:known], row.clone())
             # NOTE: the tree kept its own slots for fill_ids[:present]; ours for that range are duplicates
             if present > req.prefix_len:
                 self.allocator.free(row[req.prefix_len:present])

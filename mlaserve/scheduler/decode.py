@@ -1,6 +1,8 @@
-"""Decode planning: one new token for every running request, retracting the newest when the pool is short."""
+"""Decode planning: one new token for every running request, retracting the newest when the pool is short, or
+(--enable-mixed-chunk) riding along in a prefill batch."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,3 +52,20 @@ def plan_decode(sched: "Scheduler") -> Batch | None:
     sched.new_token_ratio = max(sched.cfg.min_new_token_ratio, sched.new_token_ratio - 0.001)
     # NOTE: input ids are read on the device from the runner's token_buf (the last step may be in flight)
     return Batch(ForwardMode.DECODE, reqs, [], slots, prefix, [k] * len(reqs), [True] * len(reqs))
+
+
+def mix_decodes(sched: "Scheduler", batch: Batch) -> Batch:
+    """--enable-mixed-chunk: `batch` (a prefill or prompt chunk) with every running request appended as a one-token
+    extend over its cached tokens, so decoding does not pause for the prefill. `batch` alone when their slots
+    cannot be had (`plan_prefill` kept them back, so only when the pool is nearly full; they then wait a step)."""
+    reqs = list(sched.running)
+    slots = sched.kv.alloc(len(reqs)) if reqs else None
+    if slots is None:
+        return batch
+    prefix = [r.kv_len for r in reqs]
+    sched.kv.extend_one_each(reqs, slots)
+    n = len(reqs)
+    # NOTE: input ids are read on the device from the runner's token_buf, as in a decode batch: placeholders here
+    return replace(batch, reqs=batch.reqs + reqs, input_ids=batch.input_ids + [0] * n,
+                   out_slots=torch.cat([batch.out_slots, slots]), prefix_lens=batch.prefix_lens + prefix,
+                   extend_lens=batch.extend_lens + [1] * n, sampling=batch.sampling + [True] * n, num_decode=n)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.core import Batch, ForwardMode, Req
+from mlaserve.scheduler.decode import mix_decodes
 
 if TYPE_CHECKING:
     from mlaserve.scheduler.scheduler import Scheduler
@@ -32,6 +33,10 @@ def plan_prefill(sched: "Scheduler") -> Batch | None:
     budget = cfg.max_prefill_tokens if chunk_cap is None else min(cfg.max_prefill_tokens, chunk_cap)
     candidates = ([sched.chunked] if sched.chunked else []) + order_waiting(sched)
     reserve = decode_reserve(sched)
+    # --enable-mixed-chunk: the running requests take one token each of the batch (SGLang counts them the same way)
+    mixed = len(sched.running) if cfg.enable_mixed_chunk and len(sched.running) < budget else 0
+    budget -= mixed
+    reserve += mixed
     picked: list[tuple[Req, int, torch.Tensor]] = []
     for req in candidates:
         running = len(sched.running) + len(picked)
@@ -57,7 +62,10 @@ def plan_prefill(sched: "Scheduler") -> Batch | None:
         reserve += future
         if budget <= 0:
             break
-    return _build(sched, picked) if picked else None
+    if not picked:
+        return None
+    batch = _build(sched, picked)
+    return mix_decodes(sched, batch) if mixed else batch
 
 
 def _admit(sched: "Scheduler", req: Req) -> bool:

@@ -57,7 +57,7 @@ class Scheduler:
         self.overlap = not self.cfg.disable_overlap_schedule
         self.pending: PendingStep | None = None   # the step queued on the device, not yet processed
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0,
-                      "spec_verify_steps": 0, "spec_tokens": 0}
+                      "spec_verify_steps": 0, "spec_tokens": 0, "mixed_steps": 0}
         self.arrivals = 0                         # arrival order (the same on every rank, unlike a clock)
         # DP attention: every plan is agreed with all ranks (an IDLE batch when only other groups have work)
         slots = None
@@ -104,9 +104,11 @@ class Scheduler:
             self.end(req, FinishReason("abort", message=message, status_code=500))
 
     def flush_cache(self) -> bool:
-        if self.running or self.waiting or self.chunked or self.pending:
+        if self.running or self.waiting or self.chunked:
             return False
-        return self.kv.flush()
+        # NOTE: under overlap a step may still be in flight with only finished requests' last (discarded) tokens
+        self.drain()
+        return not (self.running or self.waiting or self.chunked) and self.kv.flush()
 
     # --- one iteration: plan -> run -> process ----------------------------------------------------
     @property
@@ -140,6 +142,7 @@ class Scheduler:
         if batch.mode is ForwardMode.IDLE:
             return
         self.stats["steps"] += 1
+        self.stats["mixed_steps"] += int(batch.num_decode > 0)
         spec = isinstance(out, SpecOutput)
         freed: list = []                      # rejected drafts' slots, freed at once after the step
         for i, req in enumerate(batch.reqs):
@@ -157,7 +160,8 @@ class Scheduler:
         self.kv.free_all(freed)
 
     def _process_one(self, batch: Batch, out: StepOutput, i: int, req: Req) -> None:
-        if batch.mode is ForwardMode.EXTEND:
+        decoding = batch.is_decode(i)
+        if not decoding:
             self.stats["prompt_tokens"] += batch.extend_lens[i]
             req.input_logprobs += out.input_logprobs[i]
             req.input_top_logprobs += out.input_top[i]
@@ -169,7 +173,7 @@ class Scheduler:
             self._finish(req, FinishReason("length", length=0))
             return
         self._append(req, tok, out.next_logprobs[i], out.next_top[i])
-        if req.finished is None and batch.mode is ForwardMode.EXTEND:
+        if req.finished is None and not decoding and req not in self.running:    # see `_join_running`
             self.running.append(req)
 
     def _process_spec(self, out: SpecOutput, i: int, req: Req, freed: list) -> None:
@@ -209,8 +213,21 @@ class Scheduler:
         if self.pending is not None and self._needs_history():
             self.drain()                      # penalties read the full output history
         self.pending = self._launch_and_drain(self.plan())
+        self._join_running(self.pending)
         self._idle_for_grammar()
         return self.step_outbox()
+
+    def _join_running(self, pending: PendingStep | None) -> None:
+        """Overlap: the requests whose last prompt token is in the step just queued decode from the next step on
+        (their first token is read on the device, like any decode input), not a step after it is processed.
+        A request with one token to make (a health check, a score) has nothing to decode: it never joins."""
+        if pending is None or pending.batch.mode is not ForwardMode.EXTEND:
+            return
+        batch = pending.batch
+        for i, req in enumerate(batch.reqs):
+            if (batch.sampling[i] and not batch.is_decode(i) and req.finished is None
+                    and req.params.max_new_tokens > 1 and req not in self.running):
+                self.running.append(req)
 
     def _idle_for_grammar(self) -> None:
         if not (self.waiting or self.running or self.chunked or self.pending):

@@ -20,6 +20,7 @@ COUNTERS = (
     ("cached_tokens", "cached_tokens", "prompt tokens served from the prefix cache"),
     ("generation_tokens", "generation_tokens", "tokens generated"),
     ("num_retracted", "num_retracted_reqs", "requests retracted to free KV-cache room"),
+    ("mixed_steps", "mixed_steps", "steps whose running decodes rode in a prefill batch (--enable-mixed-chunk)"),
 )
 GAUGES = (
     ("num_running_reqs", "num_running_reqs", "requests in the running batch"),

@@ -31,8 +31,8 @@ METRIC_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_o
 class Mock:
     """Records every request body and arrival time; `fail(i)` picks the i-th request's failure (None, 500, sse)."""
 
-    def __init__(self, usage: bool = True, fail: Callable[[int], Any] = lambda i: None) -> None:
-        self.usage, self.fail = usage, fail
+    def __init__(self, usage: bool = True, fail: Callable[[int], Any] = lambda i: None, burst: int = 1) -> None:
+        self.usage, self.fail, self.burst = usage, fail, burst     # burst: tokens per content chunk
         self.bodies: list[dict[str, Any]] = []
         self.arrivals: list[float] = []
 
@@ -55,10 +55,15 @@ class Mock:
         n_in = len(prompt.split()) + (CHAT_OVERHEAD if kind == "chat" else 0)
         yield sse(chunk(kind, "", 0, n_in, role=True))  # an empty first chunk must not count as the first token
         await asyncio.sleep(FIRST_DELAY)
+        # tokens arrive every TOKEN_DELAY; they are sent in chunks of `burst` (as a slow reader or a server
+        # producing several tokens a step sees them), the first chunk as soon as its first token is out
+        sent = 0
         for i in range(n_out):
             if i:
                 await asyncio.sleep(TOKEN_DELAY)
-            yield sse(chunk(kind, f" t{i}", i + 1, n_in))
+            if i == 0 or i + 1 - sent == self.burst or i == n_out - 1:
+                yield sse(chunk(kind, "".join(f" t{j}" for j in range(sent, i + 1)), i + 1, n_in))
+                sent = i + 1
         if kind != "native" and self.usage:
             yield sse({"choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out}})
         yield "data: [DONE]\n\n"
@@ -234,3 +239,81 @@ def test_url_flags() -> None:
     assert serving.parse_args(["--base-url", "http://h:1/", "--port", "2"]).base_url == "http://h:1"
     with pytest.raises(SystemExit):
         serving.parse_args(["--request-rate", "0"])
+
+
+# --- ITL per generated token, several concurrency levels, the plot -----------------------------------------------
+
+def test_native_stream_counts_tokens_per_chunk() -> None:
+    state = serving.StreamState()
+    assert state.feed("mlaserve", {"text": "", "meta_info": {"completion_tokens": 0}}) == 0
+    assert state.feed("mlaserve", {"text": " a", "meta_info": {"completion_tokens": 1}}) == 1
+    # three tokens in one chunk; then a token whose text is held back (an unfinished character or stop string)
+    assert state.feed("mlaserve", {"text": " a b c d", "meta_info": {"completion_tokens": 4}}) == 3
+    assert state.feed("mlaserve", {"text": " a b c d", "meta_info": {"completion_tokens": 5}}) == 1
+    assert state.feed("mlaserve", {"text": " a b c d e"}) == 1           # a server without counts: one per chunk
+    assert state.feed("openai", {"choices": [{"text": " x y"}]}) == 1     # OpenAI chunks carry no count
+
+
+@pytest.mark.parametrize("burst", [1, 4])
+def test_itl_is_per_generated_token_on_the_native_backend(tmp_path: Path, burst: int) -> None:
+    """Tokens every TOKEN_DELAY, sent `burst` to a chunk: the native backend's ITL is TOKEN_DELAY per token whatever
+    the chunking (one sample per token after the first chunk's); the OpenAI backend's is per chunk."""
+    mock = Mock(burst=burst)
+    with serve(mock) as port:
+        rc, rec = run_main(port, tmp_path / "native.jsonl", "--backend", "mlaserve", "--warmup-requests", "0",
+                           "--random-output-len", "13", "--random-range-ratio", "1")
+        rc2, chunked = run_main(port, tmp_path / "openai.jsonl", "--backend", "openai", "--warmup-requests", "0",
+                                "--random-output-len", "13", "--random-range-ratio", "1")
+    assert rc == rc2 == 0 and rec["completed"] == chunked["completed"] == 8
+    assert rec["total_output_tokens"] == chunked["total_output_tokens"] == 8 * 13
+    assert (rec["itl_unit"], chunked["itl_unit"]) == ("token", "chunk")
+    token_ms = TOKEN_DELAY * 1000
+    assert 0.8 * token_ms <= rec["median_itl_ms"] <= 1.6 * token_ms, rec["median_itl_ms"]
+    assert 0.8 * token_ms <= rec["mean_tpot_ms"] <= 1.6 * token_ms
+    # per chunk, a burst's gap is `burst` tokens long
+    assert 0.8 * burst * token_ms <= chunked["median_itl_ms"] <= 1.6 * burst * token_ms, chunked["median_itl_ms"]
+
+
+def test_native_results_hold_one_gap_per_token() -> None:
+    mock = Mock(burst=3)
+    args = serving.parse_args(["--backend", "mlaserve", "--num-prompts", "4", "--random-input-len", "8",
+                               "--random-output-len", "10", "--random-range-ratio", "1", "--warmup-requests", "0",
+                               "--disable-tqdm"])
+    with serve(mock) as port:
+        args.base_url = f"http://127.0.0.1:{port}"
+        results, _, _, _ = asyncio.run(serving.run_load(args, serving.random_requests(args, None)))
+    for res in results:
+        # chunks of tokens 1 | 2-4 | 5-7 | 8-10: every token after the first has its gap, a third of its chunk's
+        assert res.success and res.output_tokens == 10 and len(res.itl) == 9
+        assert all(res.itl[i] == res.itl[i + 1] == res.itl[i + 2] for i in (0, 3, 6))
+        assert sum(res.itl) == pytest.approx(res.latency - res.ttft, abs=0.02)
+
+
+def test_several_concurrency_levels_run_in_turn_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    mock = Mock()
+    png = tmp_path / "serving.png"
+    with serve(mock) as port:
+        argv = ["--port", str(port), "--backend", "mlaserve", "--num-prompts", "6", "--random-input-len", "8",
+                "--random-output-len", "4", "--warmup-requests", "0", "--disable-tqdm", "--max-concurrency", "1", "3",
+                "--output-file", str(tmp_path / "out.jsonl"), "--plot", str(png)]
+        assert serving.main(argv) == 0
+    recs = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["max_concurrency"] for r in recs] == [1, 3] and all(r["completed"] == 6 for r in recs)
+    assert recs[0]["concurrency"] <= 1.01 < recs[1]["concurrency"] <= 3.01
+    assert recs[0]["seed"] != recs[1]["seed"]          # other prompts: no prefix-cache hits across levels
+    assert len(mock.bodies) == 12
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[0] > 300 and img.shape[1] > 3 * img.shape[0] // 2    # three panels side by side
+
+
+def test_plot_without_matplotlib_fails_in_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # makes `import matplotlib` raise ImportError
+    assert serving.main(["--port", "9", "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --plot needs matplotlib, which is not installed: pip install 'mlaserve[plot]' " \
+                  "(or: pip install matplotlib)"

@@ -126,3 +126,24 @@ def test_constrained_decode_fills_bitmasks_without_syncing(tmp_path_factory, mon
         outputs += sched.step()
     assert finished(outputs) == {f"r{i}" for i in range(len(LENGTHS))} and len(checked) >= 2 * (max(LENGTHS) - 1)
     assert not sched.grammar.states
+
+
+def test_mixed_batches_are_processed_without_syncing(ckpt, monkeypatch) -> None:
+    """--enable-mixed-chunk: prompt chunks run with the decodes in one batch; processing every step (mixed, decode,
+    prefill) never waits for the device, and the decodes of a mixed batch keep their inputs on the device."""
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in LENGTHS]
+    sched = start(ckpt, params, enable_mixed_chunk=True, chunked_prefill_size=16)
+    drains = []
+    drain = sched.drain
+
+    def checked_drain() -> None:
+        with no_sync():
+            drain()
+        drains.append(1)
+
+    monkeypatch.setattr(sched, "drain", checked_drain)
+    outputs = []
+    while sched.has_work:
+        outputs += sched.step()
+    assert finished(outputs) == {f"r{i}" for i in range(len(LENGTHS))} and sched.stats["mixed_steps"] > 0
+    assert sched.kv.allocator.available + sched.kv.tree.total_size() == sched.kv.num_slots

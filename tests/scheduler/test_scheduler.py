@@ -154,6 +154,19 @@ def test_overlap_schedule_gives_identical_outputs(ckpt):
     assert_no_leak(overlapped_sched)
 
 
+@pytest.mark.parametrize("max_new", [1, 2, 5])
+def test_flush_right_after_the_last_output_under_overlap(ckpt, max_new):
+    """The caller flushes as soon as it has the last output, while a step with that request's discarded token may
+    still be in flight: the flush succeeds and empties the pool."""
+    sched = make(ckpt)
+    sched.add_request(msg("f", [5, 6, 7, 8], max_new=max_new))
+    outs = []
+    while not any(o.finished for o in outs):
+        outs += sched.step()
+    assert sum(len(o.new_ids) for o in outs) == max_new
+    assert sched.flush_cache() and sched.kv.allocator.available == sched.kv.num_slots and not sched.has_work
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_kv_cache(ckpt, kv_dtype):
     """--kv-cache-dtype fp8: the latent cache stores e4m3 / e5m2; generation runs and frees everything."""
