@@ -48,6 +48,7 @@ class ForwardContext:
     logits_indices: torch.Tensor | None = None   # rows of T whose logits are wanted (None: all)
     num_kv_splits: int | None = None     # split-KV count of the decode kernel (fixed under CUDA graphs)
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
+    tree_mask: torch.Tensor | None = None    # [T] int64, DECODE: bit i = sees new token i of its request (None: causal)
 
     @property
     def batch_size(self) -> int:
