@@ -362,7 +362,7 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig, dp_atten
         _reject(f"--speculative-num-draft-tokens {drafts}: a chain (topk 1) verifies its {steps} draft tokens and "
                 f"the token before them, so it must be {steps + 1} with --speculative-num-steps {steps}")
     if topk > 1:
-        _check_tree(steps, topk, drafts, s, dp_attention)
+        _check_tree(steps, topk, drafts, dp_attention)
     elif topk < 1:
         _reject(f"--speculative-eagle-topk {topk}: must be >= 1")
     path = s.speculative_draft_model_path
@@ -373,7 +373,7 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig, dp_atten
                    speculative_num_draft_tokens=drafts, disable_overlap_schedule=True)
 
 
-def _check_tree(steps: int, topk: int, drafts: int, s: SchedConfig, dp_attention: bool) -> None:
+def _check_tree(steps: int, topk: int, drafts: int, dp_attention: bool) -> None:
     """Tree drafts: the verified tokens must fit the candidates and the kernels' 64-bit tree masks."""
     most = 1 + topk + (steps - 1) * topk * topk
     if not 2 <= drafts <= min(most, MAX_TREE_NODES):
@@ -383,9 +383,6 @@ def _check_tree(steps: int, topk: int, drafts: int, s: SchedConfig, dp_attention
     if topk * (steps - 1) > MAX_TREE_NODES:
         _reject(f"--speculative-eagle-topk {topk} x (--speculative-num-steps {steps} - 1): the draft tree's "
                 f"{topk * (steps - 1)} nodes exceed the {MAX_TREE_NODES} a tree mask holds")
-    if not s.disable_cuda_graph:
-        _reject(f"--speculative-eagle-topk {topk}: tree drafts run without CUDA graphs so far; add "
-                "--disable-cuda-graph or use topk 1")
     if dp_attention:
         _reject(f"--speculative-eagle-topk {topk}: tree drafts are not supported with --enable-dp-attention yet; "
                 "use topk 1")

@@ -165,7 +165,9 @@ class SpecDecoder:
         slots = to_device(batch.out_slots, dev).view(b, -1)               # token L + j -> slots[:, j]
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(b) else None
         counts = batch.slot_tokens                                       # DP attention: [forward][group]
-        if self.topk > 1:
+        if self.topk > 1 and graphs is not None:
+            tree, logits, hidden = graphs.draft_verify(rows, base, slots)
+        elif self.topk > 1:
             tree = spec_tree.draft_tree(self, rows, base, slots, batch.prefix_lens)
             logits, hidden = spec_tree.verify_tree(self, rows, base, slots, tree, batch.prefix_lens)
         else:
@@ -177,7 +179,9 @@ class SpecDecoder:
             tree = spec_tree.chain_tree(root, draft_ids)
         mask = draft_bitmask(spec_tree.paths(tree)) if draft_bitmask is not None else None   # grammars: host walk
         target, lp, top = self._target_tokens(batch, logits, tree, mask)       # [B, N]
-        if self.topk > 1:
+        if self.topk > 1 and graphs is not None:
+            accepted, path = graphs.accept(target)
+        elif self.topk > 1:
             accepted, path = spec_tree.accept_tree(self, rows, base, slots, tree, target, hidden, batch.prefix_lens)
         else:
             if graphs is not None:
