@@ -19,6 +19,9 @@ One step (`SpecDecoder.step`), on the device:
           them with its own): one NextN forward over all S drafts (`num_q = S`; the rejected ones' slots are
           freed, so what lands there is moot). Every step is device work of fixed shape, so on the GPU the
           draft + verify and the accept + repair run as two CUDA graphs (`engine/graph.py`)
+Tree drafts (topk > 1, `engine/spec_tree.py`) replace the draft, verify and accept parts: a tree of N tokens
+verified with a tree mask, its accepted path's KV moved to consecutive slots; the target's tokens and the outputs
+are picked here for both (a chain is the tree whose nodes are d_1 .. d_S in a line).
 Prefill: after the target's extend the NextN layer extends over the same tokens (pairs for all but the first
 token of each request). A request extending from a cached prefix p > 0 recomputes token p - 1 in the target
 (its KV goes to the scratch slot 0; the cached copy stays) to get the hidden state its first pair needs.

@@ -1,7 +1,8 @@
 """Tree drafts (speculative_eagle_topk > 1) against decoding without speculation, in the scheduler on the CPU (fp32):
-identical tokens, greedy and sampled, with radix hits, stop ids and max_new_tokens inside an accepted path,
-log-probs; the trained demo model accepts at least as many tokens per step as the chain; every slot back after.
-The tree's own pieces (candidate selection, path acceptance) against brute force on random scores.
+identical tokens, greedy and sampled, with radix hits, stop ids, stop strings (through the Engine) and
+max_new_tokens inside an accepted path, log-probs, retraction, grammars; the trained demo model accepts at least as
+many tokens per step as the chain; every slot back after. The tree's own pieces (candidate selection, path
+acceptance) against brute force on random scores.
 """
 from __future__ import annotations
 
@@ -114,8 +115,8 @@ def test_greedy_equal_on_random_weights(random_v3, steps, topk, n):
 def demo_base(demo_prompts):
     ps = list(demo_prompts[:4])
     ps.append(ps[0] + ps[1])                    # a radix hit on request 0's prompt
-    msgs = [msg(f"d{i}", p, max_new=32) for i, p in enumerate(ps)]
-    arrivals = {m.rid: 0 if i < 4 else 20 for i, m in enumerate(msgs)}
+    msgs = [msg(f"d{i}", p, max_new=24) for i, p in enumerate(ps)]
+    arrivals = {m.rid: 0 if i < 4 else 16 for i, m in enumerate(msgs)}
     chain = spec(DEMO)
     base = run(make(DEMO), msgs, arrivals)
     same(base, run(chain, msgs, arrivals))
@@ -185,6 +186,15 @@ def test_logprobs_equal(demo_prompts):
     assert_no_leak(s)
 
 
+def test_retraction_under_tree_drafts(demo_prompts):
+    msgs = [msg(f"r{i}", p, max_new=50) for i, p in enumerate(demo_prompts)]
+    base = run(make(DEMO), msgs)
+    s = tree(DEMO, 3, 4, 8, max_total_tokens=260, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    same(base, run(s, msgs))
+    assert s.num_retracted > 0, "the pool was meant to be small enough to force retraction"
+    assert_no_leak(s)
+
+
 def test_structured_output_equal_with_tree_drafts(demo_prompts):
     """Grammars: each node samples under the grammar's mask after the drafts on its path (the matcher walks
     each path and rolls back)."""
@@ -216,3 +226,62 @@ def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs
     same(base, run(s, msgs, arrivals={m.rid: 2 * i for i, m in enumerate(msgs)}))
     assert accept_length(s) > 2.5
     assert_no_leak(s)
+
+
+def test_stop_strings_inside_accepted_paths_through_the_engine():
+    """Stop strings are matched by the tokenizer manager on the streamed text; a step of tree drafts delivers
+    several tokens at once, and the text must still end just before the stop string's first occurrence (the
+    text without stops equals decoding without speculation: the tests above)."""
+    import mlaserve
+
+    prompts = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
+    params = {"max_new_tokens": 40, "temperature": 0}
+    with mlaserve.Engine(model_path=DEMO, device="cpu", dtype="float32", max_total_tokens=4096, log_level="warning",
+                         speculative_algorithm="EAGLE", speculative_eagle_topk=3,
+                         speculative_num_draft_tokens=6) as engine:
+        plain = [r["text"] for r in engine.generate(prompts, params)]
+        for p, text in zip(prompts, plain):
+            for at in (7, 12, 18):                   # several cuts: some land inside an accepted path
+                stop = text[at:at + 3]
+                got = engine.generate(p, params | {"stop": [stop]})
+                assert got["text"] == text[:text.index(stop)], (text, stop)
+                assert got["meta_info"]["finish_reason"]["type"] == "stop", got["meta_info"]
+        assert engine.get_server_info()["avg_spec_accept_length"] > 1.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs+compile"])
+def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs):
+    """On the GPU in fp32: the tree-masked Triton decode (draft queries, verify), the tree's draft + verify and
+    accept + repair CUDA graphs and torch.compile inside them give the tokens of decoding without speculation."""
+    flags = dict(device="cuda", dtype="float32", disable_cuda_graph=graphs == "eager", max_running_requests=8,
+                 enable_torch_compile=graphs == "graphs+compile")
+    msgs = [msg(f"g{i}", p, max_new=40) for i, p in enumerate(demo_prompts)]
+    base = run(make(DEMO, **flags), msgs)
+    s = tree(DEMO, 3, 4, 8, **flags)
+    assert (s.runner.spec.graphs is not None) == (graphs != "eager")
+    same(base, run(s, msgs, arrivals={m.rid: 2 * i for i, m in enumerate(msgs)}))
+    assert accept_length(s) > 2.5
+    assert_no_leak(s)
+
+
+def test_stop_strings_inside_accepted_paths_through_the_engine():
+    """Stop strings are matched by the tokenizer manager on the streamed text; a step of tree drafts delivers
+    several tokens at once, and the text must still end where decoding without speculation ends it."""
+    import mlaserve
+
+    prompts = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
+    flags = dict(model_path=DEMO, device="cpu", dtype="float32", max_total_tokens=4096, log_level="warning")
+    params = {"max_new_tokens": 40, "temperature": 0}
+    with mlaserve.Engine(**flags) as engine:
+        plain = [r["text"] for r in engine.generate(prompts, params)]
+        stops = [[t[n:n + 3]] for t, n in zip(plain, (9, 14)) if len(t) > n + 3]
+        want = [engine.generate(p, params | {"stop": s}) for p, s in zip(prompts, stops)]
+    with mlaserve.Engine(**flags, speculative_algorithm="EAGLE", speculative_eagle_topk=3,
+                         speculative_num_draft_tokens=6) as engine:
+        got = [engine.generate(p, params | {"stop": s}) for p, s in zip(prompts, stops)]
+        assert engine.get_server_info()["avg_spec_accept_length"] > 1.5
+    assert stops and [r["text"] for r in got] == [r["text"] for r in want]
+    assert [r["meta_info"]["finish_reason"] for r in got] == [r["meta_info"]["finish_reason"] for r in want]
+    for r in got:
+        assert r["meta_info"]["finish_reason"]["type"] == "stop", r["meta_info"]
