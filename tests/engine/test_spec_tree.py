@@ -296,3 +296,12 @@ def test_stop_strings_inside_accepted_paths_through_the_engine():
     assert [r["meta_info"]["finish_reason"] for r in got] == [r["meta_info"]["finish_reason"] for r in want]
     for r in got:
         assert r["meta_info"]["finish_reason"]["type"] == "stop", r["meta_info"]
+
+
+def test_fp8_kv_cache(demo_prompts):
+    """An e4m3 KV cache: the accepted path's rows are copied as stored (no requantisation)."""
+    msgs = [msg(f"f{i}", p, max_new=24) for i, p in enumerate(demo_prompts[:3])]
+    s = tree(DEMO, 3, 3, 6, kv_cache_dtype="fp8_e4m3")
+    same(run(make(DEMO, kv_cache_dtype="fp8_e4m3"), msgs), run(s, msgs))
+    assert accept_length(s) > 2.0
+    assert_no_leak(s)
