@@ -75,7 +75,7 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
     sched = _resolve_spec(_resolve_sched(server.sched, load, device, dp_attention=parallel.enable_dp_attention),
-                          model, load, dp_attention=parallel.enable_dp_attention)
+                          model, load)
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 
@@ -339,7 +339,7 @@ MAX_TREE_NODES = 64                        # bits of the int64 tree mask rows (k
 DEFAULT_SPEC_STEPS = 3                     # DeepSeek's MTP defaults (SGLang's): 3 steps, topk 1, 4 draft tokens
 
 
-def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig, dp_attention: bool = False) -> SchedConfig:
+def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> SchedConfig:
     """Speculative decoding: the draft is the checkpoint's own MTP layer, a chain of num_steps tokens verified
     with the token before them (topk 1: num_draft_tokens = num_steps + 1), or a tree (topk > 1) of the best
     num_draft_tokens - 1 of its K + (num_steps - 1) K^2 candidates and the token before them. The overlap scheduler
@@ -362,7 +362,7 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig, dp_atten
         _reject(f"--speculative-num-draft-tokens {drafts}: a chain (topk 1) verifies its {steps} draft tokens and "
                 f"the token before them, so it must be {steps + 1} with --speculative-num-steps {steps}")
     if topk > 1:
-        _check_tree(steps, topk, drafts, dp_attention)
+        _check_tree(steps, topk, drafts)
     elif topk < 1:
         _reject(f"--speculative-eagle-topk {topk}: must be >= 1")
     path = s.speculative_draft_model_path
@@ -373,7 +373,7 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig, dp_atten
                    speculative_num_draft_tokens=drafts, disable_overlap_schedule=True)
 
 
-def _check_tree(steps: int, topk: int, drafts: int, dp_attention: bool) -> None:
+def _check_tree(steps: int, topk: int, drafts: int) -> None:
     """Tree drafts: the verified tokens must fit the candidates and the kernels' 64-bit tree masks."""
     most = 1 + topk + (steps - 1) * topk * topk
     if not 2 <= drafts <= min(most, MAX_TREE_NODES):
@@ -383,9 +383,6 @@ def _check_tree(steps: int, topk: int, drafts: int, dp_attention: bool) -> None:
     if topk * (steps - 1) > MAX_TREE_NODES:
         _reject(f"--speculative-eagle-topk {topk} x (--speculative-num-steps {steps} - 1): the draft tree's "
                 f"{topk * (steps - 1)} nodes exceed the {MAX_TREE_NODES} a tree mask holds")
-    if dp_attention:
-        _reject(f"--speculative-eagle-topk {topk}: tree drafts are not supported with --enable-dp-attention yet; "
-                "use topk 1")
 
 
 def _graph_sizes(s: SchedConfig) -> tuple[list[int], int]:

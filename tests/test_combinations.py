@@ -17,7 +17,7 @@ Factors and their values (CPU):
     chunk    off (default 8192: every prompt here in one chunk) | 8 tokens (every prompt in 2..5 chunks)
 
 Not covered: tree drafts (speculative_eagle_topk > 1), tested alone and with radix hits, sampling, stops and
-log-probs in tests/engine/test_spec_tree.py (they are refused with DP attention). GPU only: CUDA graphs and torch.compile (on the CPU every combination runs
+log-probs in tests/engine/test_spec_tree.py, under DP attention in tests/distributed/test_dp_attention.py. GPU only: CUDA graphs and torch.compile (on the CPU every combination runs
 eagerly); `test_gpu_graphs_and_compile` runs them against the eager GPU run and is skipped without CUDA (the
 two-GPU rows also without a second GPU). Under DP attention graphs resolve off (not built yet), so there
 torch.compile, which acts inside the graphs, is refused: no GPU row combines them.

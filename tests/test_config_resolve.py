@@ -222,7 +222,7 @@ def test_speculative_flags_fail_in_one_line(model, flags, words):
     assert "\n" not in str(e.value)
 
 
-def test_tree_drafts_resolve_and_are_refused_with_dp_attention():
+def test_tree_drafts_resolve():
     r = resolve(CPU, V3_FP8, speculative_algorithm="EAGLE", speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     s = r.sched
     assert (s.speculative_num_steps, s.speculative_eagle_topk, s.speculative_num_draft_tokens) == (3, 4, 8)
@@ -230,9 +230,9 @@ def test_tree_drafts_resolve_and_are_refused_with_dp_attention():
     r = resolve(H100, V3_FP8, speculative_algorithm="EAGLE", speculative_eagle_topk=2)     # default N: steps + 1
     assert (r.sched.speculative_eagle_topk, r.sched.speculative_num_draft_tokens) == (2, 4)
     assert not r.sched.disable_cuda_graph                 # the tree's draft + verify are captured too
-    with pytest.raises(ConfigError, match="not supported with --enable-dp-attention"):
-        resolve(CPU, V3_FP8, tp_size=8, dp_size=2, enable_dp_attention=True, speculative_algorithm="EAGLE",
+    r = resolve(CPU, V3_FP8, tp_size=8, dp_size=2, enable_dp_attention=True, speculative_algorithm="EAGLE",
                 speculative_eagle_topk=2)
+    assert r.sched.speculative_eagle_topk == 2 and r.parallel.enable_dp_attention
 
 
 def test_speculative_decoding_with_dp_attention_resolves():

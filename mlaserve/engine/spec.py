@@ -80,12 +80,12 @@ def widen(batch: Batch) -> Widened:
                    torch.tensor(index, dtype=torch.int64))
 
 
-def slot_counts(batch: Batch, steps: int) -> list[int]:
+def slot_counts(batch: Batch, steps: int, topk: int = 1, num_draft: int | None = None) -> list[int]:
     """Tokens of each forward a step runs, in order: the S drafts, the target, the draft layer (DP attention
     agrees on these, so every group runs every forward some group runs: IDLE where it has none)."""
     if batch.mode is ForwardMode.DECODE:
-        b = batch.size
-        return [b] * steps + [b * (steps + 1), b * steps]
+        queries = spec_tree.query_counts(steps, topk, num_draft) if topk > 1 else [1] * steps + [steps + 1, steps]
+        return [batch.size * q for q in queries]
     if batch.mode is ForwardMode.EXTEND:
         wide = [n + (1 if p > 0 else 0) for p, n in zip(batch.prefix_lens, batch.extend_lens)]
         return [0] * steps + [sum(wide), sum(wide) - len(wide)]
@@ -171,8 +171,8 @@ class SpecDecoder:
         if self.topk > 1 and graphs is not None:
             tree, logits, hidden = graphs.draft_verify(rows, base, slots)
         elif self.topk > 1:
-            tree = spec_tree.draft_tree(self, rows, base, slots, batch.prefix_lens)
-            logits, hidden = spec_tree.verify_tree(self, rows, base, slots, tree, batch.prefix_lens)
+            tree = spec_tree.draft_tree(self, rows, base, slots, batch.prefix_lens, counts=counts)
+            logits, hidden = spec_tree.verify_tree(self, rows, base, slots, tree, batch.prefix_lens, counts=counts)
         else:
             root = self.runner.token_buf[rows]
             if graphs is not None:
@@ -185,7 +185,8 @@ class SpecDecoder:
         if self.topk > 1 and graphs is not None:
             accepted, path = graphs.accept(target)
         elif self.topk > 1:
-            accepted, path = spec_tree.accept_tree(self, rows, base, slots, tree, target, hidden, batch.prefix_lens)
+            accepted, path = spec_tree.accept_tree(self, rows, base, slots, tree, target, hidden, batch.prefix_lens,
+                                                   counts=counts)
         else:
             if graphs is not None:
                 accepted = graphs.accept(target)

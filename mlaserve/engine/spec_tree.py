@@ -118,16 +118,18 @@ def accept_path(tree: DraftTree, target: torch.Tensor, steps: int) -> tuple[torc
 
 # --- the forwards ---------------------------------------------------------------------------------------
 def draft_tree(dec: "SpecDecoder", rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor,
-               base_cpu: list[int] | None, splits: list[int] | None = None) -> DraftTree:
+               base_cpu: list[int] | None, splits: list[int] | None = None,
+               counts: list[list[int]] | None = None) -> DraftTree:
     """S NextN steps growing the tree. Step 0 runs the root's pair (as the chain's first step); step i >= 1
     runs every frontier node of depths 1 .. i (n = K i queries, each seeing its frontier ancestors through the
     tree mask: recomputing the earlier ones keeps every step one plain forward) and expands depth i's. Device
-    work only (`base_cpu` feeds the reference attention; `splits`: kv splits per forward, `query_counts` order)."""
+    work only (`base_cpu` feeds the reference attention; `splits`: kv splits per forward, `query_counts` order;
+    `counts`: DP attention's agreed tokens per forward and group, the same order)."""
     k, s = dec.topk, dec.steps
     b, dev = rows.shape[0], rows.device
     root = dec.runner.token_buf[rows]
     cpu = list(base_cpu) if base_cpu is not None else None
-    ctx = dec._decode_ctx(rows, base, base - 1, slots[:, 0], 1, True, cpu, splits and splits[0])
+    ctx = dec._decode_ctx(rows, base, base - 1, slots[:, 0], 1, True, cpu, splits and splits[0], counts and counts[0])
     out = dec.draft_fn(root, dec.hidden_buf[rows], base - 1, ctx)
     score, tok = out.logits.float().log_softmax(-1).topk(k, dim=-1)      # [B, K]: depth 1
     hid = out.hidden[:, None, :].expand(b, k, -1)                          # [B, K, h] the pair's hidden
@@ -141,7 +143,8 @@ def draft_tree(dec: "SpecDecoder", rows: torch.Tensor, base: torch.Tensor, slots
         q_bits.append(own if i == 1 else own | q_bits[-1].gather(1, up))
         q_tok.append(tok)
         q_hid.append(hid)
-        out = _draft_queries(dec, rows, base, slots, base_cpu, q_tok, q_hid, q_bits, splits and splits[i])
+        out = _draft_queries(dec, rows, base, slots, base_cpu, q_tok, q_hid, q_bits, splits and splits[i],
+                             counts and counts[i])
         n = k * i
         logp = out.logits.float().log_softmax(-1).view(b, k, -1)          # [B, K, V] depth i's children
         c_tok, c_score, best = expand(score, logp, k)
@@ -158,7 +161,8 @@ def draft_tree(dec: "SpecDecoder", rows: torch.Tensor, base: torch.Tensor, slots
     return select(t, sc, par, dep, root, dec.num_draft, s)
 
 
-def _draft_queries(dec: "SpecDecoder", rows, base, slots, base_cpu, q_tok, q_hid, q_bits, splits: int | None):
+def _draft_queries(dec: "SpecDecoder", rows, base, slots, base_cpu, q_tok, q_hid, q_bits, splits: int | None,
+                   counts: list[int] | None):
     """The NextN layer over the frontier nodes so far (depth-major) at draft positions L + depth - 1, in draft
     table columns L .. L + n - 1 (slots[:, 1 : 1 + n]); logits of the deepest K only."""
     b, k = rows.shape[0], dec.topk
@@ -168,7 +172,7 @@ def _draft_queries(dec: "SpecDecoder", rows, base, slots, base_cpu, q_tok, q_hid
     depth = torch.arange(n, device=rows.device) // k + 1
     pos = (base[:, None] + depth - 1).reshape(-1)
     cpu = [x + n for x in base_cpu] if base_cpu is not None else None
-    ctx = dec._decode_ctx(rows, base + n, pos, slots[:, 1:1 + n].reshape(-1), n, True, cpu, splits)
+    ctx = dec._decode_ctx(rows, base + n, pos, slots[:, 1:1 + n].reshape(-1), n, True, cpu, splits, counts)
     ctx.tree_mask = torch.cat(q_bits, dim=1).reshape(-1)
     ctx.logits_indices = (torch.arange(b, device=rows.device)[:, None] * n + (n - k)
                           + torch.arange(k, device=rows.device)).reshape(-1)
@@ -176,20 +180,21 @@ def _draft_queries(dec: "SpecDecoder", rows, base, slots, base_cpu, q_tok, q_hid
 
 
 def verify_tree(dec: "SpecDecoder", rows, base, slots, tree: DraftTree, base_cpu: list[int] | None,
-                splits: list[int] | None = None):
+                splits: list[int] | None = None, counts: list[list[int]] | None = None):
     """The target over the N nodes at positions L + depth, cols L .. L + N - 1: (logits [B N, V], hidden)."""
     n = tree.tokens.shape[1]
     pos = (base[:, None] + tree.depth).reshape(-1)
     cpu = [x + n for x in base_cpu] if base_cpu is not None else None
-    ctx = dec._decode_ctx(rows, base + n, pos, slots[:, :n].reshape(-1), n, False, cpu, splits and splits[-2])
+    ctx = dec._decode_ctx(rows, base + n, pos, slots[:, :n].reshape(-1), n, False, cpu, splits and splits[-2],
+                          counts and counts[-2])
     ctx.tree_mask = tree.mask.reshape(-1)
     out = dec.target_fn(tree.tokens.reshape(-1), pos, ctx)
     return out.logits, out.hidden
 
 
 def accept_tree(dec: "SpecDecoder", rows, base, slots, tree: DraftTree, target: torch.Tensor,
-                hidden: torch.Tensor, base_cpu: list[int] | None,
-                splits: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                hidden: torch.Tensor, base_cpu: list[int] | None, splits: list[int] | None = None,
+                counts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest matching path; move its target KV to cols L .. L + S, repair its draft pairs there
     and leave the newest token and hidden state in the runner's buffers. Returns (accepted [B], path)."""
     s, b = dec.steps, rows.shape[0]
@@ -202,7 +207,8 @@ def accept_tree(dec: "SpecDecoder", rows, base, slots, tree: DraftTree, target: 
     # repair: pairs (path token d, target hidden at path d - 1), d = 1 .. S, draft positions L .. L + S - 1
     pos = (base[:, None] + torch.arange(s, device=base.device)).reshape(-1)
     cpu = [x + s for x in base_cpu] if base_cpu is not None else None
-    ctx = dec._decode_ctx(rows, base + s, pos, dst[:, 1:].reshape(-1), s, True, cpu, splits and splits[-1])
+    ctx = dec._decode_ctx(rows, base + s, pos, dst[:, 1:].reshape(-1), s, True, cpu, splits and splits[-1],
+                          counts and counts[-1])
     ctx.logits_indices = torch.empty(0, dtype=torch.int64, device=base.device)
     dec.draft_fn(tree.tokens.gather(1, path[:, 1:]).reshape(-1), hid_path[:, :s].reshape(b * s, -1), pos, ctx)
     pick = torch.arange(b, device=base.device)

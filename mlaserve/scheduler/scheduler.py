@@ -64,8 +64,9 @@ class Scheduler:
         # DP attention: every plan is agreed with all ranks (an IDLE batch when only other groups have work)
         slots = None
         if self.spec_tokens > 1:                  # every group runs the drafts, the target and the draft layer
-            steps = self.cfg.speculative_num_steps
-            slots = lambda batch: slot_counts(batch, steps)                 # noqa: E731
+            c = self.cfg
+            slots = lambda batch: slot_counts(batch, c.speculative_num_steps, c.speculative_eagle_topk,  # noqa: E731
+                                              c.speculative_num_draft_tokens)
         self.dp_sync = DPStepSync(self.runner.group, slots) if self.runner.group.dp is not None else None
 
     # --- requests in ----------------------------------------------------------------------------
