@@ -19,7 +19,7 @@ timeout 50 python3 -m pytest -q "tests/engine/test_spec.py::test_gpu_triton_kern
   -p no:cacheprovider 2>&1 \
   | grep -v "loading weights" | tail -8 > "$OUT/chain_tests.txt"
 cat "$OUT/chain_tests.txt"
-timeout 130 python3 -m pytest -q tests/engine/test_spec_tree.py -k gpu -p no:cacheprovider 2>&1 \
+timeout 130 python3 -m pytest -v tests/engine/test_spec_tree.py -k gpu -p no:cacheprovider 2>&1 \
   | grep -v "loading weights" | tail -25 > "$OUT/tree_tests.txt"
 cat "$OUT/tree_tests.txt"
 timeout 80 python3 benchmarks/spec_decode.py demo 128 tree 2>&1 | grep -v "loading weights" | tee "$OUT/demo_tree.jsonl"
