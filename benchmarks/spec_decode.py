@@ -74,13 +74,14 @@ def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256) -> dict
 
 def demo(new: str = "256", which: str = "all") -> None:
     """Each configuration in a process of its own (a clean GPU and allocator), the baseline first. `which`:
-    "all" (four settings, then the baseline and (3, 1, 4) again to show the run-to-run spread) or "main" (the
-    baseline and (3, 1, 4) alternating, three times each)."""
+    "all" (four settings, then the baseline and (3, 1, 4) again to show the run-to-run spread), "main" (the
+    baseline and (3, 1, 4) alternating, three times each) or "tree" (the chain (3, 1, 4) beside tree drafts)."""
     import subprocess
 
     order = {"all": (None, (1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), None, (3, 1, 4)),
-             "main": (None, (3, 1, 4)) * 3}[which]
-    for bs in (1, 8, 32):
+             "main": (None, (3, 1, 4)) * 3,
+             "tree": (None, (3, 1, 4), (3, 2, 4), (3, 4, 8), (2, 4, 4), (4, 2, 8))}[which]
+    for bs in ((1, 8) if which == "tree" else (1, 8, 32)):
         rows = {}
         for spec in order:
             arg = "none" if spec is None else ",".join(map(str, spec))

@@ -335,13 +335,15 @@ def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo, dp_atte
 
 SPEC_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
               "speculative_draft_model_path")
+MAX_TREE_NODES = 64                        # bits of the int64 tree mask rows (kernels/mla_decode.py)
 DEFAULT_SPEC_STEPS = 3                     # DeepSeek's MTP defaults (SGLang's): 3 steps, topk 1, 4 draft tokens
 
 
 def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> SchedConfig:
     """Speculative decoding: the draft is the checkpoint's own MTP layer, a chain of num_steps tokens verified
-    with the token before them (num_draft_tokens = num_steps + 1). The overlap scheduler is turned off (the next
-    step's slots depend on this step's accept lengths), as SGLang does."""
+    with the token before them (topk 1: num_draft_tokens = num_steps + 1), or a tree (topk > 1) of the best
+    num_draft_tokens - 1 of its K + (num_steps - 1) K^2 candidates and the token before them. The overlap scheduler
+    is turned off (the next step's slots depend on this step's accept lengths), as SGLang does."""
     alg = s.speculative_algorithm
     if alg is None:
         given = [_flag(n) for n in SPEC_FLAGS if getattr(s, n) is not None]
@@ -358,18 +360,32 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
     if steps < 1:
         _reject(f"--speculative-num-steps {steps}: must be >= 1")
     topk = s.speculative_eagle_topk if s.speculative_eagle_topk is not None else 1
-    if topk != 1:
-        _reject(f"--speculative-eagle-topk {topk}: tree drafts (topk > 1) are not implemented yet; use 1 (a chain)")
     drafts = s.speculative_num_draft_tokens if s.speculative_num_draft_tokens is not None else steps + 1
-    if drafts != steps + 1:
+    if topk == 1 and drafts != steps + 1:
         _reject(f"--speculative-num-draft-tokens {drafts}: a chain (topk 1) verifies its {steps} draft tokens and "
                 f"the token before them, so it must be {steps + 1} with --speculative-num-steps {steps}")
+    if topk > 1:
+        _check_tree(steps, topk, drafts)
+    elif topk < 1:
+        _reject(f"--speculative-eagle-topk {topk}: must be >= 1")
     path = s.speculative_draft_model_path
     if path is not None and (load.model_path is None or os.path.realpath(path) != os.path.realpath(load.model_path)):
         _reject(f"--speculative-draft-model-path {path}: a separate draft checkpoint is not supported yet; the draft "
                 "is the target checkpoint's own MTP layer (leave the flag unset)")
     return replace(s, speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=topk,
                    speculative_num_draft_tokens=drafts, disable_overlap_schedule=True)
+
+
+def _check_tree(steps: int, topk: int, drafts: int) -> None:
+    """Tree drafts: the verified tokens must fit the candidates and the kernels' 64-bit tree masks."""
+    most = 1 + topk + (steps - 1) * topk * topk
+    if not 2 <= drafts <= min(most, MAX_TREE_NODES):
+        _reject(f"--speculative-num-draft-tokens {drafts}: with --speculative-eagle-topk {topk} and "
+                f"--speculative-num-steps {steps} it must be in [2, {min(most, MAX_TREE_NODES)}] (the token before "
+                f"the drafts and at most {most - 1} candidates; tree masks hold {MAX_TREE_NODES} tokens)")
+    if topk * (steps - 1) > MAX_TREE_NODES:
+        _reject(f"--speculative-eagle-topk {topk} x (--speculative-num-steps {steps} - 1): the draft tree's "
+                f"{topk * (steps - 1)} nodes exceed the {MAX_TREE_NODES} a tree mask holds")
 
 
 def _graph_sizes(s: SchedConfig) -> tuple[list[int], int]:

@@ -50,6 +50,7 @@ class ForwardContext:
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
     num_decode: int = 0              # EXTEND mode: the last num_decode requests are one-token decodes (mixed batch)
     parts: "tuple[ForwardContext, ForwardContext] | None" = None   # a mixed batch's `split_mixed()`, made once
+    tree_mask: torch.Tensor | None = None    # [T] int64, DECODE: bit i = sees new token i of its request (None: causal)
 
     @property
     def batch_size(self) -> int:

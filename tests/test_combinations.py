@@ -16,8 +16,8 @@ Factors and their values (CPU):
     fp8 kv   off (fp32, the activation dtype) | fp8_e4m3
     chunk    off (default 8192: every prompt here in one chunk) | 8 tokens (every prompt in 2..5 chunks)
 
-Not covered: tree drafts (speculative_eagle_topk > 1) do not exist; config resolution refuses them, which
-`test_tree_drafts_are_refused` pins. GPU only: CUDA graphs and torch.compile (on the CPU every combination runs
+Not covered: tree drafts (speculative_eagle_topk > 1), tested alone and with radix hits, sampling, stops and
+log-probs in tests/engine/test_spec_tree.py, under DP attention in tests/distributed/test_dp_attention.py. GPU only: CUDA graphs and torch.compile (on the CPU every combination runs
 eagerly); `test_gpu_graphs_and_compile` runs them against the eager GPU run and is skipped without CUDA (the
 two-GPU rows also without a second GPU). Under DP attention graphs resolve off (not built yet), so there
 torch.compile, which acts inside the graphs, is refused: no GPU row combines them.
@@ -55,7 +55,6 @@ from typing import NamedTuple
 import pytest
 
 import mlaserve
-from mlaserve.config import ConfigError
 from mlaserve.demo import DEMO_DIR
 from mlaserve.tokenizer import load_tokenizer
 from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
@@ -123,13 +122,6 @@ def test_the_rows_cover_every_pair_of_factor_values():
     possible = set().union(*(_pairs(r) for r in every if not (r.spec and r.overlap)))
     assert all(not (r.spec and r.overlap) for r in ROWS)
     assert possible - set().union(*(_pairs(r) for r in ROWS)) == set()
-
-
-def test_tree_drafts_are_refused():
-    """Tree drafts (topk > 1) do not exist, so no row covers them; the flag is refused before any process starts."""
-    with pytest.raises(ConfigError, match="speculative-eagle-topk 2: tree drafts"):
-        mlaserve.Engine(model_path=str(DEMO_DIR), device="cpu", speculative_algorithm="EAGLE",
-                        speculative_eagle_topk=2)
 
 
 # --- running a combination ----------------------------------------------------------------------------------

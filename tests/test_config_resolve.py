@@ -204,7 +204,12 @@ def test_speculative_decoding_resolves_sglang_defaults():
 @pytest.mark.parametrize("model,flags,words", [
     (V2_LITE, dict(speculative_algorithm="EAGLE"), "no MTP (NextN) layer"),
     (V3_FP8, dict(speculative_num_steps=2), "--speculative-num-steps: act only with --speculative-algorithm"),
-    (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_eagle_topk=4), "tree drafts"),
+    (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_eagle_topk=2, speculative_num_draft_tokens=12),
+     "--speculative-num-draft-tokens 12: with --speculative-eagle-topk 2 and --speculative-num-steps 3 it must be "
+     "in [2, 11]"),
+    (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_eagle_topk=8, speculative_num_steps=3,
+                  speculative_num_draft_tokens=80), "must be in [2, 64]"),
+    (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_eagle_topk=0), "must be >= 1"),
     (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_num_draft_tokens=8),
      "must be 4"),
     (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_num_steps=0), "must be >= 1"),
@@ -223,6 +228,19 @@ def test_mixed_chunk_resolves_with_every_layout_and_the_overlap_scheduler():
     for flags in ({}, dict(tp_size=8, dp_size=2, enable_dp_attention=True, ep_size=8), dict(tp_size=2)):
         r = resolve(H100, V3_FP8, enable_mixed_chunk=True, chunked_prefill_size=512, **flags)
         assert r.sched.enable_mixed_chunk and not r.sched.disable_overlap_schedule
+
+
+def test_tree_drafts_resolve():
+    r = resolve(CPU, V3_FP8, speculative_algorithm="EAGLE", speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    s = r.sched
+    assert (s.speculative_num_steps, s.speculative_eagle_topk, s.speculative_num_draft_tokens) == (3, 4, 8)
+    assert resolve_config(r, V3_FP8, CPU) == r
+    r = resolve(H100, V3_FP8, speculative_algorithm="EAGLE", speculative_eagle_topk=2)     # default N: steps + 1
+    assert (r.sched.speculative_eagle_topk, r.sched.speculative_num_draft_tokens) == (2, 4)
+    assert not r.sched.disable_cuda_graph                 # the tree's draft + verify are captured too
+    r = resolve(CPU, V3_FP8, tp_size=8, dp_size=2, enable_dp_attention=True, speculative_algorithm="EAGLE",
+                speculative_eagle_topk=2)
+    assert r.sched.speculative_eagle_topk == 2 and r.parallel.enable_dp_attention
 
 
 def test_speculative_decoding_with_dp_attention_resolves():

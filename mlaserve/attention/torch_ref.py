@@ -5,6 +5,7 @@ import torch
 
 from mlaserve.attention.base import BaseAttnBackend, ExpandKV
 from mlaserve.core import ForwardContext
+from mlaserve.kernels.mla_decode import tree_visible
 
 
 class TorchMLABackend(BaseAttnBackend):
@@ -37,16 +38,21 @@ class TorchMLABackend(BaseAttnBackend):
             rows = self._request_rows(layer, ctx, b, q.dtype)               # [S, L + R]
             k = rows[:, None, :].expand(-1, q.shape[1], -1)                 # one latent head shared by H
             v = k[..., : self.kv_lora_rank]
-            outs.append(_causal_attention(q[b * n:(b + 1) * n], k, v, self.sm_scale))
+            tree = None if ctx.tree_mask is None else tree_visible(ctx.tree_mask[b * n:(b + 1) * n], n)
+            outs.append(_causal_attention(q[b * n:(b + 1) * n], k, v, self.sm_scale, tree))
         return torch.cat(outs, dim=0) if outs else q.new_empty(0, q.shape[1], self.kv_lora_rank)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [n, H, D], k: [S, H, D], v: [S, H, Dv]; query i sits at position S - n + i. fp32 softmax."""
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      tree: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [n, H, D], k: [S, H, D], v: [S, H, Dv]; query i sits at position S - n + i. fp32 softmax. `tree`
+    [n, n] bool: which of the n new tokens each query sees (None: causal)."""
     n, s = q.shape[0], k.shape[0]
     scores = torch.einsum("nhd,shd->hns", q.float(), k.float()) * scale    # [H, n, S]
     q_pos = torch.arange(s - n, s, device=q.device)[:, None]
     mask = torch.arange(s, device=q.device)[None, :] > q_pos               # [n, S]
+    if tree is not None:
+        mask[:, s - n:] |= ~tree
     scores.masked_fill_(mask, float("-inf"))
     p = scores.softmax(dim=-1)
     return torch.einsum("hns,shd->nhd", p, v.float()).to(q.dtype)

@@ -22,4 +22,5 @@ class TritonMLABackend(BaseAttnBackend):
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return mla_decode(q, ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,
                           self.sm_scale, kv_lora_rank=self.kv_lora_rank, num_q=ctx.num_q,
-                          kv_scale=ctx.kv_pool.kv_scale, num_kv_splits=ctx.num_kv_splits, q_pe=q_pe)
+                          kv_scale=ctx.kv_pool.kv_scale, num_kv_splits=ctx.num_kv_splits, q_pe=q_pe,
+                          tree_mask=ctx.tree_mask)

@@ -9,6 +9,8 @@ step's all-reduces take alone; `--ep-size 1 2` also runs each TP size with exper
     mlaserve bench one-batch --load-format dummy --model-config config.json --tp-size 1 2
     mlaserve bench one-batch --load-format dummy --model-config config.json --tp-size 2 --ep-size 1 2
     mlaserve bench one-batch --model-path DIR --speculative-algorithm EAGLE --speculative-num-steps 3
+    mlaserve bench one-batch --model-path DIR --speculative-algorithm EAGLE --speculative-eagle-topk 4 \
+        --speculative-num-draft-tokens 8
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from mlaserve.config import ServerConfig
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
 from mlaserve.distributed import RankGroup, spawn_ranks
 from mlaserve.engine.engine import ModelRunner, resolve_for_device
+from mlaserve.engine.spec_tree import slots_per_step
 from mlaserve.kvcache.allocator import ReqToTokenPool, TokenSlotAllocator
 
 
@@ -60,14 +63,16 @@ def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = 
                                     context_length=args.input_len + args.output_len + 8,
                                     enable_torch_compile=args.enable_torch_compile,
                                     speculative_algorithm=args.speculative_algorithm,
-                                    speculative_num_steps=args.speculative_num_steps)
+                                    speculative_num_steps=args.speculative_num_steps,
+                                    speculative_eagle_topk=args.speculative_eagle_topk,
+                                    speculative_num_draft_tokens=args.speculative_num_draft_tokens)
     server = resolve_for_device(server, path)
     if not server.sched.disable_cuda_graph:           # capture (and compile) every batch size the bench runs
         sched = replace(server.sched, cuda_graph_bs=None, cuda_graph_max_bs=max_bs,
                         torch_compile_max_bs=max_bs if args.enable_torch_compile else 0)
         server = resolve_for_device(replace(server, sched=sched), path)
     runner = ModelRunner(server, path, group)
-    reach = runner.spec.steps if runner.spec is not None else 0        # a verify step's positions past the end
+    reach = _spec_slots(runner) - 1 if runner.spec is not None else 0   # a step's table columns past the end
     pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8 + reach, runner.device)
     runner.attach(pool.table)
     runner.init_cuda_graphs(pool.table, pool.alloc())
@@ -126,12 +131,16 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
             "prefill_tok_s": bs * input_len / prefill_s, "decode_step_s": step, "decode_tok_s": bs / step}
 
 
+def _spec_slots(runner: ModelRunner) -> int:
+    return slots_per_step(runner.spec.steps, runner.spec.topk, runner.spec.num_draft)
+
+
 def _spec_decode(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocator, reqs: list[Req],
                  output_len: int) -> dict:
-    """Speculative decode steps until every request has `output_len` tokens: k = num_steps + 1 slots per request
-    a step, the rejected drafts' slots freed after it (as the scheduler does). Step time, tokens per second (all
+    """Speculative decode steps until every request has `output_len` tokens: k = `slots_per_step` slots per
+    request a step, those past the accepted tokens freed after it (as the scheduler does). Step time, tokens per second (all
     tokens the steps produced, the extra ones of the last step not counted) and accept length."""
-    bs, k = len(reqs), runner.spec.steps + 1
+    bs, k = len(reqs), _spec_slots(runner)
     steps, made, t_all = [], 0, 0.0
     while any(len(r.output_ids) < output_len for r in reqs):
         s = alloc.alloc(bs * k)
@@ -156,8 +165,8 @@ def _spec_decode(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllo
     for r in reqs:
         alloc.free(pool.slots(r.req_pool_idx, r.kv_len))
         pool.free(r.req_pool_idx)
-    n = runner.spec.steps
-    return {"engine": f"mlaserve spec ({n}, 1, {n + 1})", "decode_step_s": statistics.median(steps),
+    spec = runner.spec
+    return {"engine": f"mlaserve spec ({spec.steps}, {spec.topk}, {spec.num_draft})", "decode_step_s": statistics.median(steps),
             "decode_tok_s": made / t_all, "decode_token_time_s": bs * t_all / made,
             "accept_length": made / (len(steps) * bs)}
 
@@ -298,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative-algorithm", choices=("EAGLE", "NEXTN"), default=None,
                     help="decode with the checkpoint's MTP layer drafting (reports the accept length)")
     ap.add_argument("--speculative-num-steps", type=int, default=None, help="draft steps per verify (default 3)")
+    ap.add_argument("--speculative-eagle-topk", type=int, default=None, help="draft branches per step (default 1)")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                    help="tokens verified per step (default num_steps + 1)")
     ap.add_argument("--profile", action="store_true", help="write a torch profiler trace of the last batch size")
     ap.add_argument("--profile-dir", default="/tmp/mlaserve-profile")
     ap.add_argument("--hf-peer", action="store_true", help="then run HF transformers on the same config")

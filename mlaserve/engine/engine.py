@@ -118,7 +118,9 @@ class ModelRunner:
         self.req_to_token: torch.Tensor | None = None      # set by attach() (the scheduler's table)
         self.token_buf: torch.Tensor | None = None
         self.graphs = None
-        self.spec = SpecDecoder(self, spec_steps) if spec_steps else None
+        sched = server.sched
+        self.spec = SpecDecoder(self, spec_steps, sched.speculative_eagle_topk or 1,
+                                sched.speculative_num_draft_tokens) if spec_steps else None
         logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,
                     self.pool.bytes_per_token() * self.num_slots / 2**20, kv_dtype)
 
@@ -135,7 +137,7 @@ class ModelRunner:
     def _graph_reserve(self) -> int:
         """Memory kept out of the KV pool for decode activations and CUDA-graph buffers (logits dominate)."""
         sched = self.server.sched
-        rows = sched.cuda_graph_max_bs * (sched.speculative_num_steps + 1 if sched.speculative_algorithm else 1)
+        rows = sched.cuda_graph_max_bs * (sched.speculative_num_draft_tokens if sched.speculative_algorithm else 1)
         return 512 * 2**20 + 3 * rows * self.cfg.vocab_size * 4
 
     def init_cuda_graphs(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
@@ -300,8 +302,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def spec_step(self, batch: Batch, draft_bitmask=None) -> SpecOutput:
-        """One draft-and-verify step over a decode batch holding num_steps + 1 slots per request. `draft_bitmask`
-        (structured output): drafts [B][S] -> [B * k, W] int32 allowed tokens at each verified position."""
+        """One draft-and-verify step over a decode batch holding `spec_tree.slots_per_step` slots per request.
+        `draft_bitmask` (structured output): the drafts on each verified node's path [B][N][depth] -> [B * N, W]
+        int32 allowed tokens at each verified node."""
         return self.spec.step(batch, draft_bitmask)
 
     def _sample(self, batch: Batch, logits: torch.Tensor, samplers: list[int], bitmask: torch.Tensor | None = None):

@@ -17,6 +17,7 @@ import time
 import torch
 
 from mlaserve.core import ForwardContext, ForwardMode
+from mlaserve.engine.spec_tree import DraftTree, accept_tree, draft_tree, query_counts, slots_per_step, verify_tree
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 
 logger = logging.getLogger(__name__)
@@ -142,10 +143,10 @@ class DecodeGraphRunner:
 
 
 class SpecGraphRunner:
-    """CUDA graphs for speculative decoding (`engine/spec.py`), per captured batch size: the draft steps and the
-    verify forward as one graph, the acceptance and draft repair as another (the target's tokens are chosen
-    between the two, outside: argmax or the seeded sampler). Padded rows run the dummy request, whose first
-    positions all map to the padding slot 0."""
+    """CUDA graphs for speculative decoding (`engine/spec.py`, tree drafts `engine/spec_tree.py`), per captured
+    batch size: the draft steps and the verify forward as one graph, the acceptance and draft repair as another
+    (the target's tokens are chosen between the two, outside: argmax or the seeded sampler). Padded rows run the
+    dummy request, whose first positions all map to the padding slot 0."""
 
     def __init__(self, spec, req_to_token: torch.Tensor, dummy_req: int, batch_sizes: list[int], max_context: int,
                  device: torch.device, compile_max_bs: int = 0):
@@ -156,27 +157,34 @@ class SpecGraphRunner:
             from torch import _dynamo
             _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
             compiled = (torch.compile(spec.target_fn, dynamic=False), torch.compile(spec.draft_fn, dynamic=False))
-        s, k = spec.steps, spec.steps + 1
+        s, k, tree = spec.steps, spec.steps + 1, spec.topk > 1
+        width = slots_per_step(s, spec.topk, spec.num_draft)              # slots per request of a step
         n = self.batch_sizes[-1]
         self.dummy_req = dummy_req
-        req_to_token[dummy_req, : k + 2] = 0
+        req_to_token[dummy_req, : width + 2] = 0
         self.rows = torch.full((n,), dummy_req, dtype=torch.int64, device=device)
         self.base = torch.ones(n, dtype=torch.int64, device=device)
-        self.slots = torch.zeros(n, k, dtype=torch.int64, device=device)
-        self.target = torch.zeros(n, k, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n, width, dtype=torch.int64, device=device)
+        self.target = torch.zeros(n, spec.num_draft, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, tuple] = {}
         heads = spec.model.num_local_heads
         t0 = time.monotonic()
         pool, stream = None, torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):
-            splits = tuple(choose_num_kv_splits(decode_programs(bs, q * heads), max_context) for q in (1, k, s))
+            queries = query_counts(s, spec.topk, spec.num_draft) if tree else (1, k, s)
+            splits = [choose_num_kv_splits(decode_programs(bs, q * heads), max_context) for q in queries]
             rows, base, slots, target = self.rows[:bs], self.base[:bs], self.slots[:bs], self.target[:bs]
 
             def first():
+                if tree:
+                    t = draft_tree(spec, rows, base, slots, None, splits)
+                    return (t, *verify_tree(spec, rows, base, slots, t, None, splits))
                 return spec.draft_verify(rows, base, slots, None, splits[:2])
 
             def second(drafts, hidden):
+                if tree:
+                    return accept_tree(spec, rows, base, slots, drafts, target, hidden, None, splits)
                 return spec.accept(rows, base, slots, drafts, target, hidden, None, splits[2])
 
             spec.target_fn, spec.draft_fn = compiled if compiled is not None and bs <= compile_max_bs else eager
@@ -217,12 +225,15 @@ class SpecGraphRunner:
         self._bs = bs
         self.graphs[cbs][0].replay()
         drafts, logits, hidden = self.outputs[cbs][0]
-        k = self.spec.steps + 1
-        return drafts[:bs], logits[: bs * k], hidden[: bs * k]
+        k = self.target.shape[1]                  # tokens verified per request
+        drafts = DraftTree(*(x[:bs] for x in drafts)) if isinstance(drafts, DraftTree) else drafts[:bs]
+        return drafts, logits[: bs * k], hidden[: bs * k]
 
-    def accept(self, target: torch.Tensor) -> torch.Tensor:
+    def accept(self, target: torch.Tensor):
+        """Accepted drafts [B] (a chain), or (accepted [B], path [B, S + 1]) (a tree)."""
         bs = self._bs
         cbs = self._padded(bs)
         self.target[:bs].copy_(target)
         self.graphs[cbs][1].replay()
-        return self.outputs[cbs][1][:bs]
+        out = self.outputs[cbs][1]
+        return tuple(x[:bs] for x in out) if isinstance(out, tuple) else out[:bs]

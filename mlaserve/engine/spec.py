@@ -19,6 +19,9 @@ One step (`SpecDecoder.step`), on the device:
           them with its own): one NextN forward over all S drafts (`num_q = S`; the rejected ones' slots are
           freed, so what lands there is moot). Every step is device work of fixed shape, so on the GPU the
           draft + verify and the accept + repair run as two CUDA graphs (`engine/graph.py`)
+Tree drafts (topk > 1, `engine/spec_tree.py`) replace the draft, verify and accept parts: a tree of N tokens
+verified with a tree mask, its accepted path's KV moved to consecutive slots; the target's tokens and the outputs
+are picked here for both (a chain is the tree whose nodes are d_1 .. d_S in a line).
 Prefill: after the target's extend the NextN layer extends over the same tokens (pairs for all but the first
 token of each request). A request extending from a cached prefix p > 0 recomputes token p - 1 in the target
 (its KV goes to the scratch slot 0; the cached copy stays) to get the hidden state its first pair needs.
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from mlaserve.core import Batch, ForwardContext, ForwardMode
+from mlaserve.engine import spec_tree
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.layers.sampler import SamplingBatch
@@ -76,12 +80,12 @@ def widen(batch: Batch) -> Widened:
                    torch.tensor(index, dtype=torch.int64))
 
 
-def slot_counts(batch: Batch, steps: int) -> list[int]:
+def slot_counts(batch: Batch, steps: int, topk: int = 1, num_draft: int | None = None) -> list[int]:
     """Tokens of each forward a step runs, in order: the S drafts, the target, the draft layer (DP attention
     agrees on these, so every group runs every forward some group runs: IDLE where it has none)."""
     if batch.mode is ForwardMode.DECODE:
-        b = batch.size
-        return [b] * steps + [b * (steps + 1), b * steps]
+        queries = spec_tree.query_counts(steps, topk, num_draft) if topk > 1 else [1] * steps + [steps + 1, steps]
+        return [batch.size * q for q in queries]
     if batch.mode is ForwardMode.EXTEND:
         wide = [n + (1 if p > 0 else 0) for p, n in zip(batch.prefix_lens, batch.extend_lens)]
         return [0] * steps + [sum(wide), sum(wide) - len(wide)]
@@ -95,8 +99,10 @@ def _split(t: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
 class SpecDecoder:
     """Draft-and-verify for one rank's `ModelRunner` (whose model was built with its NextN layer)."""
 
-    def __init__(self, runner: "ModelRunner", num_steps: int):
+    def __init__(self, runner: "ModelRunner", num_steps: int, topk: int = 1, num_draft: int | None = None):
         self.runner, self.steps = runner, num_steps
+        self.topk = topk                                  # > 1: tree drafts (engine/spec_tree.py)
+        self.num_draft = num_draft or num_steps + 1       # N: tokens verified per request, the root included
         self.model = runner.model
         assert self.model.mtp is not None, "the model was built without its NextN layer"
         # the target and the draft as the decode steps call them (torch.compile'd by SpecGraphRunner when asked)
@@ -156,27 +162,43 @@ class SpecDecoder:
     @torch.no_grad()
     def step(self, batch: Batch, draft_bitmask=None) -> SpecOutput:
         s = self.steps
-        k, b, dev = s + 1, batch.size, self.runner.device
+        b, dev = batch.size, self.runner.device
         rows = to_device(torch.tensor([q.req_pool_idx for q in batch.reqs], dtype=torch.int64), dev)
         base = to_device(torch.tensor(batch.prefix_lens, dtype=torch.int64), dev)   # L: tokens with KV before
-        slots = to_device(batch.out_slots, dev).view(b, k)                # token L + j -> slots[:, j]
+        slots = to_device(batch.out_slots, dev).view(b, -1)               # token L + j -> slots[:, j]
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(b) else None
         counts = batch.slot_tokens                                       # DP attention: [forward][group]
-        if graphs is not None:
-            draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots)
+        if self.topk > 1 and graphs is not None:
+            tree, logits, hidden = graphs.draft_verify(rows, base, slots)
+        elif self.topk > 1:
+            tree = spec_tree.draft_tree(self, rows, base, slots, batch.prefix_lens, counts=counts)
+            logits, hidden = spec_tree.verify_tree(self, rows, base, slots, tree, batch.prefix_lens, counts=counts)
         else:
-            draft_ids, logits, hidden = self.draft_verify(rows, base, slots, batch.prefix_lens, counts=counts)
-        mask = draft_bitmask(draft_ids.tolist()) if draft_bitmask is not None else None   # grammars: host walk
-        target, lp, top = self._target_tokens(batch, logits, draft_ids, mask)    # [B, k]
-        if graphs is not None:
-            accepted = graphs.accept(target)
+            root = self.runner.token_buf[rows]
+            if graphs is not None:
+                draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots)
+            else:
+                draft_ids, logits, hidden = self.draft_verify(rows, base, slots, batch.prefix_lens, counts=counts)
+            tree = spec_tree.chain_tree(root, draft_ids)
+        mask = draft_bitmask(spec_tree.paths(tree)) if draft_bitmask is not None else None   # grammars: host walk
+        target, lp, top = self._target_tokens(batch, logits, tree, mask)       # [B, N]
+        if self.topk > 1 and graphs is not None:
+            accepted, path = graphs.accept(target)
+        elif self.topk > 1:
+            accepted, path = spec_tree.accept_tree(self, rows, base, slots, tree, target, hidden, batch.prefix_lens,
+                                                   counts=counts)
         else:
-            accepted = self.accept(rows, base, slots, draft_ids, target, hidden, batch.prefix_lens,
-                                   counts=counts[-1] if counts is not None else None)
+            if graphs is not None:
+                accepted = graphs.accept(target)
+            else:
+                accepted = self.accept(rows, base, slots, draft_ids, target, hidden, batch.prefix_lens,
+                                       counts=counts[-1] if counts is not None else None)
+            path = torch.arange(s + 1, device=dev).expand(b, -1)
         n_acc = accepted.tolist()
-        tokens = target.tolist()
-        lps = lp.tolist() if lp is not None else None
-        tops = [t.tolist() for t in top] if top is not None else None
+        tokens = target.gather(1, path).tolist()
+        lps = lp.gather(1, path).tolist() if lp is not None else None
+        tops = [t.gather(1, path[:, :, None].expand(-1, -1, t.shape[2])).tolist() for t in top] \
+            if top is not None else None
         out_tokens, out_lp, out_top = [], [], []
         for i, req in enumerate(batch.reqs):
             n = n_acc[i] + 1
@@ -257,40 +279,43 @@ class SpecDecoder:
         self.runner.token_buf[rows] = target[pick, accepted]
         return accepted
 
-    def _target_tokens(self, batch: Batch, logits: torch.Tensor, drafts: torch.Tensor,
+    def _target_tokens(self, batch: Batch, logits: torch.Tensor, tree: spec_tree.DraftTree,
                        bitmask: torch.Tensor | None = None):
-        """The target's token at every verified position (logits [B * k, V]): what decoding without speculation
-        samples there if the drafts before it are accepted (its step index, and the drafts as output history).
-        Returns (tokens [B, k], log-probs [B, k] | None, top (values, ids) [B, k, n] | None)."""
-        r, k = self.runner, self.steps + 1
-        b = batch.size
+        """The target's token at every verified node (logits [B * N, V]): what decoding without speculation
+        samples there if the drafts on its path are accepted (its step index, and those drafts as output history).
+        Returns (tokens [B, N], log-probs [B, N] | None, top (values, ids) [B, N, n] | None)."""
+        r = self.runner
+        b, n = tree.tokens.shape
         reqs = batch.reqs
-        steps = [r._step_index(batch, i) + j for i in range(b) for j in range(k)]
-        expanded = [q for q in reqs for _ in range(k)]
-        if bitmask is None and r._plain_greedy(expanded, steps):
-            return logits.argmax(-1).view(b, k), None, None
+        first = [r._step_index(batch, i) for i in range(b)]
+        if bitmask is None and r._plain_greedy(reqs, first):      # NOTE: a node's step is >= its request's first
+            return logits.argmax(-1).view(b, n), None, None
+        depth = tree.depth.tolist()
+        steps = [first[i] + depth[i][j] for i in range(b) for j in range(n)]
+        expanded = [q for q in reqs for _ in range(n)]
         sb = SamplingBatch.build([q.params for q in expanded], [q.seed for q in expanded], steps,
                                  [q.input_ids for q in expanded], [q.output_ids for q in expanded], r.cfg.vocab_size,
                                  r.eos_ids(), r.device)
         if sb.need_penalties:
-            _add_draft_history(sb, drafts, k)
+            _add_draft_history(sb, tree)
         if bitmask is not None:
             sb.token_bitmask = to_device(bitmask, r.device)
         want_lp = any(q.return_logprob for q in reqs)
         n_top = max(q.top_logprobs_num for q in reqs)
         out = r.sampler(logits, sb, return_logprob=want_lp, top_logprobs_num=n_top if want_lp else 0)
-        lp = out.logprobs.view(b, k) if out.logprobs is not None else None
-        top = tuple(t.view(b, k, -1) for t in out.top_logprobs) if out.top_logprobs is not None else None
-        return out.next_ids.view(b, k), lp, top
+        lp = out.logprobs.view(b, n) if out.logprobs is not None else None
+        top = tuple(t.view(b, n, -1) for t in out.top_logprobs) if out.top_logprobs is not None else None
+        return out.next_ids.view(b, n), lp, top
 
 
-def _add_draft_history(sb: SamplingBatch, drafts: torch.Tensor, k: int) -> None:
-    """Row (b, j) of a verify batch samples after drafts d_1 .. d_j were output: count them as output history."""
-    b, s = drafts.shape
-    seen = torch.zeros(b, k, sb.vocab_size, dtype=torch.int32, device=drafts.device)
-    before = torch.tril(torch.ones(k, s, dtype=torch.int32, device=drafts.device), diagonal=-1)   # [k, S]: j > i
-    seen.scatter_add_(2, drafts[:, None, :].expand(b, k, s), before[None].expand(b, k, s).contiguous())
-    seen = seen.view(b * k, sb.vocab_size)
+def _add_draft_history(sb: SamplingBatch, tree: spec_tree.DraftTree) -> None:
+    """Row (b, m) of a verify batch samples after the drafts on node m's path were output: count them as
+    output history."""
+    b, n = tree.tokens.shape
+    drafts = tree.tokens[:, 1:]                                          # [B, N - 1]
+    seen = torch.zeros(b, n, sb.vocab_size, dtype=torch.int32, device=drafts.device)
+    seen.scatter_add_(2, drafts[:, None, :].expand(b, n, n - 1), spec_tree.history(tree))
+    seen = seen.view(b * n, sb.vocab_size)
     if sb.token_counts is not None:
         sb.token_counts = sb.token_counts + seen
     if sb.seen_mask is not None:

@@ -75,7 +75,7 @@ def _load_cols(ptrs, rows_ok, offs, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, MidO, MidLse,
                        qk_scale, v_scale, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_rtt, H, num_q,
                        num_splits,
                        L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -96,6 +96,8 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse
     h = rows % H
     t = (b * num_q + j).to(tl.int64)
     limit = seq_len - num_q + j + 1                  # [BLOCK_H] row sees cache positions < limit (causal)
+    if TreeMask is not None:                         # bit i: row sees position seq_len - num_q + i (i <= j)
+        tree_bits = tl.load(TreeMask + t, mask=row_ok, other=0).to(tl.int64)
 
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -123,6 +125,10 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse
         s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
         s += tl.dot(q_pe, tl.trans(kv_pe.to(DOT_DTYPE)), input_precision=DOT_PREC)
         visible = (pos[None, :] < limit[:, None]) & pos_ok[None, :]
+        if TreeMask is not None:
+            rel = pos - (seq_len - num_q)            # [BLOCK_N] index among the last num_q positions (< 0: prefix)
+            bit = (tree_bits[:, None] >> tl.maximum(rel, 0).to(tl.int64)[None, :]) & 1
+            visible = visible & ((rel < 0)[None, :] | (bit != 0))
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # NOTE: a row may see nothing in this tile or split; a finite pivot keeps exp2 free of (-inf) - (-inf).
@@ -188,7 +194,7 @@ def _split_q(q: torch.Tensor, q_pe: torch.Tensor | None, kv_lora_rank: int) -> t
 
 def _check_args(q: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, kv_lora_rank: int, num_q: int,
-                num_kv_splits: int | None, out: torch.Tensor | None) -> None:
+                num_kv_splits: int | None, out: torch.Tensor | None, tree_mask: torch.Tensor | None = None) -> None:
     t, h, _ = q.shape
     d = kv_lora_rank + q_pe.shape[2]
     assert q.dtype in _FLOAT, f"q dtype must be fp16/bf16/fp32, got {q.dtype}"
@@ -207,6 +213,10 @@ def _check_args(q: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, req
     assert num_kv_splits is None or num_kv_splits >= 1, f"num_kv_splits must be >= 1, got {num_kv_splits}"
     devs = {x.device for x in (q, kv_cache, req_to_token, req_pool_idx, seq_lens)}
     assert len(devs) == 1, f"all tensors must be on one device, got {devs}"
+    if tree_mask is not None:
+        assert tree_mask.shape == (t,) and tree_mask.dtype == torch.int64 and tree_mask.device == q.device, \
+            f"tree_mask must be int64 [T={t}] on {q.device}, got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+        assert num_q <= 64, f"a tree mask covers at most 64 query tokens per request, got num_q={num_q}"
     if out is not None:
         assert out.shape == (t, h, kv_lora_rank) and out.dtype == q.dtype and out.stride(2) == 1, \
             f"out must be [{t}, {h}, {kv_lora_rank}] {q.dtype}, last dim contiguous"
@@ -215,7 +225,8 @@ def _check_args(q: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, req
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor,
                seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512, num_q: int = 1,
                kv_scale: float | None = None, num_kv_splits: int | None = None,
-               out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
+               tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed-MLA decode: out[t, h] = softmax(q[t, h] . K^T * sm_scale) @ V over the request's cached tokens.
 
     Args:
@@ -228,11 +239,15 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
             at position seq_lens[b] - num_q + j and sees positions 0 .. that one (needs seq_lens[b] >= num_q).
         num_kv_splits: splits of each request's tokens; None picks one from B and max(seq_lens) (a host sync:
             pass it explicitly under CUDA-graph capture).
+        tree_mask: [T] int64, speculative tree verification: bit i of row b*num_q + j lets query j of request b see
+            position seq_lens[b] - num_q + i, for i <= j (bits above j are ignored: a tree lists parents first);
+            the prefix stays visible. None: causal (every bit i <= j set).
     Returns:
         [T, H, L] in q.dtype (written into `out` when given).
     """
     q, q_pe = _split_q(q, q_pe, kv_lora_rank)
-    _check_args(q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, kv_lora_rank, num_q, num_kv_splits, out)
+    _check_args(q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, kv_lora_rank, num_q, num_kv_splits, out,
+                tree_mask)
     t, h = q.shape[:2]
     d = kv_lora_rank + q_pe.shape[2]
     big_l = kv_lora_rank
@@ -247,7 +262,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     mid_lse = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)        # [T, H, S]
     scale = 1.0 if kv_scale is None else float(kv_scale)
     _mla_decode_kernel[(b, head_blocks, splits)](
-        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, mid_o, mid_lse,
+        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, tree_mask, mid_o, mid_lse,
         sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), req_to_token.stride(0),
         h, num_q, splits, L=big_l, R=d - big_l, BLOCK_L=_padded(big_l), BLOCK_R=_padded(d - big_l),
@@ -261,10 +276,17 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     return out
 
 
+def tree_visible(bits: torch.Tensor, num_q: int) -> torch.Tensor:
+    """[num_q] int64 tree-mask rows -> [num_q, num_q] bool: query j sees new token i (bit i set, i <= j)."""
+    i = torch.arange(num_q, device=bits.device)
+    return ((bits[:, None] >> i[None, :]) & 1).bool() & (i[None, :] <= i[:, None])
+
+
 def mla_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                    req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512,
                    num_q: int = 1, kv_scale: float | None = None, num_kv_splits: int | None = None,
-                   out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
+                   tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Reference (the spec of `mla_decode`), one request at a time in fp32. `num_kv_splits` does not change
     the math and is ignored."""
     if q_pe is not None:
@@ -278,6 +300,8 @@ def mla_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.
         s = torch.einsum("jhd,nd->jhn", q_b, kv) * sm_scale                   # [num_q, H, N]
         last = n - num_q + torch.arange(num_q, device=q.device)               # [num_q] position of query j
         hidden = torch.arange(n, device=q.device)[None, :] > last[:, None]    # [num_q, N] causal mask
+        if tree_mask is not None:                                             # ancestors only among the new ones
+            hidden[:, n - num_q:] |= ~tree_visible(tree_mask[b * num_q:(b + 1) * num_q], num_q)
         s = s.masked_fill(hidden[:, None, :], float("-inf"))
         res[b * num_q:(b + 1) * num_q] = torch.softmax(s, dim=-1) @ kv[:, :kv_lora_rank]
     if out is None:

@@ -43,3 +43,8 @@ class MLAKVPool:
         """Rows of `slots` as `dtype` ([n, L + R]), dequantised for an FP8 pool."""
         rows = self.buffers[layer][slots]
         return rows.float().mul(self.kv_scale).to(dtype) if self.is_fp8 else rows.to(dtype)
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, num_layers: int) -> None:
+        """Row dst[i] <- row src[i] in layers 0 .. num_layers - 1 (every source read before any write)."""
+        for buf in self.buffers[:num_layers]:
+            buf[dst] = buf[src]

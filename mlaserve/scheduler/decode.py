@@ -25,8 +25,8 @@ def retract(sched: "Scheduler", req: Req) -> None:
 
 
 def plan_decode(sched: "Scheduler") -> Batch | None:
-    """One new token per running request, or under speculative decoding k = num_steps + 1 slots each (the last
-    token and the drafts; the rejected ones are freed after the step)."""
+    """One new token per running request, or under speculative decoding k = `spec_tree.slots_per_step` slots each
+    (the last token and the drafts; those past the accepted ones are freed after the step)."""
     k = sched.spec_tokens
     if sched.running and sched.kv.available() < k * len(sched.running):
         sched.drain()                         # retraction needs every request's tokens on the CPU

@@ -198,38 +198,27 @@ class GrammarManager:
                 matcher.fill_next_token_bitmask(mask, i)
         return mask
 
-    def draft_bitmask(self, batch: Batch, drafts: list[list[int]]) -> torch.Tensor | None:
-        """Speculative decoding: [B * k, W] allowed-token bits at each of the k verified positions of every request
-        (row i * k + j: after its output and drafts d_1 .. d_j), or None when no request is constrained. The
-        matchers walk the drafts and roll back; past a draft the grammar refuses, rows stay all-set (the target's
-        token there differs from that draft, so nothing after it is accepted)."""
+    def draft_bitmask(self, batch: Batch, paths: list[list[list[int]]]) -> torch.Tensor | None:
+        """Speculative decoding: [B * n, W] allowed-token bits at each of the n verified positions of every request
+        (row i * n + j: after its output and the drafts on position j's path, paths[i][j]; a chain's path j is
+        d_1 .. d_j), or None when no request is constrained. The matchers walk each path and roll back; past a
+        draft the grammar refuses, rows stay all-set (the target's token there differs from that draft, so
+        nothing after it is accepted)."""
         if not self.constrains(batch):
             return None
-        k = len(drafts[0]) + 1
-        mask = torch.full((batch.size * k, self.width), -1, dtype=torch.int32)
+        n = len(paths[0])
+        mask = torch.full((batch.size * n, self.width), -1, dtype=torch.int32)
         for i, req in enumerate(batch.reqs):
             state = self.states.get(req.rid)
             if state is None or req.finished is not None:
                 continue
-            own = m = self._matcher(req)
-            walked = 0
-            for j in range(k):
-                if m is not None and not m.is_terminated():
-                    m.fill_next_token_bitmask(mask, i * k + j)
-                if j == k - 1:
-                    break
-                d = drafts[i][j]
-                if m is None:                 # not active yet: it starts after the start token
-                    if d == state.start_id:
-                        import xgrammar as xgr
-
-                        m = xgr.GrammarMatcher(state.compiled)
-                    continue
-                if m.is_terminated() or not m.accept_token(d):
-                    break
-                walked += m is own
-            if own is not None and walked:
-                own.rollback(walked)
+            own = self._matcher(req)
+            for j, path in enumerate(paths[i]):
+                m, walked, ok = _walk(state, own, path)
+                if ok and m is not None and not m.is_terminated():
+                    m.fill_next_token_bitmask(mask, i * n + j)
+                if walked:
+                    own.rollback(walked)
         return mask
 
     def accept(self, req: Req, tok: int) -> FinishReason | None:
@@ -310,3 +299,20 @@ def _make_compiler(tokenizer: tokenizers.Tokenizer, vocab_size: int, stop_ids: l
 
 def _compile(compiler: Future, kind: str, text: str) -> Any:
     return compiler.result().compile_grammar(parse_grammar(kind, text))
+
+
+def _walk(state: GrammarState, own, path: list[int]):
+    """Advance a matcher along the drafts `path` from `own` (None: not active yet, it starts after the start
+    token). Returns (the matcher, tokens `own` took, whether the grammar took every draft)."""
+    m, walked = own, 0
+    for d in path:
+        if m is None:
+            if d == state.start_id:
+                import xgrammar as xgr
+
+                m = xgr.GrammarMatcher(state.compiled)
+            continue
+        if m.is_terminated() or not m.accept_token(d):
+            return m, walked, False
+        walked += m is own
+    return m, walked, True

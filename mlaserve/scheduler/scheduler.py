@@ -11,6 +11,7 @@ from mlaserve.core import Batch, FinishReason, ForwardMode, Req, RequestError, R
 from mlaserve.distributed import RankGroup
 from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve_for_device
 from mlaserve.engine.spec import SpecOutput, slot_counts
+from mlaserve.engine.spec_tree import slots_per_step
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.cache import KVCacheManager
 from mlaserve.scheduler.decode import plan_decode
@@ -32,8 +33,9 @@ class Scheduler:
         self.runner = runner or ModelRunner(server, model_path, group)
         self.context_len = self.runner.context_len
         self.max_running = self.cfg.max_running_requests
-        # speculative decoding: each decode step verifies spec_tokens positions (the last token and the drafts)
-        self.spec_tokens = self.cfg.speculative_num_steps + 1 if self.cfg.speculative_algorithm else 1
+        # speculative decoding: each decode step takes spec_tokens slots per request (the last token, the drafts)
+        self.spec_tokens = slots_per_step(self.cfg.speculative_num_steps, self.cfg.speculative_eagle_topk,
+                                          self.cfg.speculative_num_draft_tokens) if self.cfg.speculative_algorithm else 1
         reach = self.spec_tokens - 1
         self.kv = KVCacheManager(self.runner.num_slots, self.max_running + 8,
                                  min(self.context_len, self.runner.num_slots) + 1 + reach,
@@ -62,8 +64,9 @@ class Scheduler:
         # DP attention: every plan is agreed with all ranks (an IDLE batch when only other groups have work)
         slots = None
         if self.spec_tokens > 1:                  # every group runs the drafts, the target and the draft layer
-            steps = self.spec_tokens - 1
-            slots = lambda batch: slot_counts(batch, steps)                 # noqa: E731
+            c = self.cfg
+            slots = lambda batch: slot_counts(batch, c.speculative_num_steps, c.speculative_eagle_topk,  # noqa: E731
+                                              c.speculative_num_draft_tokens)
         self.dp_sync = DPStepSync(self.runner.group, slots) if self.runner.group.dp is not None else None
 
     # --- requests in ----------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import mlaserve
 from mlaserve.bench import one_batch
 from mlaserve.bench.floor import decode_step_bytes
@@ -35,17 +37,19 @@ def test_floor_of_one_rank_splits_all_but_the_replicated_parts():
     assert two["moe"] < one["moe"]
 
 
-def test_speculative_rows_report_accept_length(tmp_path):
-    """The demo model (its MTP head drafts) decoding speculatively until every request has --output-len tokens:
-    the rows carry the accept length."""
+@pytest.mark.parametrize("topk,n", [(1, 3), (3, 5)])
+def test_speculative_rows_report_accept_length(tmp_path, topk, n):
+    """The demo model (its MTP head drafts) decoding speculatively until every request has --output-len tokens,
+    with a chain and with a tree: the rows carry the accept length."""
     from mlaserve.demo import DEMO_DIR
 
     out = tmp_path / "rows.md"
     assert one_batch.main(["--model-path", str(DEMO_DIR), "--batch-size", "1", "3", "--input-len", "16",
                            "--output-len", "20", "--device", "cpu", "--speculative-algorithm", "EAGLE",
-                           "--speculative-num-steps", "2", "--output-file", str(out)]) == 0
+                           "--speculative-num-steps", "2", "--speculative-eagle-topk", str(topk),
+                           "--speculative-num-draft-tokens", str(n), "--output-file", str(out)]) == 0
     text = out.read_text()
     rows = json.loads(text.split("<!-- rows: ")[1].split(" -->")[0])
-    assert [r["engine"] for r in rows] == ["mlaserve spec (2, 1, 3)"] * 2
+    assert [r["engine"] for r in rows] == [f"mlaserve spec (2, {topk}, {n})"] * 2
     assert all(1.0 <= r["accept_length"] <= 3.0 and r["decode_tok_s"] > 0 for r in rows)
-    assert "mlaserve spec (2, 1, 3), accept " in text
+    assert f"mlaserve spec (2, {topk}, {n}), accept " in text

@@ -204,16 +204,19 @@ def test_dp_attention_with_expert_parallelism_equals_tp1(checkpoint):
     assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
 
 
-def test_speculative_groups_in_different_modes_equal_one_process():
+@pytest.mark.parametrize("tree", [{}, {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 6}],
+                         ids=["chain", "tree"])
+def test_speculative_groups_in_different_modes_equal_one_process(tree):
     """Group 0 decodes (drafts, verify, repair) while group 1 idles, then prefills (its target and draft-layer
-    extends beside group 0's decode forwards), then both decode: outputs equal one process without speculation."""
+    extends beside group 0's decode forwards), then both decode: outputs equal one process without speculation.
+    Tree drafts: each draft step's forward has K i tokens per request, the verify N, the repair S."""
     from mlaserve.demo import DEMO_DIR
 
     path, ps = str(DEMO_DIR), _demo_prompts()
     g0 = [_msg("a0", ps[0], 40), _msg("a1", ps[1] + ps[0], 24)]
     g1 = [_msg("b0", ps[2], 30), _msg("b1", ps[3], 12)]
     work = [(g0, {"a0": 0, "a1": 9}, {}), (g1, {"b0": 5, "b1": 7}, {})]
-    flags = dict(speculative_algorithm="EAGLE", max_total_tokens=2048)
+    flags = dict(speculative_algorithm="EAGLE", max_total_tokens=2048, **tree)
     alone = [drive_scheduler(_scheduler(path, max_total_tokens=2048), m, a, ab) for m, a, ab in work]
     ranks = spawn_ranks(drive_dp, 2, path, flags, work, timeout=300, dp_size=2)
     assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"

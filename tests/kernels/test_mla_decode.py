@@ -161,3 +161,44 @@ def test_separate_rope_query(device: str, splits: int | None) -> None:
     assert (got - mla_decode_ref(**args)).abs().max().item() <= TOL[torch.float32]
     with pytest.raises(AssertionError, match="q_pe"):
         mla_decode(**{**args, "q": q_lat}, q_pe=q_pe[..., :8].contiguous().double())
+
+
+def random_tree_mask(num_q: int, b: int, device: str) -> torch.Tensor:
+    """[b * num_q] int64: per request a random tree over its num_q new tokens (parents listed first, token 0 the
+    root); each row's bits are its ancestors and itself."""
+    rows = []
+    for _ in range(b):
+        bits = [1]
+        for j in range(1, num_q):
+            bits.append(bits[random.randrange(j)] | (1 << j))
+        rows += bits
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tree_mask_matches_reference(device: str, splits: int | None, dtype: torch.dtype) -> None:
+    """Speculative tree verification: each new token sees the prefix and its ancestors only."""
+    num_q = 6
+    lens = [num_q, random.randint(7, 70), random.randint(130, 200)]
+    args = make_case(device, lens, heads=4, big_l=64, rope=16, num_q=num_q, dtype=dtype, kv_dtype=dtype)
+    args["tree_mask"] = mask = random_tree_mask(num_q, len(lens), device)
+    check(args, TOL[dtype], num_kv_splits=splits)
+    # the reference: a leaf of the first request (no prefix) attends to exactly its ancestors' V rows
+    slots = args["req_to_token"][args["req_pool_idx"][0], :num_q].long()
+    kv = args["kv_cache"][slots].float()
+    j = num_q - 1
+    seen = [i for i in range(num_q) if (int(mask[j]) >> i) & 1]
+    q = args["q"][j].float()
+    p = torch.softmax(torch.einsum("hd,nd->hn", q, kv[seen]) * args["sm_scale"], dim=-1)
+    assert torch.allclose(mla_decode_ref(**args)[j].float(), p @ kv[seen, :64], atol=TOL[dtype])
+
+
+def test_chain_tree_mask_is_the_causal_mask(device: str) -> None:
+    num_q = 4
+    args = make_case(device, [5, 90], heads=4, big_l=64, rope=16, num_q=num_q, dtype=torch.float32,
+                     kv_dtype=torch.float32)
+    chain = torch.tensor([(1 << (j + 1)) - 1 for j in range(num_q)] * 2, dtype=torch.int64, device=device)
+    want = mla_decode(**args)
+    assert (mla_decode(**args, tree_mask=chain) - want).abs().max().item() <= 1e-6
+    assert (mla_decode_ref(**args, tree_mask=chain) - mla_decode_ref(**args)).abs().max().item() == 0
