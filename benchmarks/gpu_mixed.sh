@@ -39,10 +39,16 @@ serve_and_bench() {  # $1: label, rest: extra serve flags
   curl -s -m 10 http://127.0.0.1:30000/get_server_info > "$OUT/info_$label.json"
   kill -TERM $pid; wait $pid; echo "$label: serve exit code $?"
 }
-serve_and_bench default
-serve_and_bench mixed --enable-mixed-chunk
-serve_and_bench chunk512 --chunked-prefill-size 512
-serve_and_bench mixed-chunk512 --enable-mixed-chunk --chunked-prefill-size 512
+for run in ${RUNS:-default mixed chunk512 mixed-chunk512}; do
+  case $run in
+    default) serve_and_bench default ;;
+    mixed) serve_and_bench mixed --enable-mixed-chunk ;;
+    chunk512) serve_and_bench chunk512 --chunked-prefill-size 512 ;;
+    mixed-chunk512) serve_and_bench mixed-chunk512 --enable-mixed-chunk --chunked-prefill-size 512 ;;
+    # concurrency 1 and 16 (TTFT vs the prefill time, TPOT vs the one-batch step): 16 prompts a level
+    levels) CONC="1 16" PROMPTS=16 serve_and_bench levels --enable-mixed-chunk --chunked-prefill-size 512 ;;
+  esac
+done
 python3 - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"
 import glob, json, sys
 out = sys.argv[1]
