@@ -241,43 +241,6 @@ def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs
 
 def test_stop_strings_inside_accepted_paths_through_the_engine():
     """Stop strings are matched by the tokenizer manager on the streamed text; a step of tree drafts delivers
-    several tokens at once, and the text must still end just before the stop string's first occurrence (the
-    text without stops equals decoding without speculation: the tests above)."""
-    import mlaserve
-
-    prompts = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
-    params = {"max_new_tokens": 40, "temperature": 0}
-    with mlaserve.Engine(model_path=DEMO, device="cpu", dtype="float32", max_total_tokens=4096, log_level="warning",
-                         speculative_algorithm="EAGLE", speculative_eagle_topk=3,
-                         speculative_num_draft_tokens=6) as engine:
-        plain = [r["text"] for r in engine.generate(prompts, params)]
-        for p, text in zip(prompts, plain):
-            for at in (7, 12, 18):                   # several cuts: some land inside an accepted path
-                stop = text[at:at + 3]
-                got = engine.generate(p, params | {"stop": [stop]})
-                assert got["text"] == text[:text.index(stop)], (text, stop)
-                assert got["meta_info"]["finish_reason"]["type"] == "stop", got["meta_info"]
-        assert engine.get_server_info()["avg_spec_accept_length"] > 1.5
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs+compile"])
-def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs):
-    """On the GPU in fp32: the tree-masked Triton decode (draft queries, verify), the tree's draft + verify and
-    accept + repair CUDA graphs and torch.compile inside them give the tokens of decoding without speculation."""
-    flags = dict(device="cuda", dtype="float32", disable_cuda_graph=graphs == "eager", max_running_requests=8,
-                 enable_torch_compile=graphs == "graphs+compile")
-    msgs = [msg(f"g{i}", p, max_new=40) for i, p in enumerate(demo_prompts)]
-    base = run(make(DEMO, **flags), msgs)
-    s = tree(DEMO, 3, 4, 8, **flags)
-    assert (s.runner.spec.graphs is not None) == (graphs != "eager")
-    same(base, run(s, msgs, arrivals={m.rid: 2 * i for i, m in enumerate(msgs)}))
-    assert accept_length(s) > 2.5
-    assert_no_leak(s)
-
-
-def test_stop_strings_inside_accepted_paths_through_the_engine():
-    """Stop strings are matched by the tokenizer manager on the streamed text; a step of tree drafts delivers
     several tokens at once, and the text must still end where decoding without speculation ends it."""
     import mlaserve
 

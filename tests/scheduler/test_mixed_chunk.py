@@ -6,27 +6,15 @@ from __future__ import annotations
 import json
 import random
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-import mlaserve
 from mlaserve.config import ServerConfig
 from mlaserve.core import SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.scheduler.scheduler import Scheduler
-from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
 from seq_runner import drive_scheduler as run
-
-CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> str:
-    d = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"first_k_dense_replace": 1}
-    cfg = make_config(d, num_layers=2, shrink=True, fp8=False)
-    return str(write_checkpoint(cfg, tmp_path_factory.mktemp("mixed") / "m", progress=False, tokenizer=False))
 
 
 @pytest.fixture(autouse=True)

@@ -29,13 +29,6 @@ CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 LENGTHS = (2, 3, 5, 8, 13, 21)          # max_new_tokens: a request finishes at most steps
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> str:
-    d = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"first_k_dense_replace": 1}
-    cfg = make_config(d, num_layers=2, shrink=True, fp8=False)
-    return str(write_checkpoint(cfg, tmp_path_factory.mktemp("sync") / "m", progress=False, tokenizer=False))
-
-
 @contextmanager
 def no_sync() -> Iterator[None]:
     torch.cuda.set_sync_debug_mode("error")
