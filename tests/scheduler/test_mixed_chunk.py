@@ -15,6 +15,7 @@ from mlaserve.core import SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.scheduler.scheduler import Scheduler
 from seq_runner import drive_scheduler as run
+from test_scheduler import make, msg, prompts
 
 
 @pytest.fixture(autouse=True)
@@ -22,19 +23,6 @@ def _one_thread(one_thread):
     yield
 
 
-def make(ckpt: str, **kw) -> Scheduler:
-    args = dict(model_path=ckpt, device="cpu", dtype="float32", max_total_tokens=4096, log_level="warning")
-    return Scheduler(ServerConfig.from_flat(**(args | kw)), ckpt)
-
-
-def msg(rid: str, ids: list[int], max_new: int = 12, **params) -> GenerateReqMsg:
-    p = SamplingParams(max_new_tokens=max_new, temperature=params.pop("temperature", 0.0), **params)
-    return GenerateReqMsg(rid, ids, p, seed=params.get("seed") or 1234)
-
-
-def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, 4000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def staggered(n: int = 6, seed: int = 1) -> tuple[list[GenerateReqMsg], dict[str, int]]:
