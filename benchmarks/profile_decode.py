@@ -2,18 +2,16 @@
 
 Prints the kernels of one replayed decode step: name, launches per step, mean us, total us per step, and the
 number of kernels per step and per layer."""
-import argparse, sys, torch
-from mlaserve.bench.one_batch import build_runner, one_batch, model_dir
+import argparse, torch
+from mlaserve.bench.one_batch import build_parser, build_runner, model_dir, one_batch
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
 ap.add_argument("--bs", type=int, default=1)
 ap.add_argument("--replays", type=int, default=10)
 a = ap.parse_args()
-args = argparse.Namespace(model_path=None, model_config=a.model_config, load_format="dummy", batch_size=[a.bs],
-                          input_len=256, output_len=8, dtype="auto", device="auto", attention_backend="auto",
-                          disable_cuda_graph=False, enable_torch_compile=False,
-                          speculative_algorithm=None, speculative_num_steps=None)
+args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size",
+                                  str(a.bs), "--input-len", "256", "--output-len", "8"])
 runner, pool, alloc = build_runner(args, model_dir(args))
 one_batch(runner, pool, alloc, a.bs, 256, 4)
 g = runner.graphs.graphs[min(b for b in runner.graphs.batch_sizes if b >= a.bs)]

@@ -5,17 +5,15 @@ import argparse
 
 import torch
 
-from mlaserve.bench.one_batch import build_runner, model_dir
+from mlaserve.bench.one_batch import build_parser, build_runner, model_dir
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
 ap.add_argument("--len", type=int, default=4096)
 a = ap.parse_args()
-args = argparse.Namespace(model_path=None, model_config=a.model_config, load_format="dummy", batch_size=[1],
-                          input_len=a.len, output_len=8, dtype="auto", device="auto", attention_backend="auto",
-                          disable_cuda_graph=True, enable_torch_compile=False, speculative_algorithm=None,
-                          speculative_num_steps=None)
+args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size", "1",
+                                  "--input-len", str(a.len), "--output-len", "8", "--disable-cuda-graph"])
 runner, pool, alloc = build_runner(args, model_dir(args))
 req = Req("p", torch.randint(2, runner.cfg.vocab_size, (a.len,)).tolist(),
           SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), seed=0)

@@ -288,7 +288,8 @@ def bench_rank(group: RankGroup | None, args: argparse.Namespace, path: str, cei
     return rows, runner.cfg, startup
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `bench one-batch` flags (also how benchmarks/profile_*.py describe the runner they build)."""
     ap = argparse.ArgumentParser(prog="mlaserve bench one-batch", description=__doc__.split("\n")[0])
     ap.add_argument("--model-path")
     ap.add_argument("--model-config", help="config.json for --load-format dummy")
@@ -314,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-dir", default="/tmp/mlaserve-profile")
     ap.add_argument("--hf-peer", action="store_true", help="then run HF transformers on the same config")
     ap.add_argument("--output-file", help="append the markdown table and JSON rows here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if not args.model_path and not (args.load_format == "dummy" and args.model_config):
         ap.error("give --model-path, or --load-format dummy with --model-config")

@@ -157,7 +157,7 @@ class ModelRunner:
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                         sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,
-                                        compile_max_bs=sched.torch_compile_max_bs, token_buf=self.token_buf)
+                                        self.token_buf, compile_max_bs=sched.torch_compile_max_bs)
 
     # --- one step ----------------------------------------------------------------------------
     def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:

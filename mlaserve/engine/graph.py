@@ -30,7 +30,7 @@ class DecodeGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_pool, attn_backend, req_to_token: torch.Tensor,
                  dummy_req: int, batch_sizes: list[int], max_context: int, device: torch.device,
-                 compile_max_bs: int = 0, token_buf: torch.Tensor | None = None):
+                 token_buf: torch.Tensor, compile_max_bs: int = 0):
         self.model, self.batch_sizes = model, sorted(batch_sizes)
         self.compile_max_bs = compile_max_bs
         self.compiled = None
@@ -47,8 +47,7 @@ class DecodeGraphRunner:
         self.staging = [self.inputs.cpu().pin_memory() for _ in range(self.STAGING)]
         self.staged: list[torch.cuda.Event | None] = [None] * self.STAGING
         self.next_staging = 0
-        self.token_buf = token_buf if token_buf is not None else torch.zeros(max(dummy_req + 1, 1), dtype=torch.int64,
-                                                                             device=device)
+        self.token_buf = token_buf        # [pool rows] each request's last sampled token (the runner's)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

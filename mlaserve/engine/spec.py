@@ -134,7 +134,7 @@ class SpecDecoder:
         """The NextN layer over an extend batch the target just ran (`hidden` [T', h] of the widened batch):
         a draft pair for every token of each request but its first; each request's last hidden state is kept.
         `counts`: DP attention's agreed tokens of this forward per group."""
-        rows, prefix, ext, take_tok, take_hid, slots, last = [], [], [], [], [], [], []
+        rows, prefix, ext, take_tok, take_hid, last = [], [], [], [], [], []
         at = 0
         for req, p, n in zip(batch.reqs, wide.prefix_lens, wide.extend_lens):
             last.append(at + n - 1)
@@ -161,7 +161,6 @@ class SpecDecoder:
     # --- one decode step: draft, verify, accept, repair -------------------------------------------
     @torch.no_grad()
     def step(self, batch: Batch, draft_bitmask=None) -> SpecOutput:
-        s = self.steps
         b, dev = batch.size, self.runner.device
         rows = to_device(torch.tensor([q.req_pool_idx for q in batch.reqs], dtype=torch.int64), dev)
         base = to_device(torch.tensor(batch.prefix_lens, dtype=torch.int64), dev)   # L: tokens with KV before
@@ -193,12 +192,16 @@ class SpecDecoder:
             else:
                 accepted = self.accept(rows, base, slots, draft_ids, target, hidden, batch.prefix_lens,
                                        counts=counts[-1] if counts is not None else None)
-            path = torch.arange(s + 1, device=dev).expand(b, -1)
+            path = None                                   # a chain's nodes are its path, in order
         n_acc = accepted.tolist()
-        tokens = target.gather(1, path).tolist()
-        lps = lp.gather(1, path).tolist() if lp is not None else None
-        tops = [t.gather(1, path[:, :, None].expand(-1, -1, t.shape[2])).tolist() for t in top] \
-            if top is not None else None
+        if path is not None:                              # the accepted path's nodes first
+            target = target.gather(1, path)
+            lp = lp.gather(1, path) if lp is not None else None
+            top = tuple(t.gather(1, path[:, :, None].expand(-1, -1, t.shape[2])) for t in top) \
+                if top is not None else None
+        tokens = target.tolist()
+        lps = lp.tolist() if lp is not None else None
+        tops = [t.tolist() for t in top] if top is not None else None
         out_tokens, out_lp, out_top = [], [], []
         for i, req in enumerate(batch.reqs):
             n = n_acc[i] + 1

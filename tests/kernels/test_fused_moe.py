@@ -279,12 +279,8 @@ def test_moe_align_block_size_puts_sentinel_slots_in_zero_blocks(tokens: int, de
     assert (labels[len(labels) - n_sent:] == -1).all() and (labels[:len(labels) - n_sent].diff() >= 0).all()
 
 
-@pytest.mark.parametrize("dtype,tokens,fp8", [(torch.float32, 9, False), (torch.float16, 1, False),
-                                              (torch.float16, 5, True)])   # the align test covers many chunks
-def test_fused_moe_with_sentinel_ids_sums_to_all_experts(dtype: torch.dtype, tokens: int, fp8: bool,
-                                                         device: str) -> None:
-    """Two EP ranks, 8 experts each: each rank's fused_moe over its local ids (-1 elsewhere) matches the reference,
-    and the two partial outputs sum to the single process's output over all 16 experts."""
+def seeded_case(tokens: int, fp8: bool, dtype: torch.dtype, device: str):
+    """A fresh random case (the seed printed): (shape, weights, topk_weights, topk_ids, x, tile config)."""
     seed = int(torch.randint(0, 2**31, ()).item())
     print(f"seed {seed}")
     torch.manual_seed(seed)
@@ -292,7 +288,16 @@ def test_fused_moe_with_sentinel_ids_sums_to_all_experts(dtype: torch.dtype, tok
     w = fp8_weights(shape, device) if fp8 else dense_weights(shape, dtype, device)
     topk_weights, topk_ids = routing(tokens, shape, device)
     x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
-    config = FP8_CFG if fp8 else CFG
+    return shape, w, topk_weights, topk_ids, x, FP8_CFG if fp8 else CFG
+
+
+@pytest.mark.parametrize("dtype,tokens,fp8", [(torch.float32, 9, False), (torch.float16, 1, False),
+                                              (torch.float16, 5, True)])   # the align test covers many chunks
+def test_fused_moe_with_sentinel_ids_sums_to_all_experts(dtype: torch.dtype, tokens: int, fp8: bool,
+                                                         device: str) -> None:
+    """Two EP ranks, 8 experts each: each rank's fused_moe over its local ids (-1 elsewhere) matches the reference,
+    and the two partial outputs sum to the single process's output over all 16 experts."""
+    _, w, topk_weights, topk_ids, x, config = seeded_case(tokens, fp8, dtype, device)
     whole = fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids).float()
     parts = []
     for rank in range(2):
@@ -332,17 +337,10 @@ def test_fused_moe_in_gemm_combine(dtype: torch.dtype, tokens: int, fp8: bool, e
     """With a sync buffer: the same output as the separate combine (fp32 sums of the same rows, another order),
     within the reference's tolerance, expert-parallel sentinel ids included; the counts are left zero."""
     monkeypatch.setattr(fm, "COMBINE_MAX_TOKENS", COMBINE_TEST_MAX)
-    seed = int(torch.randint(0, 2**31, ()).item())
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
-    shape = V3 if fp8 else V2_LITE
-    w = fp8_weights(shape, device) if fp8 else dense_weights(shape, dtype, device)
-    topk_weights, topk_ids = routing(tokens, shape, device)
+    _, w, topk_weights, topk_ids, x, config = seeded_case(tokens, fp8, dtype, device)
     if ep:                                                         # experts 8.. live on another rank
         w = {k: v[:8].contiguous() for k, v in w.items()}
         topk_ids = split_ids(topk_ids, 0, 8)
-    x = torch.randn(tokens, shape.hidden, device=device, dtype=dtype)
-    config = FP8_CFG if fp8 else CFG
     sync = torch.zeros(64, dtype=torch.int32, device=device)
     separate = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config)
     for _ in range(2):
