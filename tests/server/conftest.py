@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from mlaserve.server.launch import free_port as launch_free_port
 
 API_KEY = "test-key"
 START_TIMEOUT_S = 120.0
@@ -25,10 +26,16 @@ SHARED_ARGS = ["--max-total-tokens", "4096", "--context-length", str(CONTEXT_LEN
                "--enable-metrics", "--log-level", "warning", "--dtype", "float32"]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port not handed out before in this session: a test taking two (an HTTP port and a
+    --dist-init-addr port) must not get the same one twice, which the kernel can return for back-to-back asks."""
+    while (port := launch_free_port()) in _HANDED_OUT:
+        pass
+    _HANDED_OUT.add(port)
+    return port
 
 
 class ServerProcess:

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 import mlaserve
-from mlaserve.server.launch import free_port
+from conftest import free_port
 
 MODEL = "tp-test"
 CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "4096", "--log-level", "warning"]   # two gloo ranks, any machine
