@@ -343,7 +343,8 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
     """Speculative decoding: the draft is the checkpoint's own MTP layer, a chain of num_steps tokens verified
     with the token before them (topk 1: num_draft_tokens = num_steps + 1), or a tree (topk > 1) of the best
     num_draft_tokens - 1 of its K + (num_steps - 1) K^2 candidates and the token before them. The overlap scheduler
-    is turned off (the next step's slots depend on this step's accept lengths), as SGLang does."""
+    stays on: accept lengths stay on the device, and each step's slots are taken for the longest advance the step
+    before it may make (`scheduler/decode.spec_columns`)."""
     alg = s.speculative_algorithm
     if alg is None:
         given = [_flag(n) for n in SPEC_FLAGS if getattr(s, n) is not None]
@@ -373,7 +374,7 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
         _reject(f"--speculative-draft-model-path {path}: a separate draft checkpoint is not supported yet; the draft "
                 "is the target checkpoint's own MTP layer (leave the flag unset)")
     return replace(s, speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=topk,
-                   speculative_num_draft_tokens=drafts, disable_overlap_schedule=True)
+                   speculative_num_draft_tokens=drafts)
 
 
 def _check_tree(steps: int, topk: int, drafts: int) -> None:

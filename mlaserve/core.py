@@ -319,6 +319,9 @@ class Req(RequestSpec):
     sent_len: int = 0                      # output tokens already sent to the manager
     spec_verify_ct: int = 0                # speculative verify steps run for it
     spec_tokens: int = 0                   # output tokens they produced (accepted drafts + one each)
+    # the latest batch planned with it (speculative decoding: while that batch is queued and unprocessed, its
+    # next step's base is known on the device only; `scheduler/decode.spec_columns`)
+    last_batch: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def fill_ids(self) -> list[int]:

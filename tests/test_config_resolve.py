@@ -195,7 +195,7 @@ def test_speculative_decoding_resolves_sglang_defaults():
     s = r.sched
     assert (s.speculative_algorithm, s.speculative_num_steps, s.speculative_eagle_topk,
             s.speculative_num_draft_tokens) == ("EAGLE", 3, 1, 4)
-    assert s.disable_overlap_schedule and not s.disable_cuda_graph      # graphs capture draft + verify
+    assert not s.disable_overlap_schedule and not s.disable_cuda_graph  # overlap stays on; graphs: draft + verify
     assert resolve_config(r, V3_FP8, H100) == r
     r = resolve(CPU, V3_FP8, speculative_algorithm="EAGLE", speculative_num_steps=1)
     assert (r.sched.speculative_num_steps, r.sched.speculative_num_draft_tokens) == (1, 2)

@@ -19,6 +19,10 @@ class BaseAttnBackend(ABC):
     cache row a query may see is in `ctx.kv_pool` through `ctx.req_to_token`.
     """
 
+    # True when decode reads the host sequence lengths (`ctx.seq_lens_cpu`): the PyTorch reference does; a kernel
+    # reads `ctx.seq_lens` on the device (speculative steps then need not bring their lengths to the host)
+    host_seq_lens = False
+
     def __init__(self, sm_scale: float, kv_lora_rank: int, rope_dim: int):
         self.sm_scale, self.kv_lora_rank, self.rope_dim = sm_scale, kv_lora_rank, rope_dim
 

@@ -9,6 +9,8 @@ from mlaserve.kernels.mla_decode import tree_visible
 
 
 class TorchMLABackend(BaseAttnBackend):
+    host_seq_lens = True
+
     def _request_rows(self, layer: int, ctx: ForwardContext, b: int, dtype: torch.dtype) -> torch.Tensor:
         slots = ctx.req_to_token[ctx.req_pool_idx[b], : ctx.seq_lens_cpu[b]].long()
         return ctx.kv_pool.load(layer, slots, dtype)                       # [S, L + R]

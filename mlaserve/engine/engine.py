@@ -16,7 +16,7 @@ from mlaserve.core import Batch, ForwardMode
 from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
 from mlaserve.distributed.expert import expert_parallel
 from mlaserve.engine.forward_batch import build_context
-from mlaserve.engine.spec import SpecDecoder, SpecOutput, widen
+from mlaserve.engine.spec import PendingSpec, SpecDecoder, SpecOutput, widen
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
@@ -235,7 +235,14 @@ class ModelRunner:
             event.record()
         return PendingStep(batch, samplers, host[0], host[1], top, prompt, event)
 
-    def resolve(self, p: PendingStep) -> StepOutput:
+    @torch.no_grad()
+    def launch_spec(self, batch: Batch, draft_bitmask=None) -> PendingSpec:
+        """Queue a draft-and-verify step (a decode batch under speculative decoding); `resolve` fetches it."""
+        return self.spec.launch(batch, draft_bitmask)
+
+    def resolve(self, p: PendingStep | PendingSpec) -> StepOutput | SpecOutput:
+        if isinstance(p, PendingSpec):
+            return self.spec.resolve(p)
         if p.event is not None:
             p.event.synchronize()
         b = p.batch.size

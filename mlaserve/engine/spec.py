@@ -53,6 +53,18 @@ class SpecOutput(NamedTuple):
     accepted: list[int]                      # drafts accepted (len(tokens) - 1)
 
 
+class PendingSpec(NamedTuple):
+    """A speculative step queued on the device (`SpecDecoder.launch`): its results arrive in host buffers at
+    `event`. tokens [B, N] (the accepted path's first), accepted [B], logprobs [B, N] | None, top | None."""
+
+    batch: Batch
+    tokens: torch.Tensor
+    accepted: torch.Tensor
+    logprobs: torch.Tensor | None
+    top: tuple[torch.Tensor, torch.Tensor] | None
+    event: "torch.cuda.Event | None"
+
+
 class Widened(NamedTuple):
     """An extend batch with, for each request extending from p > 0, token p - 1 recomputed in front."""
 
@@ -108,11 +120,13 @@ class SpecDecoder:
         # the target and the draft as the decode steps call them (torch.compile'd by SpecGraphRunner when asked)
         self.target_fn, self.draft_fn = self.model, self.model.mtp
         self.hidden_buf: torch.Tensor | None = None       # [rows, h]: target hidden at each request's last KV position
+        self.base_buf: torch.Tensor | None = None         # [rows] int64: each request's tokens with KV (its next L)
         self.graphs = None                                # SpecGraphRunner (engine/graph.py) on the GPU
 
     def attach(self, rows: int) -> None:
         cfg = self.runner.cfg
         self.hidden_buf = torch.zeros(rows, cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
+        self.base_buf = torch.zeros(rows, dtype=torch.int64, device=self.runner.device)
 
     def _ctx(self, mode: ForwardMode, rows: list[int], prefix: list[int], ext: list[int], out_slots: torch.Tensor,
              draft: bool, num_q: int = 1):
@@ -157,53 +171,82 @@ class SpecDecoder:
             self.model.mtp.forward_idle(counts)
         req_rows = to_device(torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64), dev)
         self.hidden_buf[req_rows] = hidden[to_device(torch.tensor(last, dtype=torch.int64), dev)]
+        ends = [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens)]
+        self.base_buf[req_rows] = to_device(torch.tensor(ends, dtype=torch.int64), dev)
 
     # --- one decode step: draft, verify, accept, repair -------------------------------------------
     @torch.no_grad()
     def step(self, batch: Batch, draft_bitmask=None) -> SpecOutput:
+        return self.resolve(self.launch(batch, draft_bitmask))
+
+    @torch.no_grad()
+    def launch(self, batch: Batch, draft_bitmask=None) -> "PendingSpec":
+        """Queue a step on the device and return without waiting (`resolve` fetches its tokens). Each request's
+        base L (tokens with KV) is read on the device (`base_buf`, advanced by every accept), its step's slots from
+        its req_to_token row at columns L .. L + slots_per_step - 1: so the next step can be queued before this
+        one's accept lengths reach the host (the overlap scheduler). The host's `batch.prefix_lens` may then be
+        lower bounds of L (`scheduler/decode.plan_decode`); nothing here reads them as exact.
+        `draft_bitmask` (structured output) walks the drafts on the host: it waits for them."""
         b, dev = batch.size, self.runner.device
         rows = to_device(torch.tensor([q.req_pool_idx for q in batch.reqs], dtype=torch.int64), dev)
-        base = to_device(torch.tensor(batch.prefix_lens, dtype=torch.int64), dev)   # L: tokens with KV before
-        slots = to_device(batch.out_slots, dev).view(b, -1)               # token L + j -> slots[:, j]
+        base = self.base_buf[rows]                                       # L: tokens with KV before
+        width = spec_tree.slots_per_step(self.steps, self.topk, self.num_draft)
+        cols = base[:, None] + torch.arange(width, device=dev)
+        slots = self.runner.req_to_token[rows[:, None], cols].to(torch.int64)    # token L + j -> slots[:, j]
+        # NOTE: the PyTorch reference attention reads lengths on the host (a wait that costs nothing on the CPU)
+        base_cpu = base.tolist() if self.runner.attn_backend.host_seq_lens else None
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(b) else None
         counts = batch.slot_tokens                                       # DP attention: [forward][group]
         if self.topk > 1 and graphs is not None:
             tree, logits, hidden = graphs.draft_verify(rows, base, slots)
         elif self.topk > 1:
-            tree = spec_tree.draft_tree(self, rows, base, slots, batch.prefix_lens, counts=counts)
-            logits, hidden = spec_tree.verify_tree(self, rows, base, slots, tree, batch.prefix_lens, counts=counts)
+            tree = spec_tree.draft_tree(self, rows, base, slots, base_cpu, counts=counts)
+            logits, hidden = spec_tree.verify_tree(self, rows, base, slots, tree, base_cpu, counts=counts)
         else:
             root = self.runner.token_buf[rows]
             if graphs is not None:
                 draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots)
             else:
-                draft_ids, logits, hidden = self.draft_verify(rows, base, slots, batch.prefix_lens, counts=counts)
+                draft_ids, logits, hidden = self.draft_verify(rows, base, slots, base_cpu, counts=counts)
             tree = spec_tree.chain_tree(root, draft_ids)
         mask = draft_bitmask(spec_tree.paths(tree)) if draft_bitmask is not None else None   # grammars: host walk
-        target, lp, top = self._target_tokens(batch, logits, tree, mask)       # [B, N]
+        target, lp, top = self._target_tokens(batch, base, logits, tree, mask)    # [B, N]
         if self.topk > 1 and graphs is not None:
             accepted, path = graphs.accept(target)
         elif self.topk > 1:
-            accepted, path = spec_tree.accept_tree(self, rows, base, slots, tree, target, hidden, batch.prefix_lens,
+            accepted, path = spec_tree.accept_tree(self, rows, base, slots, tree, target, hidden, base_cpu,
                                                    counts=counts)
         else:
             if graphs is not None:
                 accepted = graphs.accept(target)
             else:
-                accepted = self.accept(rows, base, slots, draft_ids, target, hidden, batch.prefix_lens,
+                accepted = self.accept(rows, base, slots, draft_ids, target, hidden, base_cpu,
                                        counts=counts[-1] if counts is not None else None)
             path = None                                   # a chain's nodes are its path, in order
-        n_acc = accepted.tolist()
+        self.base_buf[rows] = base + 1 + accepted
         if path is not None:                              # the accepted path's nodes first
             target = target.gather(1, path)
             lp = lp.gather(1, path) if lp is not None else None
             top = tuple(t.gather(1, path[:, :, None].expand(-1, -1, t.shape[2])) for t in top) \
                 if top is not None else None
-        tokens = target.tolist()
-        lps = lp.tolist() if lp is not None else None
-        tops = [t.tolist() for t in top] if top is not None else None
+        host = [t.to("cpu", non_blocking=True) if t is not None else None for t in (target, accepted, lp)]
+        top = tuple(t.to("cpu", non_blocking=True) for t in top) if top is not None else None
+        event = None
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingSpec(batch, host[0], host[1], host[2], top, event)
+
+    def resolve(self, p: "PendingSpec") -> SpecOutput:
+        """The tokens of a step queued by `launch` (waits for it)."""
+        if p.event is not None:
+            p.event.synchronize()
+        n_acc = p.accepted.tolist()
+        tokens = p.tokens.tolist()
+        lps = p.logprobs.tolist() if p.logprobs is not None else None
+        tops = [t.tolist() for t in p.top] if p.top is not None else None
         out_tokens, out_lp, out_top = [], [], []
-        for i, req in enumerate(batch.reqs):
+        for i, req in enumerate(p.batch.reqs):
             n = n_acc[i] + 1
             out_tokens.append(tokens[i][:n])
             out_lp.append(lps[i][:n] if lps is not None and req.return_logprob else None)
@@ -282,23 +325,25 @@ class SpecDecoder:
         self.runner.token_buf[rows] = target[pick, accepted]
         return accepted
 
-    def _target_tokens(self, batch: Batch, logits: torch.Tensor, tree: spec_tree.DraftTree,
+    def _target_tokens(self, batch: Batch, base: torch.Tensor, logits: torch.Tensor, tree: spec_tree.DraftTree,
                        bitmask: torch.Tensor | None = None):
         """The target's token at every verified node (logits [B * N, V]): what decoding without speculation
         samples there if the drafts on its path are accepted (its step index, and those drafts as output history).
+        A node's step index is computed on the device from the request's base L (`base` [B]); the host's
+        `batch.prefix_lens` give lower bounds only (enough to tell whether a sampler is needed at all).
         Returns (tokens [B, N], log-probs [B, N] | None, top (values, ids) [B, N, n] | None)."""
         r = self.runner
         b, n = tree.tokens.shape
         reqs = batch.reqs
-        first = [r._step_index(batch, i) for i in range(b)]
+        first = [r._step_index(batch, i) for i in range(b)]         # lower bounds (exact without overlap)
         if bitmask is None and r._plain_greedy(reqs, first):      # NOTE: a node's step is >= its request's first
             return logits.argmax(-1).view(b, n), None, None
-        depth = tree.depth.tolist()
-        steps = [first[i] + depth[i][j] for i in range(b) for j in range(n)]
         expanded = [q for q in reqs for _ in range(n)]
-        sb = SamplingBatch.build([q.params for q in expanded], [q.seed for q in expanded], steps,
-                                 [q.input_ids for q in expanded], [q.output_ids for q in expanded], r.cfg.vocab_size,
-                                 r.eos_ids(), r.device)
+        sb = SamplingBatch.build([q.params for q in expanded], [q.seed for q in expanded],
+                                 [f for f in first for _ in range(n)], [q.input_ids for q in expanded],
+                                 [q.output_ids for q in expanded], r.cfg.vocab_size, r.eos_ids(), r.device)
+        prompt = to_device(torch.tensor([len(q.input_ids) for q in reqs], dtype=torch.int64), r.device)
+        sb.steps = ((base - prompt + 1)[:, None] + tree.depth).reshape(-1)   # output tokens before each node
         if sb.need_penalties:
             _add_draft_history(sb, tree)
         if bitmask is not None:

@@ -72,14 +72,14 @@ class KVCacheManager:
         for r in reqs:
             r.kv_len += 1
 
-    def extend_each(self, reqs: list[Req], slots: torch.Tensor, k: int) -> None:
-        """Speculative decode: k new slots per request (slots [len(reqs) * k], request by request), written into
-        the table with a single indexed store."""
-        rows = [r.req_pool_idx for r in reqs for _ in range(k)]
-        cols = [r.kv_len + j for r in reqs for j in range(k)]
-        self.req_pool.write_one_each(rows, cols, slots)
-        for r in reqs:
-            r.kv_len += k
+    def extend_varied(self, reqs: list[Req], counts: list[int], slots: torch.Tensor) -> None:
+        """counts[i] new slots for request i (slots request by request), written with a single indexed store."""
+        rows = [r.req_pool_idx for r, n in zip(reqs, counts) for _ in range(n)]
+        cols = [r.kv_len + j for r, n in zip(reqs, counts) for j in range(n)]
+        if rows:
+            self.req_pool.write_one_each(rows, cols, slots)
+        for r, n in zip(reqs, counts):
+            r.kv_len += n
 
     def truncate(self, req: Req, kv_len: int, freed: list[torch.Tensor]) -> None:
         """Keep the KV of the first `kv_len` positions of `req` only; its slots past them (the rejected drafts of

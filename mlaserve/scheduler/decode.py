@@ -24,13 +24,37 @@ def retract(sched: "Scheduler", req: Req) -> None:
     sched.num_retracted += 1
 
 
+def spec_columns(sched: "Scheduler", req: Req) -> tuple[int, int]:
+    """Speculative decoding: (a lower bound of the request's base L for its next step, the req_to_token columns it
+    needs by then: L's highest possible value + `spec_tokens`). While the batch last planned with it is queued and
+    unprocessed, L is known on the device only (`SpecDecoder.base_buf`): after a queued decode step it is
+    1 .. `spec_advance` tokens past the host's, after a queued prompt exactly one past. The columns past the real
+    L + spec_tokens stay the request's: the next steps write there (rejected drafts' slots are reused, not lost),
+    and a step processed with nothing queued after it frees them (`Scheduler._process_spec`)."""
+    n = len(req.fill_ids)
+    pending = sched.pending.batch if sched.pending is not None else None
+    if pending is None or req.last_batch is not pending:
+        low = high = n - 1                    # every token it has but the newest has KV
+    elif pending.mode is ForwardMode.DECODE:
+        low, high = n, n - 1 + sched.spec_advance
+    else:                                     # its last prompt token is queued: the sampled token comes next
+        low = high = n
+    return low, high + sched.spec_tokens
+
+
+def _missing(sched: "Scheduler") -> int:
+    """Slots the next decode step needs beyond those the running requests hold."""
+    if sched.spec_tokens == 1:
+        return len(sched.running)
+    return sum(max(0, spec_columns(sched, r)[1] - r.kv_len) for r in sched.running)
+
+
 def plan_decode(sched: "Scheduler") -> Batch | None:
-    """One new token per running request, or under speculative decoding k = `spec_tree.slots_per_step` slots each
-    (the last token and the drafts; those past the accepted ones are freed after the step)."""
-    k = sched.spec_tokens
-    if sched.running and sched.kv.available() < k * len(sched.running):
+    """One new token per running request, or under speculative decoding the slots of a step (`spec_columns`: the
+    last token and the drafts, those past the accepted ones reused or freed after the step)."""
+    if sched.running and sched.kv.available() < _missing(sched):
         sched.drain()                         # retraction needs every request's tokens on the CPU
-    while sched.running and sched.kv.available() < k * len(sched.running):
+    while sched.running and sched.kv.available() < _missing(sched):
         if len(sched.running) == 1 and sched.chunked is None:
             # NOTE: alone it would never fit after a retraction either (check_request prevents this): end it
             req = sched.running[0]
@@ -42,14 +66,21 @@ def plan_decode(sched: "Scheduler") -> Batch | None:
     if not sched.running:
         return None
     reqs = list(sched.running)
-    slots = sched.kv.alloc(k * len(reqs))
+    k = sched.spec_tokens
+    sched.new_token_ratio = max(sched.cfg.min_new_token_ratio, sched.new_token_ratio - 0.001)
+    if k > 1:
+        cols = [spec_columns(sched, r) for r in reqs]
+        counts = [max(0, hi - r.kv_len) for r, (_, hi) in zip(reqs, cols)]
+        slots = sched.kv.alloc(sum(counts))
+        assert slots is not None, "decode slots must be available after retraction"
+        sched.kv.extend_varied(reqs, counts, slots)
+        # NOTE: prefix_lens are lower bounds of each base while a step is queued (the device holds the real ones)
+        return Batch(ForwardMode.DECODE, reqs, [], slots, [lo for lo, _ in cols], [k] * len(reqs),
+                     [True] * len(reqs))
+    slots = sched.kv.alloc(len(reqs))
     assert slots is not None, "decode slots must be available after retraction"
     prefix = [r.kv_len for r in reqs]
-    if k == 1:
-        sched.kv.extend_one_each(reqs, slots)
-    else:
-        sched.kv.extend_each(reqs, slots, k)
-    sched.new_token_ratio = max(sched.cfg.min_new_token_ratio, sched.new_token_ratio - 0.001)
+    sched.kv.extend_one_each(reqs, slots)
     # NOTE: input ids are read on the device from the runner's token_buf (the last step may be in flight)
     return Batch(ForwardMode.DECODE, reqs, [], slots, prefix, [k] * len(reqs), [True] * len(reqs))
 

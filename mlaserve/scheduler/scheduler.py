@@ -36,7 +36,11 @@ class Scheduler:
         # speculative decoding: each decode step takes spec_tokens slots per request (the last token, the drafts)
         self.spec_tokens = slots_per_step(self.cfg.speculative_num_steps, self.cfg.speculative_eagle_topk,
                                           self.cfg.speculative_num_draft_tokens) if self.cfg.speculative_algorithm else 1
-        reach = self.spec_tokens - 1
+        self.spec_advance = self.cfg.speculative_num_steps + 1 if self.cfg.speculative_algorithm else 1
+        self.overlap = not self.cfg.disable_overlap_schedule
+        # table columns a request may hold past its newest token: a step's slots, and under overlap the most a
+        # queued step may still advance it by (`scheduler/decode.spec_columns`)
+        reach = self.spec_tokens - 1 + (self.spec_advance if self.overlap and self.spec_tokens > 1 else 0)
         self.kv = KVCacheManager(self.runner.num_slots, self.max_running + 8,
                                  min(self.context_len, self.runner.num_slots) + 1 + reach,
                                  disable_radix=server.cache.disable_radix_cache, device=self.runner.device)
@@ -56,7 +60,6 @@ class Scheduler:
         self.new_token_ratio = self.cfg.init_new_token_ratio
         self.num_retracted = 0
         self.outbox: list[m.ReqOutput] = []
-        self.overlap = not self.cfg.disable_overlap_schedule
         self.pending: PendingStep | None = None   # the step queued on the device, not yet processed
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0,
                       "spec_verify_steps": 0, "spec_tokens": 0, "mixed_steps": 0}
@@ -120,19 +123,33 @@ class Scheduler:
 
     def plan(self) -> Batch | None:
         batch = plan_prefill(self) or plan_decode(self)
+        if batch is not None:
+            for req in batch.reqs:
+                req.last_batch = batch
         return batch if self.dp_sync is None else self.dp_sync.agree(batch)
 
     def run(self, batch: Batch) -> StepOutput | SpecOutput:
-        if batch.mode is ForwardMode.DECODE and self.spec_tokens > 1:
-            grammar = self.grammar
-            mask = (lambda drafts: grammar.draft_bitmask(batch, drafts)) if grammar.constrains(batch) else None
-            return self.runner.spec_step(batch, mask)
+        if self._speculates(batch):
+            return self.runner.resolve(self.runner.launch_spec(batch, self._draft_mask(batch)))
         return self.runner.resolve(self.runner.launch(batch, self.grammar.bitmask(batch)))
+
+    def _speculates(self, batch: Batch | None) -> bool:
+        return batch is not None and batch.mode is ForwardMode.DECODE and self.spec_tokens > 1
+
+    def _draft_mask(self, batch: Batch):
+        """Structured output under speculation: the callback that walks each verified node's drafts (needs every
+        earlier token of its requests processed), or None when no request of `batch` is constrained."""
+        grammar = self.grammar
+        return (lambda drafts: grammar.draft_bitmask(batch, drafts)) if grammar.constrains(batch) else None
 
     def _launch_and_drain(self, batch: Batch | None) -> PendingStep | None:
         """Queue `batch` on the device and process the step before it meanwhile. A batch under a grammar is
         queued in two parts: the forward, then (after the previous step's tokens advanced the grammars) the
         sampling with the bitmask filled on the CPU while the forward runs."""
+        if self._speculates(batch):           # a grammar's drafts are walked after `step` drained (_needs_history)
+            launched = self.runner.launch_spec(batch, self._draft_mask(batch))
+            self.drain()
+            return launched
         if batch is None or not self.grammar.constrains(batch):
             launched = self.runner.launch(batch) if batch is not None else None
             self.drain()
@@ -153,7 +170,7 @@ class Scheduler:
                 continue
             try:
                 if spec:
-                    self._process_spec(out, i, req, freed)
+                    self._process_spec(out, batch, i, req, freed)
                 else:
                     self._process_one(batch, out, i, req)
             except Exception as e:  # noqa: BLE001 - ends this request only
@@ -179,7 +196,7 @@ class Scheduler:
         if req.finished is None and not decoding and req not in self.running:    # see `_join_running`
             self.running.append(req)
 
-    def _process_spec(self, out: SpecOutput, i: int, req: Req, freed: list) -> None:
+    def _process_spec(self, out: SpecOutput, out_batch: Batch, i: int, req: Req, freed: list) -> None:
         """A verify step's tokens for one request: taken in order up to the first that ends it; the slots past
         the last kept token's KV (rejected drafts, or tokens after the end) are freed first."""
         toks = out.tokens[i]
@@ -192,8 +209,10 @@ class Scheduler:
         req.spec_tokens += n
         self.stats["spec_verify_steps"] += 1
         self.stats["spec_tokens"] += n
-        # fill_ids gains n tokens; every one of them but the newest has KV
-        self.kv.truncate(req, len(req.fill_ids) + n - 1, freed)
+        # fill_ids gains n tokens; every one of them but the newest has KV. With no later step of it queued, the
+        # slots past them go now; else that step writes there (`scheduler/decode.spec_columns`)
+        if req.last_batch is out_batch:
+            self.kv.truncate(req, len(req.fill_ids) + n - 1, freed)
         for j in range(n):
             lp = out.logprobs[i][j] if out.logprobs[i] is not None else None
             self._append(req, toks[j], lp, out.top[i][j] if out.top[i] is not None else None, emit=j == n - 1)
@@ -243,8 +262,10 @@ class Scheduler:
             self.process(p.batch, self.runner.resolve(p))
 
     def _needs_history(self) -> bool:
+        """A request of the next step reads its whole output so far: penalties; under speculation also a grammar
+        (its drafts are walked from the matcher's state after the last token)."""
         return any(r.params.repetition_penalty != 1 or r.params.frequency_penalty or r.params.presence_penalty
-                   for r in self.running)
+                   or (self.spec_tokens > 1 and r.rid in self.grammar.states) for r in self.running)
 
     def step_outbox(self) -> list[m.ReqOutput]:
         out, self.outbox = self.outbox, []

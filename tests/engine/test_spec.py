@@ -133,15 +133,17 @@ def _outputs(sched: Scheduler, msgs: list) -> dict[str, list]:
     return outs
 
 
-@pytest.mark.parametrize("radix,chunk", [(True, -1), (False, 16), (True, 16)])
-def test_greedy_equal_on_the_demo_model(demo_prompts, radix, chunk):
+@pytest.mark.parametrize("radix,chunk,overlap", [(True, -1, True), (False, 16, True), (True, 16, False),
+                                                 (True, -1, False)])
+def test_greedy_equal_on_the_demo_model(demo_prompts, radix, chunk, overlap):
     ps = list(demo_prompts)
     ps.append(ps[0] + ps[1])                    # a radix hit on request 0's prompt
     ps.append(ps[3] + ps[0][:3])
     msgs = [msg(f"d{i}", p, max_new=40) for i, p in enumerate(ps)]
     arrivals = {m.rid: 0 if i < 4 else 30 for i, m in enumerate(msgs)}     # after the first ones finished
     base = run(make(DEMO), msgs, arrivals)
-    s = spec(DEMO, disable_radix_cache=not radix, chunked_prefill_size=chunk)
+    s = spec(DEMO, disable_radix_cache=not radix, chunked_prefill_size=chunk, disable_overlap_schedule=not overlap)
+    assert s.overlap is overlap
     same(base, run(s, msgs, arrivals))
     print("accept length", accept_length(s))
     assert accept_length(s) > 2.0, "the demo model's MTP head should have most drafts accepted"
@@ -150,10 +152,11 @@ def test_greedy_equal_on_the_demo_model(demo_prompts, radix, chunk):
     assert_no_leak(s)
 
 
-def test_stop_ids_and_max_new_tokens_inside_accepted_runs(demo_prompts):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stop_ids_and_max_new_tokens_inside_accepted_runs(demo_prompts, overlap):
     prompt = demo_prompts[0]
     want = run(make(DEMO), [msg("a", prompt, max_new=40)])["a"]["ids"]
-    s = spec(DEMO)
+    s = spec(DEMO, disable_overlap_schedule=not overlap)
     for n in range(1, 12):                        # every cut: inside, at the start and at the end of a run
         got = run(s, [msg(f"m{n}", prompt, max_new=n)])[f"m{n}"]
         assert got["ids"] == want[:n] and got["finished"].kind == "length", n
@@ -171,9 +174,11 @@ def test_stop_ids_and_max_new_tokens_inside_accepted_runs(demo_prompts):
     assert_no_leak(s)
 
 
-def test_sampled_outputs_identical(demo_prompts):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sampled_outputs_identical(demo_prompts, overlap):
     """The target's token at each verified position is drawn with the request's key (seed, token index), so
-    sampled outputs are the same tokens as without speculation (which implies the same distribution)."""
+    sampled outputs are the same tokens as without speculation (which implies the same distribution). Under
+    overlap the key's token index is computed on the device from the request's base there."""
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     print("seed", seed)
@@ -182,7 +187,7 @@ def test_sampled_outputs_identical(demo_prompts):
                 dict(temperature=0.6, repetition_penalty=1.3, min_p=0.05)]
     msgs = [msg(f"x{i}", demo_prompts[i % len(demo_prompts)], max_new=32, seed=seed + i, **v)
             for i, v in enumerate(variants)]
-    s = spec(DEMO)
+    s = spec(DEMO, disable_overlap_schedule=not overlap)
     same(run(make(DEMO), msgs), run(s, msgs))
     assert s.get_stats()["spec_tokens"] > s.get_stats()["spec_verify_steps"], "some drafts must be accepted"
     assert_no_leak(s)
@@ -207,12 +212,45 @@ def test_logprobs_equal(demo_prompts):
     assert_no_leak(s)
 
 
-def test_retraction_under_speculation(demo_prompts):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_retraction_under_speculation(demo_prompts, overlap):
     msgs = [msg(f"r{i}", p, max_new=60) for i, p in enumerate(demo_prompts)]
     base = run(make(DEMO), msgs)
-    s = spec(DEMO, max_total_tokens=260, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    s = spec(DEMO, max_total_tokens=260, init_new_token_ratio=0.0, min_new_token_ratio=0.0,
+             disable_overlap_schedule=not overlap)
     same(base, run(s, msgs))
     assert s.num_retracted > 0, "the pool was meant to be small enough to force retraction"
+    assert_no_leak(s)
+
+
+def test_overlap_queues_the_next_step_before_processing_this_one(demo_prompts, monkeypatch):
+    """Under overlap, step N + 1 is queued (its bases and slots from the device) before step N's accept lengths
+    reach the host: with several requests decoding, most steps are resolved while the next one is queued; an
+    abort and a request finishing while their next step is queued free everything; outputs are unchanged."""
+    msgs = [msg(f"o{i}", p, max_new=30 + 5 * i) for i, p in enumerate(demo_prompts[:4])]
+    base = run(make(DEMO), msgs)
+    s = spec(DEMO)
+    launched, resolved, ahead = [0], [0], [0]
+    launch, resolve = s.runner.launch_spec, s.runner.resolve
+
+    def count_launch(*a, **k):
+        launched[0] += 1
+        return launch(*a, **k)
+
+    def count_resolve(p):
+        if hasattr(p, "accepted"):               # a speculative step
+            resolved[0] += 1
+            ahead[0] += launched[0] > resolved[0]
+        return resolve(p)
+
+    monkeypatch.setattr(s.runner, "launch_spec", count_launch)
+    monkeypatch.setattr(s.runner, "resolve", count_resolve)
+    got = run(s, msgs + [msg("gone", demo_prompts[4], max_new=50)], aborts={"gone": 6})
+    same(base, {rid: got[rid] for rid in base})
+    assert got["gone"]["finished"].kind == "abort"
+    print(f"{resolved[0]} verify steps, {ahead[0]} resolved with the next one queued")
+    assert resolved[0] > 10 and ahead[0] >= resolved[0] // 2
+    assert accept_length(s) > 2.0
     assert_no_leak(s)
 
 
