@@ -134,9 +134,9 @@ def single(server: Server, args: argparse.Namespace) -> float:
     """Median completion tokens / second of the timed requests, after SINGLE_WARMUPS identical ones.
 
     NOTE: with the radix cache the first request prefills the prompt and every later one is a cache hit of all
-    but its last token (a 1-token extend over a cached prefix): a different path, whose kernels (mla_prefill's
-    prefix attention and merge) compile on its first use. So the warm-ups are the timed request itself, twice:
-    one of each path; one short warm-up left the second path's compiles inside the timed request."""
+    but its last token (a 1-token extend over a cached prefix): a different path, whose Triton kernels (mla_prefill's
+    prefix attention and merge, its causal part with an fp32 output) compile on its first use
+    (benchmarks/probe_first_launch.py). So the warm-ups are the timed request itself, twice: one of each path."""
     c = server.client()
     for _ in range(SINGLE_WARMUPS):
         complete(c, server.model, QUERY, args.single_new)
