@@ -64,9 +64,22 @@ for name, n in [("r1", new), ("r2", new), ("r3", new), ("r4", 1), ("r5", new)]:
                       "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens"),
                       "seconds": round(dt, 4), "tok_s": round(u["completion_tokens"] / dt, 1),
                       "triton_compiles": kernels() - k0}))
+# r6: the same request streamed through the native /generate: the time between snapshots per new token
+body = {"text": QUERY, "stream": True, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+marks, k0, t0 = [], kernels(), time.perf_counter()
+with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as resp:
+    for line in resp.iter_lines():
+        if line.startswith("data: {"):
+            marks.append((time.perf_counter() - t0, len(json.loads(line[6:])["output_ids"])))
+gaps = sorted((b[0] - a[0]) / (b[1] - a[1]) * 1e3 for a, b in zip(marks, marks[1:]) if b[1] > a[1])
+pick = lambda q: round(gaps[min(len(gaps) - 1, int(q * len(gaps)))], 3) if gaps else None
+print(json.dumps({"label": label, "req": "r6 stream", "ttft_ms": round(marks[0][0] * 1e3, 1) if marks else None,
+                  "tokens": marks[-1][1] if marks else 0, "itl_ms_per_token_p50": pick(0.5),
+                  "itl_ms_per_token_p99": pick(0.99), "itl_ms_max": pick(1.0), "triton_compiles": kernels() - k0}))
+info = httpx.get(f"{url}/get_server_info", timeout=30).json()       # now with the run's stats
 decode_ms = (runs["r5"] - runs["r4"]) / (new - 1) * 1e3            # r5 and r4: the same path, 1 vs `new` tokens
 keys = ("disable_cuda_graph", "cuda_graph_bs", "torch_compile_max_bs", "disable_overlap_schedule", "context_length",
-        "vocab_size", "speculative_algorithm")
+        "vocab_size", "speculative_algorithm", "steps", "generation_tokens", "avg_spec_accept_length")
 print(json.dumps({"label": label, "summary": True, "decode_ms_per_token": round(decode_ms, 3),
                   "ttft_hit_ms": round(runs["r4"] * 1e3, 1), "r2_minus_r3_s": round(runs["r2"] - runs["r3"], 3),
                   **{k: info.get(k) for k in keys}}))
@@ -86,9 +99,13 @@ python3 - "$OUT/tps_probe.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1]) if x.startswith("{")]
 for r in rows:
-    if r.get("summary"):
+    if r.get("req") == "r6 stream":
+        print(f"{r['label']:>8} r6 streamed: TTFT {r['ttft_ms']} ms, ITL per token p50 {r['itl_ms_per_token_p50']} / "
+              f"p99 {r['itl_ms_per_token_p99']} / max {r['itl_ms_max']} ms, {r['triton_compiles']} Triton compiles")
+    elif r.get("summary"):
         print(f"{r['label']:>8} decode {r['decode_ms_per_token']} ms/token, TTFT (hit) {r['ttft_hit_ms']} ms, "
-              f"r2 - r3 {r['r2_minus_r3_s']} s, graphs off {r['disable_cuda_graph']}")
+              f"r2 - r3 {r['r2_minus_r3_s']} s, graphs off {r['disable_cuda_graph']}, {r['steps']} steps for "
+              f"{r['generation_tokens']} tokens (accept length {r['avg_spec_accept_length']})")
     else:
         print(f"{r['label']:>8} {r['req']} {r['completion_tokens']:>3} tok, cached {r['cached_tokens']}, "
               f"{r['seconds']:.3f} s, {r['tok_s']} tok/s, {r['triton_compiles']} Triton compiles")
