@@ -1,0 +1,60 @@
+"""benchmarks/ablation.py's single-query TPS@1 against a faked server (no model runs): what it times."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    spec = importlib.util.spec_from_file_location("ablation", ROOT / "benchmarks" / "ablation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeServer:
+    """A server with the radix cache: a prompt seen before is a cache hit, a different path from its first
+    prefill; each path pays `compile_s` on its first use (the JIT compiles), then `per_token_s` a token."""
+
+    def __init__(self, compile_s: float, per_token_s: float):
+        self.model, self.compile_s, self.per_token_s = "m", compile_s, per_token_s
+        self.prompts: set[str] = set()
+        self.paths: set[str] = set()
+        self.calls: list[tuple[str, int]] = []
+
+    def client(self):
+        return self
+
+    def complete(self, prompt: str, max_tokens: int) -> tuple[int, int, float]:
+        path = "hit" if prompt in self.prompts else "prefill"
+        self.prompts.add(prompt)
+        once = 0.0 if path in self.paths else self.compile_s
+        self.paths.add(path)
+        self.calls.append((prompt, max_tokens))
+        return 20, max_tokens, once + max_tokens * self.per_token_s
+
+
+def test_single_query_tps_leaves_out_every_first_use_cost(ablation, monkeypatch):
+    """The radix hit's path compiles on its first use: that request is a warm-up, not the timed one."""
+    server = FakeServer(compile_s=3.3, per_token_s=0.0025)
+    monkeypatch.setattr(ablation, "complete", lambda client, model, prompt, max_tokens:
+                        client.complete(prompt, max_tokens))
+    args = argparse.Namespace(single_new=256, single_repeats=3)
+    assert ablation.single(server, args) == pytest.approx(1 / 0.0025)
+    warm = server.calls[: ablation.SINGLE_WARMUPS]
+    assert len(server.calls) == ablation.SINGLE_WARMUPS + 3
+    assert set(warm) == set(server.calls) == {(ablation.QUERY, 256)}     # the warm-ups are the timed request
+
+
+def test_single_query_tps_is_the_median_of_the_timed_requests(ablation, monkeypatch):
+    times = iter([9.0, 9.0, 2.0, 1.0, 4.0])                # two warm-ups, then three timed requests
+    monkeypatch.setattr(ablation, "complete", lambda client, model, prompt, max_tokens:
+                        (20, max_tokens, next(times)))
+    server = FakeServer(0.0, 0.0)
+    assert ablation.single(server, argparse.Namespace(single_new=100, single_repeats=3)) == pytest.approx(50.0)
