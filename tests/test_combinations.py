@@ -9,10 +9,8 @@ Factors and their values (CPU):
     layout   tp1 | tp2 | tp2-ep2 (tp 2, ep 2) | dp2 (tp 2, dp 2, DP attention) | dp2-ep2
     radix    on (default) | off (disable_radix_cache)
     spec     off | EAGLE (a chain of 3 drafts from the MTP layer)
-    overlap  on (default) | off (disable_overlap_schedule); speculative decoding resolves it off
-             (`config_resolve._resolve_spec` returns the sched config with disable_overlap_schedule=True whenever
-             speculative_algorithm is set: the next step's slots depend on this step's accept lengths), so the
-             pair (spec EAGLE, overlap on) cannot exist and is not required
+    overlap  on (default) | off (disable_overlap_schedule); with speculation too (accept lengths stay on the
+             device: `scheduler/decode.spec_columns`)
     fp8 kv   off (fp32, the activation dtype) | fp8_e4m3
     chunk    off (default 8192: every prompt here in one chunk) | 8 tokens (every prompt in 2..5 chunks)
 
@@ -22,22 +20,21 @@ eagerly); `test_gpu_graphs_and_compile` runs them against the eager GPU run and 
 two-GPU rows also without a second GPU). Under DP attention graphs resolve off (not built yet), so there
 torch.compile, which acts inside the graphs, is refused: no GPU row combines them.
 
-The 11 rows below cover every pair of factor values except the impossible one (11 is the least: with 5 layouts
-each needs two rows of opposite binary values, and spec/overlap leave no complement for (spec off, overlap off)).
-One row has everything on at once: demo, dp2-ep2, radix, spec, fp8 kv, chunked prefill.
+The 11 rows below cover every pair of factor values (with 5 layouts each needs two rows of opposite binary
+values). One row has everything on at once: demo, dp2-ep2, radix, spec, overlap, fp8 kv, chunked prefill.
 
-    model   layout   radix spec  overlap        fp8kv chunk
-    demo    tp1      off   off   off            on    off
-    demo    tp2      on    off   on             off   off
-    demo    tp2-ep2  off   off   on             on    8
-    demo    dp2      on    EAGLE off (resolved) on    off
-    demo    dp2-ep2  on    EAGLE off (resolved) on    8
-    random  tp1      on    EAGLE off (resolved) off   8
-    random  tp1      on    off   on             off   8
-    random  tp2      off   EAGLE off (resolved) on    8
-    random  tp2-ep2  on    EAGLE off (resolved) off   off
-    random  dp2      off   off   on             off   8
-    random  dp2-ep2  off   off   on             off   off
+    model   layout   radix spec  overlap fp8kv chunk
+    demo    tp1      off   off   off     on    off
+    demo    tp2      on    off   on      off   off
+    demo    tp2-ep2  off   off   on      on    8
+    demo    dp2      on    EAGLE off     on    off
+    demo    dp2-ep2  on    EAGLE on      on    8
+    random  tp1      on    EAGLE on      off   8
+    random  tp1      on    off   on      off   8
+    random  tp2      off   EAGLE off     on    8
+    random  tp2-ep2  on    EAGLE off     off   off
+    random  dp2      off   off   on      off   8
+    random  dp2-ep2  off   off   off     off   off
 
 The baselines are the plain single process (tp 1, radix and overlap on, no speculation, no chunking) per model,
 with the row's KV dtype: the FP8 cache rounds what it stores to e4m3, which changes the numbers by itself (see
@@ -79,7 +76,7 @@ class Combo(NamedTuple):
     layout: str
     radix: bool
     spec: bool
-    overlap: bool          # the resolved value: False on every spec row (resolved off, the flag not passed)
+    overlap: bool
     fp8_kv: bool
     chunk: bool
 
@@ -93,7 +90,7 @@ class Combo(NamedTuple):
         f = dict(LAYOUTS[self.layout])
         f |= {"disable_radix_cache": True} if not self.radix else {}
         f |= {"speculative_algorithm": "EAGLE"} if self.spec else {}
-        f |= {"disable_overlap_schedule": True} if not self.overlap and not self.spec else {}
+        f |= {"disable_overlap_schedule": True} if not self.overlap else {}
         f |= {"kv_cache_dtype": "fp8_e4m3"} if self.fp8_kv else {}
         f |= {"chunked_prefill_size": 8} if self.chunk else {}
         return f
@@ -103,13 +100,13 @@ ROWS = [Combo("demo", "tp1", False, False, False, True, False),
         Combo("demo", "tp2", True, False, True, False, False),
         Combo("demo", "tp2-ep2", False, False, True, True, True),
         Combo("demo", "dp2", True, True, False, True, False),
-        Combo("demo", "dp2-ep2", True, True, False, True, True),
-        Combo("random", "tp1", True, True, False, False, True),
+        Combo("demo", "dp2-ep2", True, True, True, True, True),
+        Combo("random", "tp1", True, True, True, False, True),
         Combo("random", "tp1", True, False, True, False, True),
         Combo("random", "tp2", False, True, False, True, True),
         Combo("random", "tp2-ep2", True, True, False, False, False),
         Combo("random", "dp2", False, False, True, False, True),
-        Combo("random", "dp2-ep2", False, False, True, False, False)]
+        Combo("random", "dp2-ep2", False, False, False, False, False)]
 VALUES = {"model": ["demo", "random"], "layout": list(LAYOUTS)} | {f: [False, True] for f in Combo._fields[2:]}
 
 
@@ -119,8 +116,7 @@ def _pairs(row: Combo) -> set:
 
 def test_the_rows_cover_every_pair_of_factor_values():
     every = [Combo(*v) for v in itertools.product(*VALUES.values())]
-    possible = set().union(*(_pairs(r) for r in every if not (r.spec and r.overlap)))
-    assert all(not (r.spec and r.overlap) for r in ROWS)
+    possible = set().union(*(_pairs(r) for r in every))
     assert possible - set().union(*(_pairs(r) for r in ROWS)) == set()
 
 
@@ -205,7 +201,7 @@ def test_combination_equals_the_plain_run(models, baseline, combo: Combo):
     base = baseline(combo.model, combo.fp8_kv)
     got = run(path, prompts, **combo.flags())
     info = got.info
-    # the resolved configuration is the one asked for (overlap: off wherever speculation is on)
+    # the resolved configuration is the one asked for
     layout = LAYOUTS[combo.layout]
     assert (info["tp_size"], info["ep_size"], info["dp_size"], info["enable_dp_attention"]) == \
         (layout.get("tp_size", 1), layout.get("ep_size", 1), layout.get("dp_size", 1),

@@ -97,10 +97,11 @@ class ModelRunner:
         self.context_len = load.context_length
         kernels = load.attention_backend
         spec_steps = server.sched.speculative_num_steps if server.sched.speculative_algorithm else 0
-        # NOTE: a verify step reaches spec_steps positions past the last token a request may have
+        # NOTE: a verify step reaches spec_steps positions past the last token a request may have; under overlap a
+        # step queued after its last one starts up to spec_steps + 1 further (its results are discarded)
         self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device, kernels=kernels,
                                          absorb=not load.disable_mla, dequant_fp8=load.dequant_fp8,
-                                         load_mtp=spec_steps > 0, max_pos=self.context_len + spec_steps + 1,
+                                         load_mtp=spec_steps > 0, max_pos=self.context_len + 2 * spec_steps + 2,
                                          tp=self.group.tp, dp=self.group.dp,
                                          ep=expert_parallel(self.group.dp.world if self.group.dp else self.group.tp,
                                                             server.parallel.ep_size))

@@ -254,6 +254,19 @@ def test_overlap_queues_the_next_step_before_processing_this_one(demo_prompts, m
     assert_no_leak(s)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_requests_that_reach_the_context_length(demo_prompts, overlap):
+    """Prompt + max_new_tokens == the context length: the steps queued past a request's last token (overlap) and
+    its last step's drafts reach positions and table columns past the context; outputs as without speculation."""
+    ctx = 48
+    msgs = [msg(f"c{i}", p, max_new=ctx - len(p)) for i, p in enumerate(demo_prompts[:3])]
+    base = run(make(DEMO, context_length=ctx), msgs)
+    s = spec(DEMO, context_length=ctx, disable_overlap_schedule=not overlap)
+    same(base, run(s, msgs))
+    assert all(len(base[m.rid]["ids"]) + len(m.input_ids) == ctx for m in msgs)
+    assert_no_leak(s)
+
+
 def test_cache_hit_loses_no_acceptance(demo_prompts):
     """The draft KV in a cached slot depends only on the tokens up to it, so a radix hit verifies as often as
     a cold start."""
