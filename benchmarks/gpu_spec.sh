@@ -24,3 +24,6 @@ fi
 if [ "$PART" = all ] || [ "$PART" = demo ]; then
   timeout 280 python3 benchmarks/spec_decode.py demo 2>&1 | grep -v "loading weights" | tee -a "$OUT/demo.jsonl"
 fi
+if [ "$PART" = overlap ]; then   # speculation with the overlap scheduler against without it (issue 13)
+  timeout 500 python3 benchmarks/spec_decode.py demo 256 overlap 2>&1 | grep -v "loading weights" | tee -a "$OUT/overlap.jsonl"
+fi

@@ -2,8 +2,9 @@
 
   demo  the trained demo model (bf16, CUDA graphs): decode tok/s and accept length with and without speculation
         at bs 1 / 8 / 32 for several (steps, topk, draft tokens); greedy, ignore_eos, 256 new tokens per request.
-        Without speculation the overlap scheduler is on (the default); with it, off (resolved). Also reports how
-        many requests' tokens equal the run without speculation (bf16: batch shapes may flip a near tie).
+        The overlap scheduler is on (the default) in every run unless a setting ends in "/serial" (then
+        --disable-overlap-schedule). Also reports how many requests' tokens equal the run without speculation
+        (bf16: batch shapes may flip a near tie).
   cost  DeepSeek-V3 full width, 4 layers + its MTP layer, block FP8, dummy weights: GPU time of a plain decode
         step, of the S draft steps, of the verify forward and of the repair, each captured in a CUDA graph and
         timed alone (L2 flushed), at bs 1 and 32 with 512 tokens of context.
@@ -33,13 +34,13 @@ HEADERS = ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n"
            "def download(url, dest):\n"]
 
 
-def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256) -> dict:
+def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256, overlap: bool = True) -> dict:
     from mlaserve.scheduler.scheduler import Scheduler
     from mlaserve.tokenizer import load_tokenizer
 
     path = str(DEMO_DIR)
     flags = dict(model_path=path, log_level="warning", cuda_graph_bs=[bs], max_running_requests=max(bs, 8),
-                 max_total_tokens=65536)
+                 max_total_tokens=65536, disable_overlap_schedule=not overlap)
     if spec:
         flags |= dict(speculative_algorithm="EAGLE", speculative_num_steps=spec[0], speculative_eagle_topk=spec[1],
                       speculative_num_draft_tokens=spec[2])
@@ -68,23 +69,25 @@ def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256) -> dict
     del sched
     gc.collect()
     torch.cuda.empty_cache()
-    return {"bs": bs, "spec": spec, "decode_tok_s": decoded / dt, "decode_s": dt,
+    return {"bs": bs, "spec": spec, "overlap": overlap, "decode_tok_s": decoded / dt, "decode_s": dt,
             "accept_length": st["avg_spec_accept_length"] if spec else 1.0, "ids": ids}
 
 
 def demo(new: str = "256", which: str = "all") -> None:
     """Each configuration in a process of its own (a clean GPU and allocator), the baseline first. `which`:
     "all" (four settings, then the baseline and (3, 1, 4) again to show the run-to-run spread), "main" (the
-    baseline and (3, 1, 4) alternating, three times each) or "tree" (the chain (3, 1, 4) beside tree drafts)."""
+    baseline and (3, 1, 4) alternating, three times each), "tree" (the chain (3, 1, 4) beside tree drafts) or
+    "overlap" ((3, 1, 4) with the overlap scheduler and without, alternating, beside the baseline)."""
     import subprocess
 
-    order = {"all": (None, (1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), None, (3, 1, 4)),
-             "main": (None, (3, 1, 4)) * 3,
-             "tree": (None, (3, 1, 4), (3, 2, 4), (3, 4, 8), (2, 4, 4), (4, 2, 8))}[which]
+    order = {"all": ("none", "1,1,2", "2,1,3", "3,1,4", "4,1,5", "none", "3,1,4"),
+             "main": ("none", "3,1,4") * 3,
+             "tree": ("none", "3,1,4", "3,2,4", "3,4,8", "2,4,4", "4,2,8"),
+             "overlap": ("none", "3,1,4", "3,1,4/serial", "none/serial") + ("3,1,4", "3,1,4/serial")}[which]
     for bs in ((1, 8) if which == "tree" else (1, 8, 32)):
         rows = {}
-        for spec in order:
-            arg = "none" if spec is None else ",".join(map(str, spec))
+        for arg in order:
+            spec = None if arg.startswith("none") else arg
             proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "demo-one", str(bs), arg, new],
                                   capture_output=True, text=True, timeout=240)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("{")), None)
@@ -92,8 +95,8 @@ def demo(new: str = "256", which: str = "all") -> None:
                 print(json.dumps({"bs": bs, "spec": spec, "error": proc.stderr[-2000:]}), flush=True)
                 continue
             r = json.loads(line)
-            rows.setdefault(spec, r)
-            base = r if spec is None else rows.get(None)
+            rows.setdefault(arg, r)
+            base = r if spec is None else rows.get("none")
             if spec is not None and base is not None:
                 same = sum(r["ids"][k] == base["ids"][k] for k in base["ids"])
                 r |= {"speedup": r["decode_tok_s"] / base["decode_tok_s"], "identical_requests": f"{same}/{bs}"}
@@ -101,8 +104,10 @@ def demo(new: str = "256", which: str = "all") -> None:
 
 
 def demo_one(bs: str, spec: str, new: str = "256") -> None:
+    """`spec`: "none" or "steps,topk,draft_tokens", either followed by "/serial" for --disable-overlap-schedule."""
+    spec, _, mode = spec.partition("/")
     s = None if spec == "none" else tuple(int(x) for x in spec.split(","))
-    print(json.dumps(demo_run(int(bs), s, int(new))), flush=True)
+    print(json.dumps(demo_run(int(bs), s, int(new), overlap=mode != "serial")), flush=True)
 
 
 def cost(layers: str = "4", context: int = 512, steps: int = 3) -> None:
