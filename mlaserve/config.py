@@ -313,6 +313,9 @@ class SchedConfig:
     enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs)")
     torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)")
     watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")
+    skip_server_warmup: bool = opt(False, "report ready without the warm-up requests (a prompt, then the same prompt "
+                                   "as a prefix-cache hit, so the first user requests do not pay for the kernels "
+                                   "compiled on first use)")
     speculative_algorithm: str | None = opt(None, "speculative decoding: EAGLE drafts with the checkpoint's own MTP "
                                            "(NextN) layer and verifies the drafts in one target forward; NEXTN is "
                                            "the same", choices=("EAGLE", "NEXTN"))

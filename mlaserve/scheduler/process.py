@@ -51,12 +51,16 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
             logger.warning("decode CUDA graphs are off under --enable-dp-attention (graphs keyed by the global "
                            "padded batch are not built yet); decode runs eagerly")
         sched = Scheduler(server, model_path, group=group)
+        warmup_s = None
+        if not server.sched.skip_server_warmup:
+            warmup_s = sched.warm_up()
+            logger.info("warm-up requests done in %.2f s", warmup_s)
     except Exception as e:  # noqa: BLE001 - the parent reports it in one line
         ready.send({"error": str(e) if isinstance(e, CollectiveError) else f"{type(e).__name__}: {e}",
                     "traceback": traceback.format_exc()})
         return
     try:
-        _serve(sched, group, in_addr, out_addr, ready)
+        _serve(sched, group, in_addr, out_addr, ready, warmup_s)
     except CollectiveError as e:
         logger.error("%s; exiting", e)
         sys.exit(EXIT_LOST_RANK)
@@ -64,13 +68,13 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
         shutdown_distributed()
 
 
-def _serve(sched: Scheduler, group: RankGroup, in_addr: str, out_addr: str, ready) -> None:
+def _serve(sched: Scheduler, group: RankGroup, in_addr: str, out_addr: str, ready, warmup_s: float | None) -> None:
     cfg = sched.runner.cfg
     # the resolved flags (no "auto" left), then what was measured at start
     ready.send({"ok": True, "rank": group.info.rank, **resolved_args(sched.server),
                 "max_total_tokens": sched.kv.num_slots, "context_length": sched.context_len,
                 "max_running_requests": sched.max_running, "vocab_size": cfg.vocab_size,
-                "architecture": cfg.architecture})
+                "architecture": cfg.architecture, "warmup_s": warmup_s})
     inbox = Inbox(group, in_addr, out_addr)
     watchdog = Watchdog(sched.server.sched.watchdog_timeout)
     failures = 0

@@ -5,9 +5,11 @@ retraction), split into plan (CPU) -> run (model) -> process (CPU) so the two CP
 from __future__ import annotations
 
 import logging
+import time
 
 from mlaserve.config import ServerConfig
-from mlaserve.core import Batch, FinishReason, ForwardMode, Req, RequestError, RequestLimits, check_request
+from mlaserve.core import (Batch, FinishReason, ForwardMode, Req, RequestError, RequestLimits, SamplingParams,
+                           check_request)
 from mlaserve.distributed import RankGroup
 from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve_for_device
 from mlaserve.engine.spec import SpecOutput, slot_counts
@@ -20,6 +22,8 @@ from mlaserve.scheduler.grammar import create_grammar_manager
 from mlaserve.scheduler.prefill import plan_prefill
 
 logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT, WARMUP_NEW, WARMUP_FIRST_ID = 24, 4, 11    # `Scheduler.warm_up`: prompt tokens, new tokens, ids
 
 
 class Scheduler:
@@ -71,6 +75,28 @@ class Scheduler:
             slots = lambda batch: slot_counts(batch, c.speculative_num_steps, c.speculative_eagle_topk,  # noqa: E731
                                               c.speculative_num_draft_tokens)
         self.dp_sync = DPStepSync(self.runner.group, slots) if self.runner.group.dp is not None else None
+
+    # --- start-up -------------------------------------------------------------------------------
+    def warm_up(self) -> float:
+        """Run the warm-up requests before reporting ready: a prompt, then the same prompt again (a prefix-cache
+        hit unless the cache is off: the extend-over-a-prefix kernels), a few decode steps each (speculative ones
+        too). On a GPU this compiles the kernels those paths launch on first use, which otherwise stall the first
+        user requests for seconds. Their outputs are dropped; the cache is flushed and the counters zeroed
+        afterwards. Every rank runs it (collectives line up: the same requests everywhere). Returns seconds."""
+        t0 = time.monotonic()
+        vocab = self.runner.cfg.vocab_size
+        prompt = [(WARMUP_FIRST_ID + 37 * i) % vocab for i in range(min(WARMUP_PROMPT, self.context_len // 2))]
+        params = SamplingParams(max_new_tokens=WARMUP_NEW, temperature=0.0, ignore_eos=True)
+        for i in range(2):
+            self.add_request(m.GenerateReqMsg(f"mlaserve-warmup-{i}", prompt, params, seed=i))
+            while self.has_work or (self.dp_sync is not None and self.dp_sync.busy):
+                self.step()
+        self.step_outbox()
+        assert self.kv.flush(), "nothing runs after the warm-up"
+        self.stats = dict.fromkeys(self.stats, 0)
+        self.num_retracted = 0
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+        return time.monotonic() - t0
 
     # --- requests in ----------------------------------------------------------------------------
     def add_request(self, msg: m.GenerateReqMsg) -> None:

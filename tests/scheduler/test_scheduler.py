@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mlaserve.config import ServerConfig
-from mlaserve.core import FinishReason, SamplingParams
+from mlaserve.core import FinishReason, ForwardMode, SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.scheduler.scheduler import Scheduler
 from seq_runner import drive_scheduler as run
@@ -240,3 +240,22 @@ def test_request_that_cannot_fit_the_pool_never_runs_forever(ckpt):
     assert req.finished is not None and req.finished.kind == "length" and room <= len(req.output_ids) <= room + 1
     assert sched.num_retracted == 0
     assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_warm_up_runs_a_prompt_then_its_prefix_hit_and_leaves_nothing_behind(ckpt, spec):
+    """`Scheduler.warm_up` (run by each scheduler process before it reports ready): a cold prefill, then an extend
+    over the cached prefix (the kernels a first cache hit would otherwise compile on a GPU), decodes (speculative
+    ones with EAGLE); afterwards the pool is empty, the counters zero and no output is left to send."""
+    sched = make(ckpt, **({"speculative_algorithm": "EAGLE"} if spec else {}))
+    seen = []
+    process = sched.process
+    sched.process = lambda batch, out: (seen.append((batch.mode, list(batch.prefix_lens))), process(batch, out))
+    assert sched.warm_up() > 0
+    extends = [p for mode, p in seen if mode is ForwardMode.EXTEND]
+    assert len(extends) == 2 and extends[0] == [0] and extends[1][0] > 0, seen
+    assert any(mode is ForwardMode.DECODE for mode, _ in seen)
+    assert sched.get_stats()["steps"] == 0 and sched.get_stats()["prompt_tokens"] == 0
+    assert sched.kv.used() == 0 and not sched.step_outbox() and not sched.has_work
+    if spec:
+        assert sched.get_stats()["spec_verify_steps"] == 0

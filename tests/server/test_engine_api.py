@@ -114,6 +114,24 @@ def test_server_info_reports_resolved_values(engine):
     assert info["context_length"] > 0 and info["load_format"] == "safetensors" and info["cuda_graph_bs"] == []
 
 
+def test_warm_up_runs_before_ready_and_leaves_nothing_behind(engine, ckpt):
+    """The warm-up requests (a prompt, then its prefix-cache hit) ran before the scheduler reported ready; their
+    cache and counters are gone; --skip-server-warmup skips them."""
+    info = engine.get_server_info()
+    assert info["warmup_s"] > 0 and info["skip_server_warmup"] is False
+    with mlaserve.Engine(model_path=ckpt, device="cpu", dtype="float32", max_total_tokens=2048,
+                         log_level="warning") as fresh:
+        info = fresh.get_server_info()
+        assert info["warmup_s"] > 0
+        assert (info["prompt_tokens"], info["generation_tokens"], info["cached_tokens"], info["steps"]) == (0, 0, 0, 0)
+        assert info["used_tokens"] == 0 and info["cached_tokens_in_tree"] == 0
+    with mlaserve.Engine(model_path=ckpt, device="cpu", dtype="float32", max_total_tokens=2048,
+                         log_level="warning", skip_server_warmup=True) as cold:
+        info = cold.get_server_info()
+        assert info["warmup_s"] is None and info["skip_server_warmup"] is True
+        assert cold.generate(prompt="Hi", sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
 def test_unsupported_parallel_engine_is_rejected_not_ignored(ckpt):
     from mlaserve.config import ConfigError
     with pytest.raises(ConfigError, match="--tp-size 8: .* has 4 heads"):          # the test model has 4 heads
