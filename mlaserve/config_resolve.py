@@ -300,8 +300,9 @@ def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo, dp_
         return "--disable-cuda-graph"
     if device.type != "cuda":
         return f"--device {device.type}"
-    if dp_attention:
-        return "--enable-dp-attention"            # decode graphs keyed by the global padded size: not built yet
+    if dp_attention and s.speculative_algorithm:
+        # NOTE: the draft + verify graphs are not keyed by the groups' agreed sizes yet (plain decode graphs are)
+        return f"--enable-dp-attention with --speculative-algorithm {s.speculative_algorithm}"
     if load.attention_backend == "torch":
         return "--attention-backend torch"       # the reference attention loops over requests on the host
     if load.disable_mla:

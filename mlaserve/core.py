@@ -358,6 +358,8 @@ class Batch:
     # --enable-mixed-chunk: an EXTEND batch whose last num_decode requests are running decodes riding along, one
     # token each; their input ids are read on the device like a DECODE batch's (input_ids holds placeholders)
     num_decode: int = 0
+    # DP attention: the decode CUDA graph size every rank replays this step (agreed; None: eager)
+    graph_bs: int | None = None
 
     @property
     def size(self) -> int:

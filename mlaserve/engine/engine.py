@@ -158,7 +158,8 @@ class ModelRunner:
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                         sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,
-                                        self.token_buf, compile_max_bs=sched.torch_compile_max_bs)
+                                        self.token_buf, compile_max_bs=sched.torch_compile_max_bs,
+                                        dp_size=self.group.dp.dp_size if self.group.dp is not None else None)
 
     # --- one step ----------------------------------------------------------------------------
     def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:
@@ -205,7 +206,11 @@ class ModelRunner:
         """Queue the model forward only; `launch_sample` queues the sampling (the CPU may work in between)."""
         rows, prompt_rows, sample_row = self._logit_rows(batch)
         pool_rows = [r.req_pool_idx for r in batch.reqs]
-        if batch.mode is ForwardMode.DECODE and self.graphs is not None and self.graphs.can_run(batch.size):
+        if batch.graph_bs is not None:            # DP attention: every rank replays the agreed size (IDLE: padding)
+            logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows, batch.graph_bs)
+            return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
+        if (batch.mode is ForwardMode.DECODE and self.graphs is not None and self.group.dp is None
+                and self.graphs.can_run(batch.size)):
             # the graph's inputs: one pinned copy; its input tokens are token_buf's (no host round trip)
             logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows)
             return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)

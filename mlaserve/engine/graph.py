@@ -7,6 +7,11 @@ A step's host inputs (positions, output slots, pool rows) travel as ONE pinned [
 the graph reads; the graph itself derives the sequence lengths (positions + 1) and gathers the input tokens from
 the runner's `token_buf` (the previous step's samples, already on the device), so a replay costs the host one copy
 and one launch.
+
+Under DP attention (`dp_size`) each graph of size bs is captured with every group contributing bs rows to the MoE
+gather; all ranks replay the graph of the size they agreed on (`scheduler/dp_sync.DPStepSync`: the capture size of
+the largest group's batch), a group without requests replaying it with padding rows only. `capture=False` runs
+the same padded function eagerly instead of replaying (the CPU tests of that layout: no CUDA there).
 """
 from __future__ import annotations
 
@@ -30,8 +35,10 @@ class DecodeGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_pool, attn_backend, req_to_token: torch.Tensor,
                  dummy_req: int, batch_sizes: list[int], max_context: int, device: torch.device,
-                 token_buf: torch.Tensor, compile_max_bs: int = 0):
+                 token_buf: torch.Tensor, compile_max_bs: int = 0, dp_size: int | None = None,
+                 capture: bool = True):
         self.model, self.batch_sizes = model, sorted(batch_sizes)
+        self.dp_size, self.captured = dp_size, capture
         self.compile_max_bs = compile_max_bs
         self.compiled = None
         if compile_max_bs:
@@ -44,7 +51,7 @@ class DecodeGraphRunner:
         # rows of `inputs`: positions, output slots, pool rows (the padding rows: position 0, slot 0, dummy row)
         self.inputs = torch.tensor([[0] * n, [0] * n, [dummy_req] * n], dtype=torch.int64, device=device)
         self.positions, self.out_slots, self.req_pool_idx = self.inputs[0], self.inputs[1], self.inputs[2]
-        self.staging = [self.inputs.cpu().pin_memory() for _ in range(self.STAGING)]
+        self.staging = [self.inputs.cpu().pin_memory() if capture else self.inputs.cpu() for _ in range(self.STAGING)]
         self.staged: list[torch.cuda.Event | None] = [None] * self.STAGING
         self.next_staging = 0
         self.token_buf = token_buf        # [pool rows] each request's last sampled token (the runner's)
@@ -55,7 +62,10 @@ class DecodeGraphRunner:
         self.ctxs: dict[int, ForwardContext] = {}
         req_to_token[dummy_req, 0] = 0
         self.pool = None
-        self._capture(kv_pool, attn_backend, req_to_token, max_context)
+        if capture:
+            self._capture(kv_pool, attn_backend, req_to_token, max_context)
+        else:
+            self.ctxs = {bs: self._ctx(bs, kv_pool, attn_backend, req_to_token, max_context) for bs in self.batch_sizes}
 
     def _ctx(self, bs: int, kv_pool, attn_backend, req_to_token, max_context: int) -> ForwardContext:
         splits = choose_num_kv_splits(decode_programs(bs, self.model.num_local_heads), max_context)
@@ -64,7 +74,8 @@ class DecodeGraphRunner:
             req_pool_idx=self.req_pool_idx[:bs], seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs,
             extend_lens_cpu=[1] * bs,
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=1,
-            logits_indices=None, num_kv_splits=splits)
+            logits_indices=None, num_kv_splits=splits,
+            global_num_tokens=[bs] * self.dp_size if self.dp_size else None)
 
     @torch.no_grad()
     def _capture(self, kv_pool, attn_backend, req_to_token, max_context: int) -> None:
@@ -73,7 +84,7 @@ class DecodeGraphRunner:
         for bs in reversed(self.batch_sizes):             # largest first: later graphs reuse its memory
             ctx = self._ctx(bs, kv_pool, attn_backend, req_to_token, max_context)
             ids, pos = self.input_ids[:bs], self.positions[:bs]
-            fn = self.compiled if self.compiled is not None and bs <= self.compile_max_bs else self.model
+            fn = self._fn(bs)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):                        # warm up: Triton and torch.compile compile here
@@ -90,6 +101,9 @@ class DecodeGraphRunner:
         logger.info("captured %d decode CUDA graphs (bs %s) in %.1f s", len(self.graphs),
                     self.batch_sizes, time.monotonic() - t0)
 
+    def _fn(self, bs: int):
+        return self.compiled if self.compiled is not None and bs <= self.compile_max_bs else self.model
+
     def _prologue(self, bs: int) -> None:
         """Captured first: each row's sequence length (its position + 1) and its input token, the last one sampled
         for its pool row (`token_buf`)."""
@@ -102,13 +116,15 @@ class DecodeGraphRunner:
     def _capture_size(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
-    def replay_host(self, positions: list[int], out_slots: torch.Tensor, req_pool_idx: list[int]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay_host(self, positions: list[int], out_slots: torch.Tensor, req_pool_idx: list[int],
+                    pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode bs requests from host inputs: each one's position (its cached length), output slot ([bs] CPU
-        tensor) and pool row, its input token being `token_buf[row]`. Returns (logits [bs, V], the pool rows on
-        the device [bs]: a view valid until the next replay is queued)."""
+        tensor) and pool row, its input token being `token_buf[row]`. `pad_to`: the captured size to replay (DP
+        attention: the one all ranks agreed on; bs may then be 0), else the smallest that holds bs. Returns
+        (logits [bs, V], the pool rows on the device [bs]: a view valid until the next replay is queued)."""
         bs = len(positions)
-        cbs = self._capture_size(bs)
+        cbs = self._capture_size(bs) if pad_to is None else pad_to
+        assert bs <= cbs and cbs in self.ctxs, f"{bs} requests in the graph of size {cbs}"
         i = self.next_staging
         self.next_staging = (i + 1) % self.STAGING
         if self.staged[i] is not None:
@@ -120,6 +136,12 @@ class DecodeGraphRunner:
         host[:2, bs:cbs] = 0                                                # padding rows: the dummy request
         host[2, bs:cbs] = self.dummy_req
         self.inputs[:, :cbs].copy_(host[:, :cbs], non_blocking=True)
+        if not self.captured:                             # the same padded forward, run eagerly
+            # NOTE: the PyTorch reference attention reads the lengths on the host (a kernel reads `seq_lens`)
+            self.ctxs[cbs].seq_lens_cpu = [p + 1 for p in positions] + [1] * (cbs - bs)
+            self._prologue(cbs)
+            out = self._fn(cbs)(self.input_ids[:cbs], self.positions[:cbs], self.ctxs[cbs]).logits
+            return out[:bs], self.req_pool_idx[:bs]
         self.staged[i] = torch.cuda.Event()
         self.staged[i].record()
         self.graphs[cbs].replay()

@@ -24,10 +24,15 @@ class DPStepSync:
     `busy` says whether any group had work at the last agreement (an idle leader then does not wait for messages,
     which would hold up the groups that decode). `slots(batch)` gives the token counts of the step's forwards in
     order: one forward without speculative decoding; under it S draft forwards, the target's and the draft
-    layer's (`engine/spec.slot_counts`), so that every group runs every forward that any group runs."""
+    layer's (`engine/spec.slot_counts`), so that every group runs every forward that any group runs.
 
-    def __init__(self, group: RankGroup, slots=None):
+    `graph_sizes` (the captured decode graph sizes, None without graphs): when every group decodes or has nothing,
+    and the largest group's batch fits a graph, every rank replays the graph of the smallest captured size that
+    holds it (`Batch.graph_bs`); a prefill anywhere makes the step eager on every rank."""
+
+    def __init__(self, group: RankGroup, slots=None, graph_sizes: list[int] | None = None):
         self.group, self.busy = group, False
+        self.graph_sizes = sorted(graph_sizes) if graph_sizes else None
         self.slots = slots or (lambda batch: [sum(batch.extend_lens)])
         self.modes: list[ForwardMode | None] = []      # each group's mode at the last agreement (None: nothing)
 
@@ -49,4 +54,12 @@ class DPStepSync:
             batch = idle_batch()
         batch.slot_tokens = per_slot
         batch.global_num_tokens = per_slot[0] if len(per_slot) == 1 else None
+        batch.graph_bs = self._graph_size(per_slot)
         return batch
+
+    def _graph_size(self, per_slot: list[list[int]]) -> int | None:
+        if self.graph_sizes is None or len(per_slot) != 1:
+            return None
+        if not set(self.modes) <= {ForwardMode.DECODE, None} or max(per_slot[0]) > self.graph_sizes[-1]:
+            return None
+        return next(s for s in self.graph_sizes if s >= max(per_slot[0]))

@@ -74,7 +74,9 @@ class Scheduler:
             c = self.cfg
             slots = lambda batch: slot_counts(batch, c.speculative_num_steps, c.speculative_eagle_topk,  # noqa: E731
                                               c.speculative_num_draft_tokens)
-        self.dp_sync = DPStepSync(self.runner.group, slots) if self.runner.group.dp is not None else None
+        graphs = self.runner.graphs
+        self.dp_sync = DPStepSync(self.runner.group, slots, graphs.batch_sizes if graphs is not None else None) \
+            if self.runner.group.dp is not None else None
 
     # --- start-up -------------------------------------------------------------------------------
     def warm_up(self) -> float:

@@ -95,14 +95,30 @@ def _scheduler(path: str, group=None, **flags):
     return Scheduler(ServerConfig.from_flat(**args), path, group=group)
 
 
-def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]]) -> dict:
+def _padded_graphs(sched, sizes: list[int]) -> None:
+    """Decode "graphs" under DP attention on the CPU: the runner replays the agreed padded size (`Batch.graph_bs`)
+    through DecodeGraphRunner's own padded forward, run eagerly (capture=False: no CUDA here)."""
+    from mlaserve.engine.graph import DecodeGraphRunner
+
+    r = sched.runner
+    r.graphs = DecodeGraphRunner(r.model, r.pool, r.attn_backend, sched.kv.req_to_token, sched.kv.req_pool.alloc(),
+                                 sizes, min(r.context_len, r.num_slots), r.device, r.token_buf,
+                                 dp_size=r.group.dp.dp_size, capture=False)
+    sched.dp_sync.graph_sizes = sorted(sizes)
+
+
+def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]],
+             graph_sizes: list[int] | None = None) -> dict:
     """One rank of tp 2 dp 2: its group's scheduler adds work[dp_rank]'s messages at their steps and every rank
-    steps every iteration (as the scheduler processes do) until no group has anything left."""
+    steps every iteration (as the scheduler processes do) until no group has anything left. `graph_sizes`: decode
+    steps replay padded "graphs" (`_padded_graphs`) whenever the ranks agree on one."""
     sched = _scheduler(path, group, **flags)
+    if graph_sizes:
+        _padded_graphs(sched, graph_sizes)
     msgs, arrivals, aborts = work[group.info.dp_rank]
     results = {x.rid: {"ids": [], "finished": None, "cached": 0} for x in msgs}
     pending = sorted(msgs, key=lambda x: arrivals.get(x.rid, 0))
-    modes, idle_steps, retracted_at = [], 0, []
+    modes, idle_steps, retracted_at, graph_steps = [], 0, [], []
     for step in range(3000):
         before = sched.num_retracted
         while pending and arrivals.get(pending[0].rid, 0) <= step:
@@ -120,18 +136,23 @@ def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]])
         if sched.num_retracted > before:
             retracted_at.append(len(modes) - 1)
         idle_steps += sched.pending is not None and sched.pending.batch.mode is ForwardMode.IDLE
+        if sched.pending is not None:
+            graph_steps.append((sched.pending.batch.mode, sched.pending.batch.graph_bs))
         if not any(n for (n,) in group.all_gather_ints([bool(pending) or sched.has_work])):
             break
     kv = sched.kv
     clean = kv.tree.protected_size == 0 and kv.allocator.available + kv.tree.total_size() == kv.num_slots
     return {"results": results, "retracted": retracted_at, "clean": clean, "modes": modes,
-            "idle_steps": idle_steps, "dp_rank": sched.get_stats()["dp_rank"]}
+            "idle_steps": idle_steps, "dp_rank": sched.get_stats()["dp_rank"], "graph_steps": graph_steps}
 
 
-def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-graphs"])
+def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, graphs):
     """Group 0: one long request decoding alone, a shared-prefix pair (radix hit) and an abort; group 1: a burst
     that retracts in its small pool, with the same kind of shared-prefix pair. Each group's outputs equal the same
-    requests run by one process; the group without work runs IDLE steps (no hang)."""
+    requests run by one process; the group without work runs IDLE steps (no hang). With decode graphs (sizes
+    1 2 4 8, their padded forward run eagerly on the CPU): every rank replays the size agreed for the step, an
+    idle group padding rows only; steps with a prefill anywhere, or more than 8 requests in a group, run eagerly."""
     rng = _seeded()
     tok = lambda n: [rng.randrange(5, 4000) for _ in range(n)]   # noqa: E731
     shared0, shared1 = tok(40), tok(40)
@@ -148,8 +169,18 @@ def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint):
                  init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     path = checkpoint("v3")
     alone = [drive_scheduler(_scheduler(path, **small), m, a, ab) for m, a, ab in work]
-    ranks = spawn_ranks(drive_dp, 2, path, small, work, timeout=300, dp_size=2)
+    ranks = spawn_ranks(drive_dp, 2, path, small, work, [1, 2, 4, 8] if graphs else None, timeout=300, dp_size=2)
     assert [r["dp_rank"] for r in ranks] == [0, 1]
+    sizes = [bs for _, bs in ranks[0]["graph_steps"]]
+    assert sizes == [bs for _, bs in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
+    if graphs:
+        on = [(a, b) for (a, bs), (b, _) in zip(ranks[0]["graph_steps"], ranks[1]["graph_steps"]) if bs is not None]
+        assert len(on) > 10 and {bs for bs in sizes if bs} >= {1, 8}, sizes
+        assert (ForwardMode.DECODE, ForwardMode.IDLE) in on, "an idle group replayed padding rows"
+        assert all(ForwardMode.EXTEND not in (a, b) for a, b in on)
+        assert None in sizes, "the steps with a prefill or more than 8 requests ran eagerly"
+    else:
+        assert set(sizes) == {None}
     assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"
     # group 0 decoded alone while group 1 ran IDLE forwards (its ranks took part in every MoE)
     assert (ForwardMode.DECODE, None) in ranks[0]["modes"] and ranks[1]["idle_steps"] > 0
