@@ -7,7 +7,9 @@
 # compiled during each request (new entries in a TRITON_CACHE_DIR shared by every server of this call). Confirmed
 # if r2 (the first hit) carries seconds and compiles that r3 / r5 do not, r3 / r5 run near the one-batch step, and
 # --disable-radix-cache moves nothing to r2; refuted if r3 / r5 stay at ~15 ms a token (then a per-token cost).
-# Usage (repo root, carry .whl): bash benchmarks/gpu_tps_probe.sh   (RUNS="plain norad nextn compile" by default)
+# Servers now send warm-up requests before ready (a prompt and its prefix hit; --skip-server-warmup skips them):
+# "cold" skips them (the first hit should then carry the compiles), "plain" has them (r2 should not).
+# Usage (repo root, carry .whl): bash benchmarks/gpu_tps_probe.sh   (RUNS="cold plain nextn compile" by default)
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site TRITON_CACHE_DIR=/tmp/tps_triton_cache
@@ -86,8 +88,9 @@ print(json.dumps({"label": label, "summary": True, "decode_ms_per_token": round(
 PY
   kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
 }
-for run in ${RUNS:-plain norad nextn compile}; do
+for run in ${RUNS:-cold plain nextn compile}; do
   case $run in
+    cold) probe cold --skip-server-warmup ;;
     plain) probe plain ;;
     norad) probe norad --disable-radix-cache ;;
     nextn) probe nextn --speculative-algorithm EAGLE ;;
