@@ -4,9 +4,9 @@ per combination of torch.compile, CUDA graphs, radix cache, NextN (EAGLE chain),
 NOT RUN YET: written while no two-GPU machine was lent; only its plumbing was tried (on the CPU, demo model). On one
 GPU, `--tp 1` runs the single-GPU rows and lists the EP / DP rows as needing two GPUs; `--tp 2` runs them all.
 There is no Flashinfer-MLA column (one MLA backend here). Correctness of every combination is
-tests/test_combinations.py; this only times them. Expected "not runnable": torch.compile with DP attention (decode
-graphs resolve off under DP, and compile acts inside them, so config resolution refuses it in one line); graphs with
-DP attention run eagerly, shown as "resolved off". DIR holds config.json and a tokenizer (make-checkpoint writes both).
+tests/test_combinations.py; this only times them. Every row is expected to run (DP attention keys its decode graphs
+by the size the groups agree on each step); a graph switch a server resolved off (the CPU) is shown as "resolved
+off". DIR holds config.json and a tokenizer (make-checkpoint writes both).
 
     PYTHONPATH=$PWD python benchmarks/ablation.py --model-path DIR --tp 2 --table single offline \
         --serve-args "--load-format dummy" > benchmarks/results/ablation-h200x2.md
@@ -71,7 +71,7 @@ class Row(NamedTuple):
         return " + ".join(n for n, v in zip(names, self) if v) or "none"
 
     def cells(self, info: dict | None = None) -> list[str]:
-        """The row's switches; a graph switch the server resolved off (DP attention, the CPU) says so."""
+        """The row's switches; a graph switch the server resolved off (e.g. on the CPU) says so."""
         cells = ["✅" if v else "➖" for v in self]
         if self.graph and (info or {}).get("disable_cuda_graph"):
             cells[1] = "➖ (resolved off)"

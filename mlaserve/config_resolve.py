@@ -74,8 +74,7 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     load = _resolve_load(server.load, model, device)
     parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
-    sched = _resolve_spec(_resolve_sched(server.sched, load, device, dp_attention=parallel.enable_dp_attention),
-                          model, load)
+    sched = _resolve_spec(_resolve_sched(server.sched, load, device), model, load)
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 
@@ -295,14 +294,11 @@ def _check_sched_ranges(s: SchedConfig) -> None:
         _reject(f"--watchdog-timeout {s.watchdog_timeout}: must be > 0")
 
 
-def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo, dp_attention: bool) -> str | None:
+def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> str | None:
     if s.disable_cuda_graph:
         return "--disable-cuda-graph"
     if device.type != "cuda":
         return f"--device {device.type}"
-    if dp_attention and s.speculative_algorithm:
-        # NOTE: the draft + verify graphs are not keyed by the groups' agreed sizes yet (plain decode graphs are)
-        return f"--enable-dp-attention with --speculative-algorithm {s.speculative_algorithm}"
     if load.attention_backend == "torch":
         return "--attention-backend torch"       # the reference attention loops over requests on the host
     if load.disable_mla:
@@ -310,10 +306,10 @@ def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo, dp_
     return None
 
 
-def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo, dp_attention: bool = False) -> SchedConfig:
+def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> SchedConfig:
     _check_sched_ranges(s)
     s = replace(s, max_running_requests=s.max_running_requests or DEFAULT_MAX_RUNNING[device.type])
-    why_off = _graphs_off_reason(s, load, device, dp_attention)
+    why_off = _graphs_off_reason(s, load, device)
     if why_off is not None:
         # NOTE: 0 / [] are the resolved "no graphs" values, so resolving twice accepts them
         given = [_flag(n) for n, v in (("cuda_graph_bs", s.cuda_graph_bs), ("cuda_graph_max_bs", s.cuda_graph_max_bs),

@@ -17,9 +17,9 @@ Factors and their values (CPU):
 Not covered: tree drafts (speculative_eagle_topk > 1), tested alone and with radix hits, sampling, stops and
 log-probs in tests/engine/test_spec_tree.py, under DP attention in tests/distributed/test_dp_attention.py. GPU only: CUDA graphs and torch.compile (on the CPU every combination runs
 eagerly); `test_gpu_graphs_and_compile` runs them against the eager GPU run and is skipped without CUDA (the
-two-GPU rows also without a second GPU). Under DP attention decode graphs are keyed by the size all ranks agree on
-(on the CPU their padded forward is tested in tests/distributed/test_dp_attention.py); with speculation too they
-resolve off (the draft + verify graphs are not keyed by it yet).
+two-GPU rows also without a second GPU). Under DP attention decode graphs (and the draft + verify pairs) are keyed
+by the size all ranks agree on each step (on the CPU their padded functions run eagerly in
+tests/distributed/test_dp_attention.py).
 
 The 11 rows below cover every pair of factor values (with 5 layouts each needs two rows of opposite binary
 values). One row has everything on at once: demo, dp2-ep2, radix, spec, overlap, fp8 kv, chunked prefill.
@@ -252,7 +252,6 @@ def test_mixed_chunk_with_parallel_layouts(models, baseline, name: str):
 # --- GPU: CUDA graphs and torch.compile ----------------------------------------------------------------------
 
 # name -> (flags over the eager GPU baseline's, GPUs). Graphs are on by default on a GPU; compile acts inside them.
-# DP attention with speculation resolves graphs off, so that row runs eagerly and compile is not given there.
 GPU_ROWS = {"graphs": ({}, 1),
             "graphs-compile": ({"enable_torch_compile": True}, 1),
             "graphs-spec": ({"speculative_algorithm": "EAGLE"}, 1),
@@ -264,8 +263,8 @@ GPU_ROWS = {"graphs": ({}, 1),
             "tp2-ep2-graphs-compile-spec": ({"tp_size": 2, "ep_size": 2, "enable_torch_compile": True,
                                              "speculative_algorithm": "EAGLE"}, 2),
             "dp2-ep2-graphs-compile": (LAYOUTS["dp2-ep2"] | {"enable_torch_compile": True}, 2),
-            "dp2-ep2-spec-fp8kv (graphs resolve off)": (LAYOUTS["dp2-ep2"] | {"speculative_algorithm": "EAGLE",
-                                                                              "kv_cache_dtype": "fp8_e4m3"}, 2)}
+            "dp2-ep2-graphs-spec-fp8kv": (LAYOUTS["dp2-ep2"] | {"speculative_algorithm": "EAGLE",
+                                                                "kv_cache_dtype": "fp8_e4m3"}, 2)}
 
 
 def clear_prefix(out: dict, margin: float) -> int:
@@ -302,7 +301,7 @@ def test_gpu_graphs_and_compile(name: str):
 
     base, _, _ = go(disable_cuda_graph=True, **fp8)
     first, second, info = go(**flags)
-    assert info["disable_cuda_graph"] is bool(flags.get("enable_dp_attention") and flags.get("speculative_algorithm"))
+    assert info["disable_cuda_graph"] is False
     for a, b in zip(base, first, strict=True):
         n = clear_prefix(a, GPU_TIE_MARGIN)
         assert b["output_ids"][:n] == a["output_ids"][:n]

@@ -114,7 +114,8 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (CPU, V2_LITE, dict(load_balance_method="round_robin"), "--load-balance-method round_robin"),
     (CPU, V2_LITE, dict(load_balance_method="random"), "--load-balance-method random: choose one of"),
     (H100, V3_FP8, dict(tp_size=2, dp_size=2, enable_dp_attention=True, cuda_graph_max_bs=8,
-                        speculative_algorithm="EAGLE"), "off with --enable-dp-attention with --speculative-algorithm"),
+                        disable_cuda_graph=True), "--cuda-graph-max-bs: these act on decode CUDA graphs, which are off "
+                                              "with --disable-cuda-graph"),
     (H100, V2_LITE, dict(tp_size=0), "--tp-size 0"),
     (CPU, V2_LITE, dict(enable_torch_compile=True), "--enable-torch-compile"),
     (CPU, V2_LITE, dict(cuda_graph_bs=[1, 2]), "--cuda-graph-bs"),
@@ -166,13 +167,9 @@ def test_dp_attention_configs_resolve():
     assert r.parallel.load_balance_method == "round_robin"
     assert not r.sched.disable_cuda_graph and r.sched.cuda_graph_bs          # keyed by the groups' agreed size
     assert r == resolve_config(r, V3_FP8, H100)
-    # speculative decoding's draft + verify graphs are not keyed by the agreed sizes yet: eager, said so
-    r = resolve(H100, V3_FP8, tp_size=8, dp_size=8, enable_dp_attention=True, speculative_algorithm="EAGLE")
-    assert r.sched.disable_cuda_graph and r.sched.cuda_graph_bs == []
-    with pytest.raises(ConfigError, match="--enable-torch-compile: .* off with --enable-dp-attention with "
-                                          "--speculative-algorithm EAGLE"):
-        resolve(H100, V3_FP8, tp_size=8, dp_size=8, enable_dp_attention=True, speculative_algorithm="EAGLE",
-                enable_torch_compile=True)
+    r = resolve(H100, V3_FP8, tp_size=8, dp_size=8, enable_dp_attention=True, speculative_algorithm="EAGLE",
+                enable_torch_compile=True)                                    # draft + verify graphs too
+    assert not r.sched.disable_cuda_graph and r.sched.torch_compile_max_bs > 0
     assert resolve(H100, V3_FP8, tp_size=16, dp_size=2, enable_dp_attention=True).parallel.dp_size == 2
 
 

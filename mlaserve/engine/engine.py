@@ -154,7 +154,8 @@ class ModelRunner:
 
             self.spec.graphs = SpecGraphRunner(self.spec, req_to_token, dummy_req, sched.cuda_graph_bs,
                                                min(self.context_len, self.num_slots), self.device,
-                                               compile_max_bs=sched.torch_compile_max_bs)
+                                               compile_max_bs=sched.torch_compile_max_bs,
+                                               dp_size=self.group.dp.dp_size if self.group.dp is not None else None)
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                         sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,

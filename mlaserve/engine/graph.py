@@ -167,11 +167,14 @@ class SpecGraphRunner:
     """CUDA graphs for speculative decoding (`engine/spec.py`, tree drafts `engine/spec_tree.py`), per captured
     batch size: the draft steps and the verify forward as one graph, the acceptance and draft repair as another
     (the target's tokens are chosen between the two, outside: argmax or the seeded sampler). Padded rows run the
-    dummy request, whose first positions all map to the padding slot 0."""
+    dummy request, whose first positions all map to the padding slot 0. Under DP attention (`dp_size`) each
+    forward of a size-bs pair is captured with every group giving it bs times its queries per request (the rows
+    of the agreed size, as `DecodeGraphRunner`); `capture=False` runs the same padded functions eagerly (CPU tests)."""
 
     def __init__(self, spec, req_to_token: torch.Tensor, dummy_req: int, batch_sizes: list[int], max_context: int,
-                 device: torch.device, compile_max_bs: int = 0):
+                 device: torch.device, compile_max_bs: int = 0, dp_size: int | None = None, capture: bool = True):
         self.spec, self.batch_sizes = spec, sorted(batch_sizes)
+        self.captured = capture
         eager, compiled = (spec.target_fn, spec.draft_fn), None
         if compile_max_bs:
             # NOTE: as DecodeGraphRunner: graph breaks at the Triton launchers; one compile per batch size
@@ -189,25 +192,44 @@ class SpecGraphRunner:
         self.target = torch.zeros(n, spec.num_draft, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, tuple] = {}
+        self.fns: dict[int, tuple] = {}               # capture=False: the padded (first, second) run eagerly
         heads = spec.model.num_local_heads
         t0 = time.monotonic()
+        for bs in reversed(self.batch_sizes):
+            queries = query_counts(s, spec.topk, spec.num_draft) if tree else [1] * s + [k, s]
+            counts = [[bs * q] * dp_size for q in queries] if dp_size else None
+            kinds = queries if tree else (1, k, s)
+            splits = [choose_num_kv_splits(decode_programs(bs, q * heads), max_context) for q in kinds]
+            self.fns[bs] = self._padded(bs, tree, splits, counts)
+        if capture:
+            self._capture(compiled, eager, compile_max_bs)
+            logger.info("captured %d speculative draft + verify CUDA graph pairs (bs %s) in %.1f s", len(self.graphs),
+                        self.batch_sizes, time.monotonic() - t0)
+
+    def _padded(self, bs: int, tree: bool, splits: list[int], counts: list[list[int]] | None):
+        """The two device functions of a size-bs step over the static buffers (`base_cpu`: the reference attention's
+        host lengths; None inside graphs, where nothing reads them)."""
+        spec = self.spec
+        rows, base, slots, target = self.rows[:bs], self.base[:bs], self.slots[:bs], self.target[:bs]
+
+        def first(base_cpu=None):
+            if tree:
+                t = draft_tree(spec, rows, base, slots, base_cpu, splits, counts)
+                return (t, *verify_tree(spec, rows, base, slots, t, base_cpu, splits, counts))
+            return spec.draft_verify(rows, base, slots, base_cpu, splits[:2], counts)
+
+        def second(drafts, hidden, base_cpu=None):
+            if tree:
+                return accept_tree(spec, rows, base, slots, drafts, target, hidden, base_cpu, splits, counts)
+            return spec.accept(rows, base, slots, drafts, target, hidden, base_cpu, splits[2],
+                               counts[-1] if counts is not None else None)
+        return first, second
+
+    def _capture(self, compiled, eager, compile_max_bs: int) -> None:
+        spec = self.spec
         pool, stream = None, torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):
-            queries = query_counts(s, spec.topk, spec.num_draft) if tree else (1, k, s)
-            splits = [choose_num_kv_splits(decode_programs(bs, q * heads), max_context) for q in queries]
-            rows, base, slots, target = self.rows[:bs], self.base[:bs], self.slots[:bs], self.target[:bs]
-
-            def first():
-                if tree:
-                    t = draft_tree(spec, rows, base, slots, None, splits)
-                    return (t, *verify_tree(spec, rows, base, slots, t, None, splits))
-                return spec.draft_verify(rows, base, slots, None, splits[:2])
-
-            def second(drafts, hidden):
-                if tree:
-                    return accept_tree(spec, rows, base, slots, drafts, target, hidden, None, splits)
-                return spec.accept(rows, base, slots, drafts, target, hidden, None, splits[2])
-
+            first, second = self.fns[bs]
             spec.target_fn, spec.draft_fn = compiled if compiled is not None and bs <= compile_max_bs else eager
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -224,18 +246,22 @@ class SpecGraphRunner:
             self.graphs[bs], self.outputs[bs] = (g1, g2), (out1, out2)
         spec.target_fn, spec.draft_fn = eager           # eager calls (batches past the graphs) stay eager
         torch.cuda.synchronize()
-        logger.info("captured %d speculative draft + verify CUDA graph pairs (bs %s) in %.1f s", len(self.graphs),
-                    self.batch_sizes, time.monotonic() - t0)
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.batch_sizes[-1]
 
-    def _padded(self, bs: int) -> int:
+    def _size(self, bs: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
-    def draft_verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor):
+    def _base_cpu(self, cbs: int) -> list[int] | None:
+        """capture=False: the padded bases on the host when the attention reads lengths there."""
+        return self.base[:cbs].tolist() if self.spec.runner.attn_backend.host_seq_lens else None
+
+    def draft_verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor, pad_to: int | None = None):
+        """`pad_to`: the captured size to replay (DP attention: the one all ranks agreed on; bs may be 0)."""
         bs = rows.shape[0]
-        cbs = self._padded(bs)
+        cbs = self._size(bs) if pad_to is None else pad_to
+        assert bs <= cbs and cbs in self.fns, f"{bs} requests in the graph pair of size {cbs}"
         self.rows[:bs].copy_(rows)
         self.base[:bs].copy_(base)
         self.slots[:bs].copy_(slots)
@@ -243,18 +269,24 @@ class SpecGraphRunner:
             self.rows[bs:cbs].fill_(self.dummy_req)
             self.base[bs:cbs].fill_(1)
             self.slots[bs:cbs].zero_()
-        self._bs = bs
-        self.graphs[cbs][0].replay()
-        drafts, logits, hidden = self.outputs[cbs][0]
+        self._bs, self._cbs = bs, cbs
+        if self.captured:
+            self.graphs[cbs][0].replay()
+            drafts, logits, hidden = self.outputs[cbs][0]
+        else:
+            self._out1 = self.fns[cbs][0](self._base_cpu(cbs))
+            drafts, logits, hidden = self._out1
         k = self.target.shape[1]                  # tokens verified per request
         drafts = DraftTree(*(x[:bs] for x in drafts)) if isinstance(drafts, DraftTree) else drafts[:bs]
         return drafts, logits[: bs * k], hidden[: bs * k]
 
     def accept(self, target: torch.Tensor):
         """Accepted drafts [B] (a chain), or (accepted [B], path [B, S + 1]) (a tree)."""
-        bs = self._bs
-        cbs = self._padded(bs)
+        bs, cbs = self._bs, self._cbs
         self.target[:bs].copy_(target)
-        self.graphs[cbs][1].replay()
-        out = self.outputs[cbs][1]
+        if self.captured:
+            self.graphs[cbs][1].replay()
+            out = self.outputs[cbs][1]
+        else:
+            out = self.fns[cbs][1](self._out1[0], self._out1[2], self._base_cpu(cbs))
         return tuple(x[:bs] for x in out) if isinstance(out, tuple) else out[:bs]

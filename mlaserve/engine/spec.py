@@ -195,17 +195,21 @@ class SpecDecoder:
         slots = self.runner.req_to_token[rows[:, None], cols].to(torch.int64)    # token L + j -> slots[:, j]
         # NOTE: the PyTorch reference attention reads lengths on the host (a wait that costs nothing on the CPU)
         base_cpu = base.tolist() if self.runner.attn_backend.host_seq_lens else None
-        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(b) else None
+        # DP attention: the graph pair of the size every rank agreed on (an IDLE batch: padding rows only), or eager
+        dp = self.runner.group.dp is not None
+        graphs = self.graphs if self.graphs is not None and (batch.graph_bs is not None if dp else
+                                                              self.graphs.can_run(b)) else None
+        pad = batch.graph_bs
         counts = batch.slot_tokens                                       # DP attention: [forward][group]
         if self.topk > 1 and graphs is not None:
-            tree, logits, hidden = graphs.draft_verify(rows, base, slots)
+            tree, logits, hidden = graphs.draft_verify(rows, base, slots, pad)
         elif self.topk > 1:
             tree = spec_tree.draft_tree(self, rows, base, slots, base_cpu, counts=counts)
             logits, hidden = spec_tree.verify_tree(self, rows, base, slots, tree, base_cpu, counts=counts)
         else:
             root = self.runner.token_buf[rows]
             if graphs is not None:
-                draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots)
+                draft_ids, logits, hidden = graphs.draft_verify(rows, base, slots, pad)
             else:
                 draft_ids, logits, hidden = self.draft_verify(rows, base, slots, base_cpu, counts=counts)
             tree = spec_tree.chain_tree(root, draft_ids)

@@ -58,7 +58,8 @@ class DPStepSync:
         return batch
 
     def _graph_size(self, per_slot: list[list[int]]) -> int | None:
-        if self.graph_sizes is None or len(per_slot) != 1:
+        # NOTE: a decode's first forward has one token per request, speculative or not (its first draft step)
+        if self.graph_sizes is None:
             return None
         if not set(self.modes) <= {ForwardMode.DECODE, None} or max(per_slot[0]) > self.graph_sizes[-1]:
             return None

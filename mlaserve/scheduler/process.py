@@ -47,9 +47,6 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
         elif info.world_size > 1:            # CPU ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_size))
         group = init_distributed(info, server.parallel.dist_init_addr, server.parallel.dist_timeout, device)
-        if group.dp is not None and device.type == "cuda" and server.sched.speculative_algorithm:
-            logger.warning("CUDA graphs are off under --enable-dp-attention with speculative decoding (its draft + "
-                           "verify graphs are not keyed by the DP groups' agreed sizes yet); decode runs eagerly")
         sched = Scheduler(server, model_path, group=group)
         warmup_s = None
         if not server.sched.skip_server_warmup:

@@ -74,7 +74,7 @@ class Scheduler:
             c = self.cfg
             slots = lambda batch: slot_counts(batch, c.speculative_num_steps, c.speculative_eagle_topk,  # noqa: E731
                                               c.speculative_num_draft_tokens)
-        graphs = self.runner.graphs
+        graphs = self.runner.spec.graphs if self.runner.spec is not None else self.runner.graphs
         self.dp_sync = DPStepSync(self.runner.group, slots, graphs.batch_sizes if graphs is not None else None) \
             if self.runner.group.dp is not None else None
 
@@ -162,7 +162,9 @@ class Scheduler:
         return self.runner.resolve(self.runner.launch(batch, self.grammar.bitmask(batch)))
 
     def _speculates(self, batch: Batch | None) -> bool:
-        return batch is not None and batch.mode is ForwardMode.DECODE and self.spec_tokens > 1
+        """A draft-and-verify step: a decode batch, or under DP attention an IDLE one replaying the agreed graphs."""
+        return batch is not None and self.spec_tokens > 1 and (
+            batch.mode is ForwardMode.DECODE or (batch.mode is ForwardMode.IDLE and batch.graph_bs is not None))
 
     def _draft_mask(self, batch: Batch):
         """Structured output under speculation: the callback that walks each verified node's drafts (needs every

@@ -97,13 +97,18 @@ def _scheduler(path: str, group=None, **flags):
 
 def _padded_graphs(sched, sizes: list[int]) -> None:
     """Decode "graphs" under DP attention on the CPU: the runner replays the agreed padded size (`Batch.graph_bs`)
-    through DecodeGraphRunner's own padded forward, run eagerly (capture=False: no CUDA here)."""
-    from mlaserve.engine.graph import DecodeGraphRunner
+    through DecodeGraphRunner's (or, speculating, SpecGraphRunner's) own padded functions, run eagerly
+    (capture=False: no CUDA here)."""
+    from mlaserve.engine.graph import DecodeGraphRunner, SpecGraphRunner
 
     r = sched.runner
-    r.graphs = DecodeGraphRunner(r.model, r.pool, r.attn_backend, sched.kv.req_to_token, sched.kv.req_pool.alloc(),
-                                 sizes, min(r.context_len, r.num_slots), r.device, r.token_buf,
-                                 dp_size=r.group.dp.dp_size, capture=False)
+    dummy, context, dp = sched.kv.req_pool.alloc(), min(r.context_len, r.num_slots), r.group.dp.dp_size
+    if r.spec is not None:
+        r.spec.graphs = SpecGraphRunner(r.spec, sched.kv.req_to_token, dummy, sizes, context, r.device, dp_size=dp,
+                                        capture=False)
+    else:
+        r.graphs = DecodeGraphRunner(r.model, r.pool, r.attn_backend, sched.kv.req_to_token, dummy, sizes, context,
+                                     r.device, r.token_buf, dp_size=dp, capture=False)
     sched.dp_sync.graph_sizes = sorted(sizes)
 
 
@@ -235,12 +240,16 @@ def test_dp_attention_with_expert_parallelism_equals_tp1(checkpoint):
     assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
 
 
-@pytest.mark.parametrize("tree", [{}, {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 6}],
-                         ids=["chain", "tree"])
-def test_speculative_groups_in_different_modes_equal_one_process(tree):
+@pytest.mark.parametrize("tree,graphs", [({}, False), ({"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 6},
+                                                       False), ({}, True),
+                                        ({"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 6}, True)],
+                         ids=["chain", "tree", "chain-padded-graphs", "tree-padded-graphs"])
+def test_speculative_groups_in_different_modes_equal_one_process(tree, graphs):
     """Group 0 decodes (drafts, verify, repair) while group 1 idles, then prefills (its target and draft-layer
     extends beside group 0's decode forwards), then both decode: outputs equal one process without speculation.
-    Tree drafts: each draft step's forward has K i tokens per request, the verify N, the repair S."""
+    Tree drafts: each draft step's forward has K i tokens per request, the verify N, the repair S. With graphs
+    (sizes 1 2 4, their padded functions run eagerly on the CPU) the decode-only steps replay the agreed size on
+    every rank, the idle group with padding rows only."""
     from mlaserve.demo import DEMO_DIR
 
     path, ps = str(DEMO_DIR), _demo_prompts()
@@ -249,8 +258,16 @@ def test_speculative_groups_in_different_modes_equal_one_process(tree):
     work = [(g0, {"a0": 0, "a1": 9}, {}), (g1, {"b0": 5, "b1": 7}, {})]
     flags = dict(speculative_algorithm="EAGLE", max_total_tokens=2048, **tree)
     alone = [drive_scheduler(_scheduler(path, max_total_tokens=2048), m, a, ab) for m, a, ab in work]
-    ranks = spawn_ranks(drive_dp, 2, path, flags, work, timeout=300, dp_size=2)
+    ranks = spawn_ranks(drive_dp, 2, path, flags, work, [1, 2, 4] if graphs else None, timeout=300, dp_size=2)
     assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"
+    sizes = [bs for _, bs in ranks[0]["graph_steps"]]
+    assert sizes == [bs for _, bs in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
+    if graphs:
+        on = [(a, b) for (a, bs), (b, _) in zip(ranks[0]["graph_steps"], ranks[1]["graph_steps"]) if bs is not None]
+        assert len(on) > 5 and (ForwardMode.DECODE, ForwardMode.IDLE) in on and (ForwardMode.DECODE,) * 2 in on, on
+        assert None in sizes, "the steps with a prefill ran eagerly"
+    else:
+        assert set(sizes) == {None}
     modes = set(ranks[0]["modes"])
     assert (ForwardMode.DECODE, None) in modes and (ForwardMode.DECODE, ForwardMode.EXTEND) in modes, modes
     assert all(r["clean"] for r in ranks)
