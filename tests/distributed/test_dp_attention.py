@@ -180,7 +180,7 @@ def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, g
     assert sizes == [bs for _, bs in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
     if graphs:
         on = [(a, b) for (a, bs), (b, _) in zip(ranks[0]["graph_steps"], ranks[1]["graph_steps"]) if bs is not None]
-        assert len(on) > 10 and {bs for bs in sizes if bs} >= {1, 8}, sizes
+        assert len(on) > 10 and 1 in sizes and max(bs or 0 for bs in sizes) > 1, sizes
         assert (ForwardMode.DECODE, ForwardMode.IDLE) in on, "an idle group replayed padding rows"
         assert all(ForwardMode.EXTEND not in (a, b) for a, b in on)
         assert None in sizes, "the steps with a prefill or more than 8 requests ran eagerly"
