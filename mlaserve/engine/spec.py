@@ -121,12 +121,16 @@ class SpecDecoder:
         self.target_fn, self.draft_fn = self.model, self.model.mtp
         self.hidden_buf: torch.Tensor | None = None       # [rows, h]: target hidden at each request's last KV position
         self.base_buf: torch.Tensor | None = None         # [rows] int64: each request's tokens with KV (its next L)
+        self.step_cols: torch.Tensor | None = None        # [slots_per_step] a step's columns past each base
         self.graphs = None                                # SpecGraphRunner (engine/graph.py) on the GPU
 
     def attach(self, rows: int) -> None:
         cfg = self.runner.cfg
         self.hidden_buf = torch.zeros(rows, cfg.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
         self.base_buf = torch.zeros(rows, dtype=torch.int64, device=self.runner.device)
+        # a step's table columns past each base: L .. L + slots_per_step - 1
+        self.step_cols = torch.arange(spec_tree.slots_per_step(self.steps, self.topk, self.num_draft),
+                                      device=self.runner.device)
 
     def _ctx(self, mode: ForwardMode, rows: list[int], prefix: list[int], ext: list[int], out_slots: torch.Tensor,
              draft: bool, num_q: int = 1):
@@ -190,8 +194,7 @@ class SpecDecoder:
         b, dev = batch.size, self.runner.device
         rows = to_device(torch.tensor([q.req_pool_idx for q in batch.reqs], dtype=torch.int64), dev)
         base = self.base_buf[rows]                                       # L: tokens with KV before
-        width = spec_tree.slots_per_step(self.steps, self.topk, self.num_draft)
-        cols = base[:, None] + torch.arange(width, device=dev)
+        cols = base[:, None] + self.step_cols
         slots = self.runner.req_to_token[rows[:, None], cols].to(torch.int64)    # token L + j -> slots[:, j]
         # NOTE: the PyTorch reference attention reads lengths on the host (a wait that costs nothing on the CPU)
         base_cpu = base.tolist() if self.runner.attn_backend.host_seq_lens else None

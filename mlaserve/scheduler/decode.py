@@ -31,7 +31,7 @@ def spec_columns(sched: "Scheduler", req: Req) -> tuple[int, int]:
     1 .. `spec_advance` tokens past the host's, after a queued prompt exactly one past. The columns past the real
     L + spec_tokens stay the request's: the next steps write there (rejected drafts' slots are reused, not lost),
     and a step processed with nothing queued after it frees them (`Scheduler._process_spec`)."""
-    n = len(req.fill_ids)
+    n = len(req.input_ids) + len(req.output_ids)     # len(fill_ids), without building the list
     pending = sched.pending.batch if sched.pending is not None else None
     if pending is None or req.last_batch is not pending:
         low = high = n - 1                    # every token it has but the newest has KV

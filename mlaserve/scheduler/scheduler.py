@@ -158,7 +158,7 @@ class Scheduler:
 
     def run(self, batch: Batch) -> StepOutput | SpecOutput:
         if self._speculates(batch):
-            return self.runner.resolve(self.runner.launch_spec(batch, self._draft_mask(batch)))
+            return self.runner.spec_step(batch, self._draft_mask(batch))
         return self.runner.resolve(self.runner.launch(batch, self.grammar.bitmask(batch)))
 
     def _speculates(self, batch: Batch | None) -> bool:
