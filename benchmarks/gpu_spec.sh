@@ -24,6 +24,12 @@ fi
 if [ "$PART" = all ] || [ "$PART" = demo ]; then
   timeout 280 python3 benchmarks/spec_decode.py demo 2>&1 | grep -v "loading weights" | tee -a "$OUT/demo.jsonl"
 fi
+if [ "$PART" = check ]; then     # the GPU tests of speculation (overlap on, the default) and the 1-GPU combination rows
+  timeout 260 python3 -m pytest -q tests/engine/test_spec.py tests/engine/test_spec_tree.py -k gpu -p no:cacheprovider \
+    2>&1 | tail -25 | tee "$OUT/tests_spec.txt"
+  timeout 280 python3 -m pytest -q tests/test_combinations.py -k "gpu and not tp2 and not dp2" -p no:cacheprovider \
+    2>&1 | tail -25 | tee "$OUT/tests_combinations.txt"
+fi
 if [ "$PART" = overlap ]; then   # speculation with the overlap scheduler against without it (issue 13)
   timeout 500 python3 benchmarks/spec_decode.py demo 256 overlap 2>&1 | grep -v "loading weights" | tee -a "$OUT/overlap.jsonl"
 fi
