@@ -34,7 +34,21 @@ HEADERS = ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n"
            "def download(url, dest):\n"]
 
 
-def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256, overlap: bool = True) -> dict:
+def demo_token_map(size: int) -> str:
+    """The `size` most frequent demo tokens of pip's source (the demo's held-out text, not its training text)."""
+    from mlaserve.tokenizer import load_tokenizer
+    from mlaserve.tools.corpus import heldout_files, read_sources
+    from mlaserve.tools.token_map import count_tokens, top_ids, write
+
+    tok = load_tokenizer(DEMO_DIR)
+    counts = count_tokens(tok.backend, read_sources(sorted(heldout_files())), tok.backend.get_vocab_size())
+    path = Path(tempfile.mkdtemp(prefix="demo-map-")) / f"map{size}.pt"
+    write(top_ids(counts, size), path)
+    return str(path)
+
+
+def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256, overlap: bool = True,
+             token_map: str | None = None) -> dict:
     from mlaserve.scheduler.scheduler import Scheduler
     from mlaserve.tokenizer import load_tokenizer
 
@@ -43,7 +57,7 @@ def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256, overlap
                  max_total_tokens=65536, disable_overlap_schedule=not overlap)
     if spec:
         flags |= dict(speculative_algorithm="EAGLE", speculative_num_steps=spec[0], speculative_eagle_topk=spec[1],
-                      speculative_num_draft_tokens=spec[2])
+                      speculative_num_draft_tokens=spec[2], speculative_token_map=token_map)
     sched = Scheduler(ServerConfig.from_flat(**flags), path)
     tok = load_tokenizer(path)
     prompts = [tok.encode(HEADERS[i % len(HEADERS)] + f"    # {i}\n") for i in range(bs)]
@@ -69,7 +83,8 @@ def demo_run(bs: int, spec: tuple[int, int, int] | None, new: int = 256, overlap
     del sched
     gc.collect()
     torch.cuda.empty_cache()
-    return {"bs": bs, "spec": spec, "overlap": overlap, "decode_tok_s": decoded / dt, "decode_s": dt,
+    return {"bs": bs, "spec": spec, "overlap": overlap, "token_map": token_map and Path(token_map).name,
+            "decode_tok_s": decoded / dt, "decode_s": dt,
             "accept_length": st["avg_spec_accept_length"] if spec else 1.0, "ids": ids}
 
 
@@ -77,13 +92,15 @@ def demo(new: str = "256", which: str = "all") -> None:
     """Each configuration in a process of its own (a clean GPU and allocator), the baseline first. `which`:
     "all" (four settings, then the baseline and (3, 1, 4) again to show the run-to-run spread), "main" (the
     baseline and (3, 1, 4) alternating, three times each), "tree" (the chain (3, 1, 4) beside tree drafts) or
-    "overlap" ((3, 1, 4) with the overlap scheduler and without, alternating, beside the baseline)."""
+    "overlap" ((3, 1, 4) with the overlap scheduler and without, alternating, beside the baseline) or "map"
+    ((3, 1, 4) with draft token maps of 2048 and 512 of the 8192 ids, `--speculative-token-map`)."""
     import subprocess
 
     order = {"all": ("none", "1,1,2", "2,1,3", "3,1,4", "4,1,5", "none", "3,1,4"),
              "main": ("none", "3,1,4") * 3,
              "tree": ("none", "3,1,4", "3,2,4", "3,4,8", "2,4,4", "4,2,8"),
-             "overlap": ("none", "3,1,4", "3,1,4/serial", "none/serial") + ("3,1,4", "3,1,4/serial")}[which]
+             "overlap": ("none", "3,1,4", "3,1,4/serial", "none/serial") + ("3,1,4", "3,1,4/serial"),
+             "map": ("none", "3,1,4", "3,1,4/map2048", "3,1,4/map512") * 2}[which]
     for bs in ((1, 8) if which == "tree" else (1, 8, 32)):
         rows = {}
         for arg in order:
@@ -104,27 +121,36 @@ def demo(new: str = "256", which: str = "all") -> None:
 
 
 def demo_one(bs: str, spec: str, new: str = "256") -> None:
-    """`spec`: "none" or "steps,topk,draft_tokens", either followed by "/serial" for --disable-overlap-schedule."""
+    """`spec`: "none" or "steps,topk,draft_tokens", either followed by "/serial" for --disable-overlap-schedule or
+    "/mapN" for a draft token map of the N most frequent tokens."""
     spec, _, mode = spec.partition("/")
     s = None if spec == "none" else tuple(int(x) for x in spec.split(","))
-    print(json.dumps(demo_run(int(bs), s, int(new), overlap=mode != "serial")), flush=True)
+    token_map = demo_token_map(int(mode[3:])) if mode.startswith("map") else None
+    print(json.dumps(demo_run(int(bs), s, int(new), overlap=mode != "serial", token_map=token_map)), flush=True)
 
 
-def cost(layers: str = "4", context: int = 512, steps: int = 3) -> None:
+def cost(layers: str = "4", context: str = "512", steps: str = "3", map_size: str = "0") -> None:
+    """`map_size` > 0: the draft head keeps that many token ids (--speculative-token-map; a random set: with dummy
+    weights which ids does not matter for the time)."""
     from mlaserve.bench.timing import time_cuda
     from mlaserve.engine.engine import ModelRunner, resolve_for_device
     from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
     from mlaserve.kvcache.allocator import ReqToTokenPool
 
+    context, steps, map_size = int(context), int(steps), int(map_size)
     cfg = json.loads((Path(__file__).parents[1] / "mlaserve/tools/configs/deepseek-v3.json").read_text())
     cfg["num_hidden_layers"] = int(layers)
     tmp = Path(tempfile.mkdtemp(prefix="spec-v3-"))
     (tmp / "config.json").write_text(json.dumps(cfg))
+    token_map = None
+    if map_size:
+        token_map = str(tmp / "map.pt")
+        torch.save(torch.randperm(cfg["vocab_size"], generator=torch.Generator().manual_seed(0))[:map_size], token_map)
     k, max_bs = steps + 1, 32
     server = ServerConfig.from_flat(model_path=str(tmp), load_format="dummy", log_level="warning",
                                     speculative_algorithm="EAGLE", speculative_num_steps=steps,
                                     max_total_tokens=max_bs * (context + 2 * k) + 64, context_length=context + 64,
-                                    disable_cuda_graph=True)
+                                    disable_cuda_graph=True, speculative_token_map=token_map)
     server = resolve_for_device(server, str(tmp))
     runner = ModelRunner(server, str(tmp))
     pool = ReqToTokenPool(max_bs + 1, context + 64, runner.device)
@@ -153,7 +179,8 @@ def cost(layers: str = "4", context: int = 512, steps: int = 3) -> None:
              "verify": time_cuda(lambda: spec.verify(rows_d, base, slots, drafts, None, split[k])),
              "repair": time_cuda(lambda: spec.accept(rows_d, base, slots, drafts, target, hidden, None,
                                                       split[steps]))}
-        print(json.dumps({"layers": int(layers), "bs": bs, "context": context, "steps": steps, "ms": t,
+        print(json.dumps({"layers": int(layers), "bs": bs, "context": context, "steps": steps, "map_size": map_size,
+                          "ms": t,
                           "verify_over_decode": t["verify"] / t["decode"],
                           "drafts_over_decode": t["drafts"] / t["decode"],
                           "drafts_and_repair_over_decode": (t["drafts"] + t["repair"]) / t["decode"],

@@ -7,6 +7,7 @@ import sys
 COMMANDS = {
     "serve": ("mlaserve.server.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "make-checkpoint": ("mlaserve.tools.make_checkpoint", "create a synthetic DeepSeek checkpoint"),
+    "token-map": ("mlaserve.tools.token_map", "the most frequent tokens of a corpus, for --speculative-token-map"),
     "train-demo": ("mlaserve.tools.train_demo", "train the built-in demo model on this machine's Python source (GPU)"),
     "bench serving": ("mlaserve.bench.serving", "load-test an OpenAI-compatible server (ours or another)"),
     "bench accuracy": ("mlaserve.bench.accuracy", "held-out bits/byte and greedy agreement with fp32, per serving mode"),

@@ -324,6 +324,10 @@ class SchedConfig:
     speculative_num_draft_tokens: int | None = opt(None, "tokens verified per step (default: num_steps + 1)")
     speculative_draft_model_path: str | None = opt(None, "checkpoint of the draft layer (default: --model-path, "
                                                    "whose MTP layer drafts)")
+    speculative_token_map: str | None = opt(None, "a .pt (or .json) list of token ids the draft head keeps: each draft "
+                                            "step reads those rows of the output head instead of the whole vocabulary "
+                                            "(outputs are unchanged; drafts outside the list are never proposed; "
+                                            "`mlaserve token-map` counts a corpus to make one)")
     grammar_backend: str = opt("xgrammar", "structured output (json_schema / regex / ebnf / response_format / "
                                "forced tool calls): xgrammar, or none to refuse such requests (400)",
                                choices=("xgrammar", "none"))

@@ -331,7 +331,7 @@ def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> Sche
 
 
 SPEC_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-              "speculative_draft_model_path")
+              "speculative_draft_model_path", "speculative_token_map")
 MAX_TREE_NODES = 64                        # bits of the int64 tree mask rows (kernels/mla_decode.py)
 DEFAULT_SPEC_STEPS = 3                     # DeepSeek's MTP defaults (SGLang's): 3 steps, topk 1, 4 draft tokens
 
@@ -370,6 +370,11 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
     if path is not None and (load.model_path is None or os.path.realpath(path) != os.path.realpath(load.model_path)):
         _reject(f"--speculative-draft-model-path {path}: a separate draft checkpoint is not supported yet; the draft "
                 "is the target checkpoint's own MTP layer (leave the flag unset)")
+    token_map = s.speculative_token_map
+    if token_map is not None and not os.path.isfile(token_map):
+        _reject(f"--speculative-token-map {token_map}: no such file")
+    if token_map is not None and not token_map.endswith((".pt", ".json")):
+        _reject(f"--speculative-token-map {token_map}: expected a .pt or .json file of token ids")
     return replace(s, speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=topk,
                    speculative_num_draft_tokens=drafts)
 

@@ -256,3 +256,23 @@ def test_speculative_decoding_with_dp_attention_resolves():
 def test_speculative_decoding_with_torch_compile_resolves():
     r = resolve(H100, V3_FP8, speculative_algorithm="EAGLE", enable_torch_compile=True)
     assert r.sched.enable_torch_compile and r.sched.torch_compile_max_bs == 32 and r.sched.cuda_graph_max_bs == 160
+
+
+def test_speculative_token_map_resolves_and_fails_in_one_line(tmp_path):
+    path = tmp_path / "map.pt"
+    path.write_bytes(b"")
+    r = resolve(CPU, V3_FP8, speculative_algorithm="EAGLE", speculative_token_map=str(path))
+    assert r.sched.speculative_token_map == str(path)
+    for flags, words in [(dict(speculative_token_map=str(path)),
+                          "--speculative-token-map: act only with --speculative-algorithm EAGLE"),
+                         (dict(speculative_algorithm="EAGLE", speculative_token_map=str(tmp_path / "none.pt")),
+                          "none.pt: no such file"),
+                         (dict(speculative_algorithm="EAGLE", speculative_token_map=str(tmp_path)),
+                          "no such file")]:
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            resolve(CPU, V3_FP8, **flags)
+        assert "\n" not in str(e.value)
+    txt = tmp_path / "map.txt"
+    txt.write_text("1 2 3")
+    with pytest.raises(ConfigError, match=re.escape("expected a .pt or .json file of token ids")):
+        resolve(CPU, V3_FP8, speculative_algorithm="EAGLE", speculative_token_map=str(txt))

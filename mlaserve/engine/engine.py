@@ -22,7 +22,7 @@ from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
 from mlaserve.models.deepseek import DeepseekForCausalLM
-from mlaserve.models.weights import load_weights
+from mlaserve.models.weights import load_token_map, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ class ModelRunner:
                                                             server.parallel.ep_size))
         load_weights(self.model, self.cfg, model_path, load_format=load.load_format,
                      dequant_fp8=load.dequant_fp8, seed=load.seed, progress=self.group.info.is_leader)
+        if spec_steps and server.sched.speculative_token_map:
+            self._restrict_draft_vocab(server.sched.speculative_token_map, server.sched.speculative_eagle_topk or 1)
         logger.info("weights: %.2f GiB on rank %d of %d", weight_bytes(self.model) / 2**30, self.group.info.rank,
                     self.group.size)
         kv_dtype = KV_CACHE_DTYPES[server.cache.kv_cache_dtype]
@@ -124,6 +126,14 @@ class ModelRunner:
                                 sched.speculative_num_draft_tokens) if spec_steps else None
         logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,
                     self.pool.bytes_per_token() * self.num_slots / 2**20, kv_dtype)
+
+    def _restrict_draft_vocab(self, path: str, topk: int) -> None:
+        ids = load_token_map(path, self.cfg.vocab_size)
+        if len(ids) < topk:
+            raise ValueError(f"--speculative-token-map {path}: {len(ids)} token ids, fewer than "
+                             f"--speculative-eagle-topk {topk}")
+        self.model.mtp.restrict_vocab(ids)
+        logger.info("draft head: %d of %d tokens (--speculative-token-map)", len(ids), self.cfg.vocab_size)
 
     def _pool_size(self, kv_dtype: torch.dtype) -> int:
         cache = self.server.cache

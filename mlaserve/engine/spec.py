@@ -297,7 +297,7 @@ class SpecDecoder:
             ctx = self._decode_ctx(rows, base + j, pos, slots[:, j], 1, True, cpu, splits,
                                    counts[j] if counts is not None else None)
             out = self.draft_fn(tok, hid, pos, ctx)
-            tok, hid = out.logits.argmax(-1), out.hidden
+            tok, hid = self.model.mtp.to_vocab(out.logits.argmax(-1)), out.hidden
             drafts.append(tok)
         return torch.stack(drafts, dim=1)
 

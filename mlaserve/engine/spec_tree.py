@@ -132,6 +132,7 @@ def draft_tree(dec: "SpecDecoder", rows: torch.Tensor, base: torch.Tensor, slots
     ctx = dec._decode_ctx(rows, base, base - 1, slots[:, 0], 1, True, cpu, splits and splits[0], counts and counts[0])
     out = dec.draft_fn(root, dec.hidden_buf[rows], base - 1, ctx)
     score, tok = out.logits.float().log_softmax(-1).topk(k, dim=-1)      # [B, K]: depth 1
+    tok = dec.model.mtp.to_vocab(tok)
     hid = out.hidden[:, None, :].expand(b, k, -1)                          # [B, K, h] the pair's hidden
     front = torch.arange(k, device=dev).expand(b, -1)                     # frontier -> candidate index
     cands = ([tok], [score], [torch.full((b, k), -1, dtype=torch.int64, device=dev)],
@@ -148,6 +149,7 @@ def draft_tree(dec: "SpecDecoder", rows: torch.Tensor, base: torch.Tensor, slots
         n = k * i
         logp = out.logits.float().log_softmax(-1).view(b, k, -1)          # [B, K, V] depth i's children
         c_tok, c_score, best = expand(score, logp, k)
+        c_tok = dec.model.mtp.to_vocab(c_tok)
         offset = sum(x.shape[1] for x in cands[0])
         cands[0].append(c_tok)
         cands[1].append(c_score)

@@ -42,6 +42,30 @@ class LMHead(VocabEmbedding):
     def __init__(self, *args, ops: Ops | None = None, **kw):
         super().__init__(*args, **kw)
         self.linear = F.linear if ops is None else ops.linear
+        self.pad_mask: torch.Tensor | None = None   # set by restrict(): -inf on the padding rows of a short rank
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(self.linear(hidden, self.weight).float())   # [T, Vl] -> [T, V]
+        logits = self.linear(hidden, self.weight).float()                     # [T, Vl]
+        if self.pad_mask is not None:
+            logits = logits + self.pad_mask
+        return self.tp.all_gather(logits)                                     # [T, Vl] -> [T, V]
+
+    def restrict(self, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Keep only the rows of `token_ids` (sorted, unique, global ids; `--speculative-token-map`): logits are
+        then over those tokens, and the returned map [V'] turns a logits column back into its token id.
+
+        Under TP each rank keeps the listed ids of its own shard, padded to the largest rank's count (so the
+        all-gather stays equal-sized) with row 0 and a -inf logit; the map holds 0 there, never picked."""
+        rows = self.weight.shape[0]
+        per_rank = [token_ids[(token_ids >= r * rows) & (token_ids < (r + 1) * rows)] for r in range(self.tp.size)]
+        width = max(len(ids) for ids in per_rank)
+        assert self.tp.size * rows == vocab_size and width > 0
+        mine = per_rank[self.tp.rank] - self.start
+        pad = width - len(mine)
+        local = torch.cat([mine, torch.zeros(pad, dtype=mine.dtype)]).to(self.weight.device)
+        self.weight = torch.nn.Parameter(self.weight.index_select(0, local).contiguous(), requires_grad=False)
+        if pad:
+            mask = torch.zeros(width, dtype=torch.float32, device=self.weight.device)
+            mask[len(mine):] = float("-inf")
+            self.pad_mask = mask
+        return torch.cat([torch.cat([ids, torch.zeros(width - len(ids), dtype=ids.dtype)]) for ids in per_rank])

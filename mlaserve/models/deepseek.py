@@ -106,6 +106,19 @@ class NextNLayer(torch.nn.Module):
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, rotary, **kw)
         self.shared_head = SharedHead(cfg, dtype, device, ops, kw["tp"])
 
+        self.vocab_map: torch.Tensor | None = None     # restrict_vocab(): draft logits column -> token id
+        self.vocab_size = cfg.vocab_size
+
+    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft over these tokens only (`--speculative-token-map`): the head keeps their rows, so each draft step
+        reads V' x h of head weights instead of V x h; `to_vocab` maps the draft's picks back to token ids."""
+        head = self.shared_head.head
+        self.vocab_map = head.restrict(token_ids, self.vocab_size).to(head.weight.device)
+
+    def to_vocab(self, picks: torch.Tensor) -> torch.Tensor:
+        """Token ids of draft logits columns (argmax / topk indices)."""
+        return picks if self.vocab_map is None else self.vocab_map[picks]
+
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> ModelOutput:
         x = self.eh_proj(torch.cat([self.enorm(self.embed(next_ids)), self.hnorm(hidden)], dim=-1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 import zlib
 from pathlib import Path
@@ -330,3 +331,30 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, path: str | Path | No
     loader.finish()
     if loader.skipped:
         logger.info("weights: %d tensors of other expert-parallel ranks' experts not read", loader.skipped)
+
+
+def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
+    """`--speculative-token-map`: the token ids the draft head keeps, sorted and unique (int64 [V']). The file is a
+    `.pt` holding a 1-D integer tensor or a list of ids (SGLang's format; `mlaserve token-map` writes one) or a
+    `.json` list of ids. ValueError naming the flag on anything else."""
+    path = Path(path)
+    flag = f"--speculative-token-map {path}"
+    try:
+        if path.suffix == ".json":
+            raw = json.loads(path.read_text())
+        elif path.suffix == ".pt":
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raise ValueError(f"{flag}: expected a .pt or .json file of token ids")
+        ids = torch.as_tensor(raw)
+    except (OSError, RuntimeError, TypeError, json.JSONDecodeError, pickle.UnpicklingError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{flag}: cannot read token ids: {first}") from None
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"{flag}: expected a non-empty 1-D list of integer token ids, got {tuple(ids.shape)} "
+                         f"{ids.dtype}")
+    ids = ids.to(torch.int64).unique()                       # sorted
+    if ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"{flag}: token ids must be in [0, {vocab_size}) for this checkpoint; the file has "
+                         f"{int(ids[0])} .. {int(ids[-1])}")
+    return ids

@@ -127,18 +127,26 @@ def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
             assert got["ids"] == big[m.rid]["ids"], m.rid
 
 
-def test_speculative_decoding_under_tp2_equals_one_process_without_it():
-    """The demo model (its MTP head drafts well) through the Engine at tp 2 with speculation: the greedy and
-    seeded-sampled tokens of one process without it; accept lengths reported per request and by the server."""
+def test_speculative_decoding_under_tp2_equals_one_process_without_it(tmp_path):
+    """The demo model (its MTP head drafts well) through the Engine at tp 2 with speculation and a draft token
+    map (the 2048 most frequent tokens of some held-out text: the two vocabulary shards hold different numbers of
+    them, so the shorter one pads): the greedy and seeded-sampled tokens of one process without it; accept lengths
+    reported per request and by the server. (Speculation at tp 2 without a map: tests/test_combinations.py.)"""
     from mlaserve.demo import DEMO_DIR
     from mlaserve.tokenizer import load_tokenizer
+    from mlaserve.tools.corpus import heldout_files, read_sources
+    from mlaserve.tools.token_map import count_tokens, top_ids, write
 
     path = str(DEMO_DIR)
     tok = load_tokenizer(path)
     prompts = [tok.encode(h) for h in ("def read_config(path):\n", "class Stack:\n    def __init__(self):\n",
                                        "import os\n\ndef list_files(root):\n")]
+    ids = top_ids(count_tokens(tok.backend, read_sources(sorted(heldout_files())[:40]), 8192), 2048)
+    assert (ids < 4096).sum() != (ids >= 4096).sum()
+    write(ids, tmp_path / "map.pt")
     ref, _ = generate(path, 1, prompts, dtype="float32")
-    got, info = generate(path, 2, prompts, dtype="float32", speculative_algorithm="EAGLE")
+    got, info = generate(path, 2, prompts, dtype="float32", speculative_algorithm="EAGLE",
+                         speculative_token_map=str(tmp_path / "map.pt"))
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     diffs = [abs(x - y) for a, b in zip(ref[:-1], got[:-1]) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))]
     assert max(diffs) <= 1e-4

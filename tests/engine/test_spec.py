@@ -306,16 +306,57 @@ def test_structured_output_equal_with_speculation(demo_prompts, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs+compile"])
-def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs):
+@pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs+compile", "graphs+map"])
+def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs, tmp_path):
     """On the GPU in fp32: the Triton kernels (multi-query mla_decode for verify and repair), the draft +
-    verify CUDA graphs and torch.compile inside them give the tokens of decoding without speculation."""
+    verify CUDA graphs and torch.compile inside them give the tokens of decoding without speculation; "graphs+map"
+    with a 2048-token draft map (--speculative-token-map) captured in the graphs."""
     flags = dict(device="cuda", dtype="float32", disable_cuda_graph=graphs == "eager", max_running_requests=8,
                  enable_torch_compile=graphs == "graphs+compile")
     msgs = [msg(f"g{i}", p, max_new=40) for i, p in enumerate(demo_prompts)]
     base = run(make(DEMO, **flags), msgs)
-    s = spec(DEMO, **flags)
+    extra = {"speculative_token_map": demo_token_map(tmp_path, 2048)[0]} if graphs == "graphs+map" else {}
+    s = spec(DEMO, **flags, **extra)
     assert (s.runner.spec.graphs is not None) == (graphs != "eager")
     same(base, run(s, msgs, arrivals={m.rid: 2 * i for i, m in enumerate(msgs)}))
     assert accept_length(s) > 2.0
+    assert_no_leak(s)
+
+
+def demo_token_map(tmp_path: Path, size: int) -> tuple[str, torch.Tensor]:
+    """The `size` most frequent demo-model tokens of 40 files of pip's source (the demo's held-out text)."""
+    from mlaserve.tools.corpus import heldout_files, read_sources
+    from mlaserve.tools.token_map import count_tokens, top_ids, write
+
+    tok = load_tokenizer(DEMO)
+    counts = count_tokens(tok.backend, read_sources(sorted(heldout_files())[:40]), 8192)
+    ids = top_ids(counts, size)
+    path = tmp_path / f"map{size}.pt"
+    write(ids, path)
+    return str(path), ids
+
+
+@pytest.mark.parametrize("size", [2048, 48])
+def test_token_map_keeps_outputs(demo_prompts, tmp_path, size):
+    """--speculative-token-map: the draft head keeps `size` rows, every draft is one of the map's tokens, and the
+    outputs are still those of decoding without speculation (48 rows: most drafts rejected, still exact)."""
+    path, ids = demo_token_map(tmp_path, size)
+    msgs = [msg(f"m{i}", p, max_new=40) for i, p in enumerate(demo_prompts)]
+    base = run(make(DEMO), msgs)
+    s = spec(DEMO, speculative_token_map=path)
+    mtp = s.runner.model.mtp
+    assert mtp.shared_head.head.weight.shape[0] == size and torch.equal(mtp.vocab_map, ids)
+    drafted: list[torch.Tensor] = []
+    draft = s.runner.spec.draft
+
+    def spy(*a, **kw):
+        out = draft(*a, **kw)
+        drafted.append(out.flatten())
+        return out
+    s.runner.spec.draft = spy
+    same(base, run(s, msgs))
+    assert drafted and torch.isin(torch.cat(drafted), ids).all()
+    print("accept length", accept_length(s))
+    if size == 2048:                      # 2048 of 8192 ids cover ~94% of the held-out tokens
+        assert accept_length(s) > 2.0
     assert_no_leak(s)

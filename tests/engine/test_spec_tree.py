@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mlaserve.engine.spec_tree import accept_path, select
-from test_spec import (DEMO, _outputs, accept_length, assert_no_leak, demo_prompts, make, msg, random_v3,  # noqa: F401
-                       run, same, spec)
+from test_spec import (DEMO, _outputs, accept_length, assert_no_leak, demo_prompts, demo_token_map, make, msg,  # noqa: F401
+                       random_v3, run, same, spec)
 
 TREES = [(3, 2, 4), (3, 3, 6), (2, 4, 8), (4, 2, 8)]      # (steps, topk, num_draft_tokens)
 
@@ -143,6 +143,27 @@ def test_greedy_equal_on_the_demo_model_with_radix_hits(demo_base, steps, topk, 
     assert s.get_stats()["cached_tokens"] > 0
     if (steps, topk, n) == (3, 2, 4):
         assert accept_length(s) >= chain, "the same steps and verified tokens as the chain, with a second branch"
+    assert_no_leak(s)
+
+
+def test_token_map_with_tree_drafts(demo_base, tmp_path, monkeypatch):
+    """--speculative-token-map with tree drafts: the tree's candidates are the map's tokens (each expansion's
+    top-k over the kept rows), outputs unchanged."""
+    import mlaserve.engine.spec_tree as spec_tree
+
+    msgs, arrivals, base, _ = demo_base
+    path, ids = demo_token_map(tmp_path, 1024)
+    s = tree(DEMO, 3, 2, 6, speculative_token_map=path)
+    candidates, select_ = [], spec_tree.select
+
+    def spy(tokens, *a, **kw):
+        candidates.append(tokens.flatten())
+        return select_(tokens, *a, **kw)
+    monkeypatch.setattr(spec_tree, "select", spy)
+    same(base, run(s, msgs, arrivals))
+    assert candidates and torch.isin(torch.cat(candidates), ids).all()
+    print(f"accept length with a 1024-token map: {accept_length(s):.3f}")
+    assert accept_length(s) > 1.5
     assert_no_leak(s)
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from mlaserve.config import ModelConfig
 from mlaserve.kernels.quant import block_dequant_ref
 from mlaserve.models.deepseek import DeepseekForCausalLM
-from mlaserve.models.weights import CheckpointError, load_weights
+from mlaserve.models.weights import CheckpointError, load_token_map, load_weights
 
 
 def build(path, **kw):
@@ -95,3 +95,25 @@ def test_absorbed_weights_are_kv_b_proj_slices(checkpoints):
     attn = model.model.layers[2].self_attn
     w = attn.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
     assert torch.equal(attn.w_kc, w[:, : cfg.qk_nope_head_dim]) and torch.equal(attn.w_vc, w[:, cfg.qk_nope_head_dim:])
+
+
+def test_load_token_map_formats_and_one_line_errors(tmp_path):
+    torch.save(torch.tensor([7, 3, 3, 9], dtype=torch.int32), tmp_path / "a.pt")
+    torch.save([5, 1], tmp_path / "b.pt")
+    (tmp_path / "c.json").write_text("[4, 2, 8]")
+    assert load_token_map(tmp_path / "a.pt", 10).tolist() == [3, 7, 9]        # sorted, unique, int64
+    assert load_token_map(tmp_path / "b.pt", 10).tolist() == [1, 5]
+    assert load_token_map(tmp_path / "c.json", 10).dtype == torch.int64
+    torch.save(torch.tensor([0.5, 1.0]), tmp_path / "f.pt")
+    torch.save(torch.zeros(2, 2, dtype=torch.int64), tmp_path / "g.pt")
+    (tmp_path / "h.json").write_text("{not json")
+    (tmp_path / "i.pt").write_bytes(b"garbage")
+    (tmp_path / "e.json").write_text("[]")
+    cases = {"a.pt": "token ids must be in [0, 5) for this checkpoint; the file has 3 .. 9",
+             "f.pt": "expected a non-empty 1-D list of integer token ids", "g.pt": "(2, 2)",
+             "h.json": "cannot read token ids", "i.pt": "cannot read token ids", "e.json": "non-empty"}
+    for name, words in cases.items():
+        with pytest.raises(ValueError) as e:
+            load_token_map(tmp_path / name, 5 if name == "a.pt" else 10)
+        assert words in str(e.value) and str(e.value).startswith("--speculative-token-map ") \
+            and "\n" not in str(e.value), str(e.value)
