@@ -13,7 +13,7 @@ PART=${1:-all}
 [ "$PART" = all ] && cat "$OUT/tests.txt"
 if [ "$PART" = all ] || [ "$PART" = cost ]; then
   for layers in 4 6; do
-    timeout 200 python3 benchmarks/spec_decode.py cost $layers 2>&1 | grep -v "loading weights\|no tuned config" | tee -a "$OUT/cost.jsonl"
+    timeout 200 python3 benchmarks/spec_decode.py cost $layers 2>&1 | tr '\r' '\n' | grep '^{' | tee -a "$OUT/cost.jsonl"
   done
 fi
 if [ "$PART" = profile ]; then
@@ -33,13 +33,13 @@ fi
 if [ "$PART" = map ]; then       # --speculative-token-map: GPU tests, then V3 draft cost with and without a 32k map
   timeout 200 python3 -m pytest -q tests/engine/test_spec.py -k "gpu and map" -p no:cacheprovider \
     2>&1 | tail -5 | tee "$OUT/tests_map.txt"
-  for size in 0 32768 16384; do
-    timeout 150 python3 benchmarks/spec_decode.py cost 4 512 3 $size 2>&1 | grep -v "loading weights\|no tuned config" \
-      | tee -a "$OUT/cost_map.jsonl"
+  for size in ${MAP_SIZES:-0 32768 16384}; do
+    timeout 150 python3 benchmarks/spec_decode.py cost 4 512 3 $size 2>&1 | tr '\r' '\n' | grep '^{' \
+      | tee -a "$OUT/cost_map.jsonl"       # tqdm's \r-lines would hide a JSON line from a plain grep -v
   done
 fi
 if [ "$PART" = mapdemo ]; then   # the demo model with draft token maps: accept length and tok/s
-  timeout 560 python3 benchmarks/spec_decode.py demo 1536 map 2>&1 | grep -v "loading weights" | tee -a "$OUT/map.jsonl"
+  timeout 560 python3 benchmarks/spec_decode.py demo 1536 map 2>&1 | tr '\r' '\n' | grep '^{' | tee -a "$OUT/map.jsonl"
 fi
 if [ "$PART" = overlap ]; then   # speculation with the overlap scheduler against without it (issue 13)
   timeout 500 python3 benchmarks/spec_decode.py demo 256 overlap 2>&1 | grep -v "loading weights" | tee -a "$OUT/overlap.jsonl"
