@@ -133,6 +133,8 @@ class ModelRunner:
             raise ValueError(f"--speculative-token-map {path}: {len(ids)} token ids, fewer than "
                              f"--speculative-eagle-topk {topk}")
         self.model.mtp.restrict_vocab(ids)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()          # the whole head's rows: not "used by others" when the pool is sized
         logger.info("draft head: %d of %d tokens (--speculative-token-map)", len(ids), self.cfg.vocab_size)
 
     def _pool_size(self, kv_dtype: torch.dtype) -> int:
