@@ -57,10 +57,17 @@ def _arg_key(v) -> str:
     return type(v).__name__
 
 
+def _nospec(fn: InterpretedFunction) -> set[str]:
+    """The kernel's `do_not_specialize` names, read from its decorator (the interpreter drops the argument)."""
+    import re
+    m = re.search(r"do_not_specialize=\[([^\]]*)\]", inspect.getsource(fn.fn).split("def ", 1)[0])
+    return set(re.findall(r"\"(\w+)\"", m.group(1))) if m else set()
+
+
 def variant_key(fn: InterpretedFunction, args: tuple, kwargs: dict) -> tuple:
     """(kernel, its specialisation) as Triton would key its compile cache, approximately."""
     params = inspect.signature(fn.fn).parameters
-    nospec = set(getattr(fn, "do_not_specialize", ()) or ())
+    nospec = _nospec(fn)
     bound = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k in params}
     parts = []
     for name, v in bound.items():

@@ -35,7 +35,7 @@ def fp8_gemm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
 # Block-scaled GEMM kernel
 # ---------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # one compile for every token count
 def _fp8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
     stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,

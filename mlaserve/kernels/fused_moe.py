@@ -82,7 +82,7 @@ def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_
     return starts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                       num_slots, num_blocks, num_experts,
                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
@@ -93,7 +93,7 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
     _scatter_chunk(sorted_ids_ptr, offs, onehot, starts, num_slots)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _moe_count_kernel(topk_ids_ptr, partial_ptr, num_slots, num_experts, BLOCK_E: tl.constexpr,
                       CHUNK: tl.constexpr):
     # partial [chunks, BE]: slots of each expert in this chunk
@@ -102,7 +102,7 @@ def _moe_count_kernel(topk_ids_ptr, partial_ptr, num_slots, num_experts, BLOCK_E
     tl.store(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(onehot, axis=1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_blocks", "num_chunks"])
 def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
                      num_chunks, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                      BLOCK_P: tl.constexpr):
@@ -124,7 +124,7 @@ def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_p
         run += tl.sum(tile, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _moe_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, num_slots, num_experts,
                         BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
     chunk = tl.program_id(0)

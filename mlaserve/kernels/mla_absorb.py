@@ -21,7 +21,7 @@ BLOCK_K = 64
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _head_gemm_kernel(A, W, Out, T, stride_at, stride_ah, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh,
                       K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):

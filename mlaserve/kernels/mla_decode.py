@@ -154,7 +154,7 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
     tl.store(MidLse + mid, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_reduce_kernel(MidO, MidLse, Out, stride_ot, stride_oh, H, num_splits,
                               L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
     """Stage 2: merge the S partial outputs of one (token, head) by their log-sum-exp, one L chunk each

@@ -94,7 +94,7 @@ def quant_group_rows(a, INTERPRET: tl.constexpr):
     return q.to(tl.float8e4nv), scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _per_token_group_quant_fp8_kernel(
     x_ptr, xq_ptr, scale_ptr, M, K, G, stride_xm, stride_xk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
