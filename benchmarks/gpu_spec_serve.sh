@@ -2,6 +2,7 @@
 # Device call (one GPU, < 9 min): speculation through the real server with the overlap scheduler (the default), the
 # demo model: `mlaserve bench serving` at concurrency 1 and 16 with and without --speculative-algorithm EAGLE, then
 # the tree drafts' throughput (`spec_decode.py demo 512 tree`). Carry .whl (server deps). Writes under $OUT.
+# RUNS="plain eagle" picks the servers; TREE_S=0 skips the tree run.
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
@@ -20,8 +21,12 @@ serve_and_bench() {  # $1: label, rest: extra serve flags
   curl -s http://127.0.0.1:30000/get_server_info > "$OUT/info_$label.json"
   kill -TERM $pid; wait $pid
 }
-serve_and_bench plain
-serve_and_bench eagle --speculative-algorithm EAGLE
+for run in ${RUNS:-plain eagle}; do
+  case $run in
+    plain) serve_and_bench plain ;;
+    eagle) serve_and_bench eagle --speculative-algorithm EAGLE ;;
+  esac
+done
 python3 - "$OUT" <<'PY'
 import json, sys, glob
 for f in sorted(glob.glob(sys.argv[1] + "/serving_*.jsonl")):
@@ -31,4 +36,4 @@ for f in sorted(glob.glob(sys.argv[1] + "/serving_*.jsonl")):
               f"median TTFT {r['median_ttft_ms']:7.1f} ms, median TPOT {r['median_tpot_ms']:6.3f} ms, "
               f"accept length {r.get('accept_length')}, completed {r['completed']}/{r['num_prompts']}")
 PY
-timeout ${TREE_S:-200} python3 benchmarks/spec_decode.py demo 512 tree 2>&1 | tr '\r' '\n' | grep '^{' | tee "$OUT/tree.jsonl" | cut -c1-260
+[ "${TREE_S:-200}" -gt 0 ] && timeout ${TREE_S:-200} python3 benchmarks/spec_decode.py demo 512 tree 2>&1 | tr '\r' '\n' | grep '^{' | tee "$OUT/tree.jsonl" | cut -c1-260
