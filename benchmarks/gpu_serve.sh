@@ -27,12 +27,4 @@ serve_and_bench() {  # $1: label, rest: extra serve flags
 }
 serve_and_bench overlap
 serve_and_bench no_overlap --disable-overlap-schedule
-python3 - "$OUT" <<'PY'
-import json, sys, glob
-for f in sorted(glob.glob(sys.argv[1] + "/serving_*.jsonl")):
-    for line in open(f):
-        r = json.loads(line)
-        print(f"{f.split('serving_')[1][:-6]:>10} conc {r['max_concurrency']:>3}: out {r['output_throughput']:8.1f} tok/s, "
-              f"median TTFT {r['median_ttft_ms']:7.1f} ms, median TPOT {r['median_tpot_ms']:6.2f} ms, "
-              f"p99 ITL {r['p99_itl_ms']:7.1f} ms, completed {r['completed']}/{r['num_prompts']}")
-PY
+python3 benchmarks/serving_summary.py "$OUT"

@@ -27,13 +27,5 @@ for run in ${RUNS:-plain eagle}; do
     eagle) serve_and_bench eagle --speculative-algorithm EAGLE ;;
   esac
 done
-python3 - "$OUT" <<'PY'
-import json, sys, glob
-for f in sorted(glob.glob(sys.argv[1] + "/serving_*.jsonl")):
-    for line in open(f):
-        r = json.loads(line)
-        print(f"{f.split('serving_')[1][:-6]:>6} conc {r['max_concurrency']:>3}: out {r['output_throughput']:9.1f} tok/s, "
-              f"median TTFT {r['median_ttft_ms']:7.1f} ms, median TPOT {r['median_tpot_ms']:6.3f} ms, "
-              f"accept length {r.get('accept_length')}, completed {r['completed']}/{r['num_prompts']}")
-PY
+python3 benchmarks/serving_summary.py "$OUT"
 [ "${TREE_S:-200}" -gt 0 ] && timeout ${TREE_S:-200} python3 benchmarks/spec_decode.py demo 512 tree 2>&1 | tr '\r' '\n' | grep '^{' | tee "$OUT/tree.jsonl" | cut -c1-260
