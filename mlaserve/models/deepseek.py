@@ -105,7 +105,6 @@ class NextNLayer(torch.nn.Module):
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype, device=device, ops=ops)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, rotary, **kw)
         self.shared_head = SharedHead(cfg, dtype, device, ops, kw["tp"])
-
         self.vocab_map: torch.Tensor | None = None     # restrict_vocab(): draft logits column -> token id
         self.vocab_size = cfg.vocab_size
 
