@@ -133,7 +133,7 @@ def test_moe_route_matches_ref(kw: dict, num_experts: int, hidden: int, tokens: 
     weight = (torch.randn(num_experts, hidden, device=device) * hidden ** -0.5).to(dtype)
     bias = torch.randn(num_experts, device=device) * 0.1 if kw["topk_method"] == "noaux_tc" else None
     sync = torch.zeros(8, dtype=torch.int32, device=device)
-    for _ in range(2):                                          # the second launch reuses the counts
+    for _ in range(2 if hidden < 7168 else 1):     # the second launch reuses the counts (V3's size: once, CI time)
         got = moe_route(x, weight, e_score_correction_bias=bias, n_shared=n_shared, sync=sync, **kw)
         assert got[0].shape == got[1].shape == (tokens, kw["top_k"] + n_shared) and got[1].dtype == torch.int32
         assert not sync.any()
