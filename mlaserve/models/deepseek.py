@@ -106,13 +106,12 @@ class NextNLayer(torch.nn.Module):
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, rotary, **kw)
         self.shared_head = SharedHead(cfg, dtype, device, ops, kw["tp"])
         self.vocab_map: torch.Tensor | None = None     # restrict_vocab(): draft logits column -> token id
-        self.vocab_size = cfg.vocab_size
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Draft over these tokens only (`--speculative-token-map`): the head keeps their rows, so each draft step
         reads V' x h of head weights instead of V x h; `to_vocab` maps the draft's picks back to token ids."""
         head = self.shared_head.head
-        self.vocab_map = head.restrict(token_ids, self.vocab_size).to(head.weight.device)
+        self.vocab_map = head.restrict(token_ids).to(head.weight.device)
 
     def to_vocab(self, picks: torch.Tensor) -> torch.Tensor:
         """Token ids of draft logits columns (argmax / topk indices)."""

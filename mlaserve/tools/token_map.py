@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from mlaserve.tokenizer import load_tokenizer
-
-MAX_FILE_BYTES = 1 << 20
+from mlaserve.tools.corpus import MAX_FILE_BYTES, read_source
 
 
 def corpus_files(paths: Iterable[str | Path], glob: str = "*") -> Iterator[Path]:
@@ -70,12 +69,10 @@ def write(ids: torch.Tensor, out: Path) -> None:
 
 
 def _texts(files: Iterable[Path]) -> Iterator[str]:
+    """UTF-8 texts of `files` one at a time (unreadable and generated-table-sized files skipped, as the corpus does)."""
     for f in files:
-        if f.stat().st_size <= MAX_FILE_BYTES:
-            try:
-                yield f.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
+        if f.stat().st_size <= MAX_FILE_BYTES and (text := read_source(f)):
+            yield text
 
 
 def main(argv: list[str] | None = None) -> int:

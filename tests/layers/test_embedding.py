@@ -21,7 +21,7 @@ def restricted_logits(group, seed: int, ids: list[int]):
     weight, hidden = full_head(seed)
     head = LMHead(V, H, torch.float32, "cpu", tp=group.tp)
     head.weight.weight_loader("lm_head.weight", head.weight, weight)
-    vocab_map = head.restrict(torch.tensor(ids), V)
+    vocab_map = head.restrict(torch.tensor(ids))
     return head(hidden), vocab_map
 
 
@@ -32,7 +32,7 @@ def test_restrict_single_process():
     ids = sorted(random.Random(seed).sample(range(V), 20))
     head = LMHead(V, H, torch.float32, "cpu")
     head.weight.data.copy_(weight)
-    vocab_map = head.restrict(torch.tensor(ids), V)
+    vocab_map = head.restrict(torch.tensor(ids))
     assert vocab_map.tolist() == ids and head.weight.shape == (20, H) and head.pad_mask is None
     torch.testing.assert_close(head(hidden), hidden @ weight[ids].T)
 
