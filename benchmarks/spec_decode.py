@@ -35,15 +35,17 @@ HEADERS = ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n"
 
 
 def demo_token_map(size: int) -> str:
-    """The `size` most frequent demo tokens of pip's source (the demo's held-out text, not its training text)."""
+    """The `size` most frequent demo tokens of pip's source (the demo's held-out text, not its training text),
+    written once per size and reused by the later processes of a run."""
     from mlaserve.tokenizer import load_tokenizer
     from mlaserve.tools.corpus import heldout_files, read_sources
     from mlaserve.tools.token_map import count_tokens, top_ids, write
 
-    tok = load_tokenizer(DEMO_DIR)
-    counts = count_tokens(tok.backend, read_sources(sorted(heldout_files())), tok.backend.get_vocab_size())
-    path = Path(tempfile.mkdtemp(prefix="demo-map-")) / f"map{size}.pt"
-    write(top_ids(counts, size), path)
+    path = Path(tempfile.gettempdir()) / f"mlaserve-demo-map{size}.pt"
+    if not path.exists():
+        tok = load_tokenizer(DEMO_DIR)
+        counts = count_tokens(tok.backend, read_sources(sorted(heldout_files())), tok.backend.get_vocab_size())
+        write(top_ids(counts, size), path)
     return str(path)
 
 
