@@ -2,7 +2,8 @@
 # Device call (one GPU, < 9 min): where the time goes when the demo model is served (issue 13's concurrency-16
 # anomaly, issue 15's TTFT at concurrency 1). Servers run eagle, plain, eagle (the Triton cache is warm for the
 # second eagle); each gets a TTFT run (concurrency 1, one new token), then concurrency 16 twice, the second under
-# py-spy (scheduler and HTTP/tokenizer process, speedscope files). Carry .whl (server deps + py-spy).
+# py-spy (scheduler and HTTP/tokenizer process; speedscope files, all in profiles.tgz). Carry .whl (server
+# deps + py-spy). RUNS picks the servers (default: eagle1 plain eagle2).
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
@@ -34,10 +35,11 @@ probe() {  # $1 label, rest: serve flags
   kill -TERM $pid; wait $pid
 }
 wait_spies() { sleep 1; while pgrep -x py-spy > /dev/null; do sleep 0.5; done; }
-probe eagle1 --speculative-algorithm EAGLE
-probe plain
-probe eagle2 --speculative-algorithm EAGLE
+for run in ${RUNS:-eagle1 plain eagle2}; do
+  case $run in eagle*) probe $run --speculative-algorithm EAGLE ;; *) probe $run ;; esac
+done
 for f in "$OUT"/*_sched.json "$OUT"/*_main.json; do
   [ -f "$f" ] && { echo "### $(basename $f)"; python3 benchmarks/pyspy_summary.py "$f" 28 | cut -c1-150; }
 done > "$OUT/pyspy_summary.txt" 2>&1
-head -c 9000 "$OUT/pyspy_summary.txt"
+(cd "$OUT" && tar czf profiles.tgz --exclude pyspy_summary.txt *.json *.log *.txt *.jsonl && rm -f *.json *.log bench_*.txt serving_*.jsonl)
+ls "$OUT"

@@ -14,6 +14,7 @@ import torch
 #          | writes of CUDA | out by `TokenSlotAllocator.alloc`
 #          | graph batches) |
 PAD_SLOT = 0
+MAX_FREED_CHUNKS = 4096     # `TokenSlotAllocator.free` merges its chunks past this many
 
 
 class TokenSlotAllocator:
@@ -35,42 +36,62 @@ class TokenSlotAllocator:
 
     def clear(self) -> None:
         """Every slot `1..size` free again."""
-        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)      # [F]
+        self._fresh = torch.arange(1, self.size + 1, dtype=torch.int64)     # [F] never handed out since clear
+        self._freed: list[torch.Tensor] = []                                # chunks given back, reused first
+        self._freed_n = 0
         self._is_free = torch.ones(self.size + 1, dtype=torch.bool)          # [size + 1]
         self._is_free[PAD_SLOT] = False
 
     @property
     def available(self) -> int:
-        return self._free.numel()
+        return self._fresh.numel() + self._freed_n
 
     @property
     def free_slots(self) -> torch.Tensor:
-        """The free list (read-only view, for debugging and tests): [available] int64."""
-        return self._free
+        """The free slots in the order `alloc` hands them out (a copy, for debugging and tests): [available]."""
+        return torch.cat(self._freed[::-1] + [self._fresh])
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` slots: [n] int64 on the CPU, or None (nothing taken) if fewer than `n` are free."""
+        """Take `n` slots: [n] int64 on the CPU, or None (nothing taken) if fewer than `n` are free. Slots given
+        back most recently go out first; then the never-used ones."""
         assert n >= 0, f"cannot allocate {n} slots"
-        if n > self._free.numel():
+        if n > self.available:
             return None
-        out, self._free = self._free[:n], self._free[n:]
+        parts, need = [], n
+        while need and self._freed:
+            chunk = self._freed[-1]
+            if chunk.numel() <= need:
+                parts.append(self._freed.pop())
+            else:
+                parts.append(chunk[:need])
+                self._freed[-1] = chunk[need:]
+            need -= parts[-1].numel()
+        self._freed_n -= n - need
+        if need or not parts:
+            parts.append(self._fresh[:need])
+            self._fresh = self._fresh[need:]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         self._is_free[out] = False
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         """Return `slots` (1-D, any integer dtype, on the CPU). Raises ValueError on slot 0, out-of-range
-        ids, slots already free or repeated; on error nothing is freed."""
+        ids, slots already free or repeated; on error nothing is freed. Costs O(len(slots)), not O(pool): the
+        slots are kept as a chunk (a copy: the caller may reuse its tensor) until `alloc` hands them out."""
         assert slots.dim() == 1, f"slots must be 1-D, got shape {tuple(slots.shape)}"
         assert not slots.is_floating_point(), f"slots must be integer ids, got {slots.dtype}"
         assert slots.device.type == "cpu", f"free takes host slot ids (reading {slots.device} ones would sync)"
         if slots.numel() == 0:
             return
-        slots = slots.to(torch.int64)
+        slots = slots.to(torch.int64, copy=True)
         error = self._check(slots)
         if error:
             raise ValueError(error)
         self._is_free[slots] = True
-        self._free = torch.cat([self._free, slots])
+        self._freed.append(slots)
+        self._freed_n += slots.numel()
+        if len(self._freed) > MAX_FREED_CHUNKS:      # many small frees: one chunk, so alloc stays a short loop
+            self._freed = [torch.cat(self._freed)]
 
     def _check(self, slots: torch.Tensor) -> str | None:
         lo, hi = int(slots.min()), int(slots.max())

@@ -46,6 +46,41 @@ def test_free_returns_slots_and_available_tracks():
     assert sorted(alloc.free_slots.tolist()) == list(range(1, size + 1))
 
 
+def test_random_alloc_free_matches_a_set_model(monkeypatch):
+    """Any interleaving of allocs and frees (more chunks than the merge threshold, small here) hands out each
+    free slot once and takes back exactly what was freed; freed slots go out again before never-used ones."""
+    monkeypatch.setattr("mlaserve.kvcache.allocator.MAX_FREED_CHUNKS", 5)
+    seed = random.randrange(1 << 30)
+    print("seed", seed)
+    rng = random.Random(seed)
+    size = 300
+    alloc = TokenSlotAllocator(size)
+    free, held, used = set(range(1, size + 1)), [], set()
+    for _ in range(400):
+        if held and rng.random() < 0.45:
+            h = held.pop(rng.randrange(len(held)))
+            keep = h.clone()
+            alloc.free(h)
+            h.fill_(1)                        # the allocator kept a copy: the caller may reuse its tensor
+            free |= set(keep.tolist())
+        else:
+            n = rng.randint(0, 12)
+            s = alloc.alloc(n)
+            if n > len(free):
+                assert s is None
+                continue
+            got = s.tolist()
+            assert len(got) == n and set(got) <= free and len(set(got)) == n
+            reused = free & used
+            if len(reused) >= n:              # slots given back are handed out before never-used ones
+                assert set(got) <= used
+            free -= set(got)
+            used |= set(got)
+            held.append(s.clone())
+        assert alloc.available == len(free)
+        assert sorted(alloc.free_slots.tolist()) == sorted(free)
+
+
 @pytest.mark.parametrize("bad", ["twice", "pad", "range", "repeat"])
 def test_bad_free_raises_and_changes_nothing(bad: str):
     alloc = TokenSlotAllocator(16)
