@@ -5,7 +5,7 @@
 # py-spy (scheduler and HTTP/tokenizer process; speedscope files, all in profiles.tgz). Carry .whl (server
 # deps + py-spy). RUNS picks the servers (default: eagle1 plain eagle2).
 set -uo pipefail
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+[ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
@@ -15,7 +15,8 @@ bench() {  # $1 label, $2 conc, $3 prompts, $4 output len
     --output-file "$OUT/serving_$1.jsonl" > "$OUT/bench_$1.txt" 2>&1
   grep -E "Output throughput|Median TTFT|median|p99|Accept" "$OUT/bench_$1.txt" | tr -s ' ' | paste -sd'|' | sed "s/^/$1: /"
 }
-spy() {  # $1 pid, $2 file, $3 seconds
+spy() {  # $1 pid, $2 file, $3 seconds (SPY=0: no profiles)
+  [ "${SPY:-1}" = 1 ] || return 0
   py-spy record -p $1 -r 400 -d $3 --idle -f speedscope -o "$OUT/$2.json" > "$OUT/$2.log" 2>&1 &
 }
 probe() {  # $1 label, rest: serve flags
