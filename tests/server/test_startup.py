@@ -231,3 +231,32 @@ def test_engine_shutdown_and_exit_without_shutdown_leave_no_ipc_files(tmp_path: 
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["2", "0"]
     assert ipc_files(tmp_path) == []
+
+
+def test_listening_socket_gives_connections_with_nagle_off() -> None:
+    """asyncio sets TCP_NODELAY on accepted sockets only when their proto is IPPROTO_TCP; with Nagle on, a
+    streamed first chunk waits ~40 ms for the client's delayed ACK on every kept-alive connection."""
+    import asyncio
+
+    from mlaserve.server.launch import listen
+
+    sock = listen("127.0.0.1", free_port())
+    seen: list[int] = []
+
+    async def main() -> None:
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        for _ in range(200):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0, "accepted connections keep Nagle's algorithm on"
