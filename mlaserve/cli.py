@@ -1,4 +1,4 @@
-"""`mlaserve` command line: serve | bench ... | tune ... | make-checkpoint | train-demo (subcommands imported lazily)."""
+"""`mlaserve` command line: serve | bench ... | tune ... | make-checkpoint | export-nextn | ... (imported lazily)."""
 from __future__ import annotations
 
 import importlib
@@ -8,6 +8,8 @@ COMMANDS = {
     "serve": ("mlaserve.server.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "make-checkpoint": ("mlaserve.tools.make_checkpoint", "create a synthetic DeepSeek checkpoint"),
     "token-map": ("mlaserve.tools.token_map", "the most frequent tokens of a corpus, for --speculative-token-map"),
+    "export-nextn": ("mlaserve.tools.export_nextn", "a checkpoint's MTP layer alone (SGLang's NextN format), for "
+                     "--speculative-draft-model-path"),
     "train-demo": ("mlaserve.tools.train_demo", "train the built-in demo model on this machine's Python source (GPU)"),
     "bench serving": ("mlaserve.bench.serving", "load-test an OpenAI-compatible server (ours or another)"),
     "bench accuracy": ("mlaserve.bench.accuracy", "held-out bits/byte and greedy agreement with fp32, per serving mode"),

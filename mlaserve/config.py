@@ -316,14 +316,18 @@ class SchedConfig:
     skip_server_warmup: bool = opt(False, "report ready without the warm-up requests (a prompt, then the same prompt "
                                    "as a prefix-cache hit, so the first user requests do not pay for the kernels "
                                    "compiled on first use)")
-    speculative_algorithm: str | None = opt(None, "speculative decoding: EAGLE drafts with the checkpoint's own MTP "
-                                           "(NextN) layer and verifies the drafts in one target forward; NEXTN is "
-                                           "the same", choices=("EAGLE", "NEXTN"))
+    speculative_algorithm: str | None = opt(None, "speculative decoding: EAGLE drafts with an MTP (NextN) layer (the "
+                                           "checkpoint's own, or --speculative-draft-model-path's) and verifies the "
+                                           "drafts in one target forward; NEXTN is the same",
+                                           choices=("EAGLE", "NEXTN"))
     speculative_num_steps: int | None = opt(None, "draft steps per verification (default: 3)")
     speculative_eagle_topk: int | None = opt(None, "draft branches per step (default: 1, a chain)")
     speculative_num_draft_tokens: int | None = opt(None, "tokens verified per step (default: num_steps + 1)")
-    speculative_draft_model_path: str | None = opt(None, "checkpoint of the draft layer (default: --model-path, "
-                                                   "whose MTP layer drafts)")
+    speculative_draft_model_path: str | None = opt(None, "checkpoint whose MTP layer drafts (default: --model-path's "
+                                                   "own): SGLang's NextN format (`mlaserve export-nextn` writes it; "
+                                                   "without its own embedding / head it uses the target's) or any "
+                                                   "checkpoint of the target's shapes with an MTP layer; the target "
+                                                   "then needs none")
     speculative_token_map: str | None = opt(None, "a .pt (or .json) list of token ids the draft head keeps: each draft "
                                             "step reads those rows of the output head instead of the whole vocabulary "
                                             "(outputs are unchanged; drafts outside the list are never proposed; "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 from mlaserve.config import (CacheConfig, ConfigError, LoadConfig, ModelConfig, ParallelConfig, SchedConfig,
                              ServerConfig)
+from mlaserve.draft_checkpoint import draft_checkpoint
 
 DEFAULT_MAX_RUNNING = {"cuda": 256, "cpu": 64}
 CPU_DEFAULT_TOKENS = 32768                 # KV-pool size on the CPU (no device memory to size it from)
@@ -337,11 +338,12 @@ DEFAULT_SPEC_STEPS = 3                     # DeepSeek's MTP defaults (SGLang's):
 
 
 def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> SchedConfig:
-    """Speculative decoding: the draft is the checkpoint's own MTP layer, a chain of num_steps tokens verified
-    with the token before them (topk 1: num_draft_tokens = num_steps + 1), or a tree (topk > 1) of the best
-    num_draft_tokens - 1 of its K + (num_steps - 1) K^2 candidates and the token before them. The overlap scheduler
-    stays on: accept lengths stay on the device, and each step's slots are taken for the longest advance the step
-    before it may make (`scheduler/decode.spec_columns`)."""
+    """Speculative decoding: the draft is the checkpoint's own MTP layer, or that of the checkpoint
+    --speculative-draft-model-path names (checked against the target's config by `draft_checkpoint`), a chain of
+    num_steps tokens verified with the token before them (topk 1: num_draft_tokens = num_steps + 1), or a tree
+    (topk > 1) of the best num_draft_tokens - 1 of its K + (num_steps - 1) K^2 candidates and the token before them.
+    The overlap scheduler stays on: accept lengths stay on the device, and each step's slots are taken for the
+    longest advance the step before it may make (`scheduler/decode.spec_columns`)."""
     alg = s.speculative_algorithm
     if alg is None:
         given = [_flag(n) for n in SPEC_FLAGS if getattr(s, n) is not None]
@@ -351,9 +353,10 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
     if s.enable_mixed_chunk:
         _reject(f"--enable-mixed-chunk with --speculative-algorithm {alg}: mixing decode into prefill batches is "
                 "not implemented for speculative decoding (a verify step is not a one-token extend); drop one")
-    if model.num_nextn_predict_layers < 1:
+    draft = draft_checkpoint(s.speculative_draft_model_path, load.model_path, model)
+    if draft is None and model.num_nextn_predict_layers < 1:
         _reject(f"--speculative-algorithm {alg}: this checkpoint has no MTP (NextN) layer to draft with "
-                "(num_nextn_predict_layers is 0 in its config.json)")
+                "(num_nextn_predict_layers is 0 in its config.json); give one with --speculative-draft-model-path")
     steps = s.speculative_num_steps if s.speculative_num_steps is not None else DEFAULT_SPEC_STEPS
     if steps < 1:
         _reject(f"--speculative-num-steps {steps}: must be >= 1")
@@ -366,10 +369,6 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> Sched
         _check_tree(steps, topk, drafts)
     elif topk < 1:
         _reject(f"--speculative-eagle-topk {topk}: must be >= 1")
-    path = s.speculative_draft_model_path
-    if path is not None and (load.model_path is None or os.path.realpath(path) != os.path.realpath(load.model_path)):
-        _reject(f"--speculative-draft-model-path {path}: a separate draft checkpoint is not supported yet; the draft "
-                "is the target checkpoint's own MTP layer (leave the flag unset)")
     token_map = s.speculative_token_map
     if token_map is not None and not os.path.isfile(token_map):
         _reject(f"--speculative-token-map {token_map}: no such file")

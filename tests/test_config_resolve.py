@@ -219,7 +219,7 @@ def test_speculative_decoding_resolves_sglang_defaults():
      "must be 4"),
     (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_num_steps=0), "must be >= 1"),
     (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/elsewhere"),
-     "separate draft checkpoint"),
+     "--speculative-draft-model-path /elsewhere: no such directory"),
     (V3_FP8, dict(speculative_algorithm="EAGLE", enable_mixed_chunk=True),
      "--enable-mixed-chunk with --speculative-algorithm EAGLE: mixing decode into prefill batches is not implemented"),
 ])
@@ -227,6 +227,57 @@ def test_speculative_flags_fail_in_one_line(model, flags, words):
     with pytest.raises(ConfigError, match=re.escape(words)) as e:
         resolve(CPU, model, **flags)
     assert "\n" not in str(e.value)
+
+
+def draft_dir(root: Path, name: str, config: dict | str | None) -> str:
+    path = root / name
+    path.mkdir()
+    if config is not None:
+        (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(path)
+
+
+def test_speculative_draft_model_path_resolves(tmp_path):
+    """A NextN export or a full checkpoint with an MTP layer drafts for a target with or without one of its own."""
+    v3 = json.loads((CONFIGS / "deepseek-v3.json").read_text())
+    nextn = draft_dir(tmp_path, "nextn", v3 | {"num_hidden_layers": 1, "architectures": ["DeepseekV3ForCausalLMNextN"],
+                                               "num_nextn_predict_layers": 1})
+    full = draft_dir(tmp_path, "full", v3)
+    for model in (V3_FP8, V3_FP8.with_(num_nextn_predict_layers=0)):
+        for path in (nextn, full):
+            r = resolve(CPU, model, speculative_algorithm="EAGLE", speculative_draft_model_path=path)
+            assert r.sched.speculative_draft_model_path == path and resolve_config(r, model, CPU) == r
+    r = resolve(CPU, V3_FP8, model_path=full, speculative_algorithm="EAGLE", speculative_draft_model_path=full + "/")
+    assert r.sched.speculative_algorithm == "EAGLE"           # the target's own directory: its MTP layer drafts
+
+
+def test_speculative_draft_model_path_fails_in_one_line(tmp_path):
+    v3 = json.loads((CONFIGS / "deepseek-v3.json").read_text())
+    v2_lite = json.loads((CONFIGS / "deepseek-v2-lite.json").read_text())
+    nextn = v3 | {"num_hidden_layers": 1, "architectures": ["DeepseekV3ForCausalLMNextN"]}
+    (tmp_path / "file").write_text("")
+    cases = [(str(tmp_path / "none"), "no such directory"), (str(tmp_path / "file"), "no such directory"),
+             (draft_dir(tmp_path, "empty", None), "no config.json in the directory"),
+             (draft_dir(tmp_path, "garbled", "{not json"), "config.json is not valid JSON"),
+             (draft_dir(tmp_path, "v2-lite", v2_lite),
+              "this checkpoint has no MTP (NextN) layer to draft with (num_nextn_predict_layers is 0 in its "
+              "config.json and its architectures are not DeepseekV3ForCausalLMNextN)"),
+             (draft_dir(tmp_path, "wide", nextn | {"hidden_size": 4096}),
+              "hidden_size is 4096 in its config.json and 7168 in the target's"),
+             (draft_dir(tmp_path, "experts", nextn | {"n_routed_experts": 128}),
+              "n_routed_experts is 128 in its config.json and 256 in the target's"),
+             (draft_dir(tmp_path, "softmax", nextn | {"topk_method": "greedy", "scoring_func": "softmax"}),
+              "topk_method is 'greedy' in its config.json and 'noaux_tc' in the target's"),
+             (draft_dir(tmp_path, "bf16", {k: v for k, v in nextn.items() if k != "quantization_config"}),
+              "quantization_config is none in its config.json and fp8 e4m3 blocks [128, 128] in the target's"),
+             (draft_dir(tmp_path, "deeper", v3 | {"num_hidden_layers": 62}),
+              "num_hidden_layers is 62 in its config.json and 61 in the target's"),
+             (draft_dir(tmp_path, "no-key", {k: v for k, v in nextn.items() if k != "kv_lora_rank"}),
+              "config.json has no key 'kv_lora_rank'")]
+    for path, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(f"--speculative-draft-model-path {path}: {words}")) as e:
+            resolve(CPU, V3_FP8, speculative_algorithm="EAGLE", speculative_draft_model_path=path)
+        assert "\n" not in str(e.value)
 
 
 def test_mixed_chunk_resolves_with_every_layout_and_the_overlap_scheduler():

@@ -15,6 +15,7 @@ from mlaserve.config_resolve import describe_changes, probe_device, require_reso
 from mlaserve.core import Batch, ForwardMode
 from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
 from mlaserve.distributed.expert import expert_parallel
+from mlaserve.draft_checkpoint import draft_checkpoint
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.engine.spec import PendingSpec, SpecDecoder, SpecOutput, widen
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
@@ -96,7 +97,11 @@ class ModelRunner:
             raise ValueError("no model path")
         self.context_len = load.context_length
         kernels = load.attention_backend
-        spec_steps = server.sched.speculative_num_steps if server.sched.speculative_algorithm else 0
+        sched = server.sched
+        spec_steps = sched.speculative_num_steps if sched.speculative_algorithm else 0
+        draft = draft_checkpoint(sched.speculative_draft_model_path, model_path, self.cfg) if spec_steps else None
+        if draft is not None:                       # the MTP layer is built for, and loaded from, the draft's
+            self.cfg = self.cfg.with_(num_nextn_predict_layers=1)
         # NOTE: a verify step reaches spec_steps positions past the last token a request may have; under overlap a
         # step queued after its last one starts up to spec_steps + 1 further (its results are discarded)
         self.model = DeepseekForCausalLM(self.cfg, dtype=self.dtype, device=self.device, kernels=kernels,
@@ -105,10 +110,10 @@ class ModelRunner:
                                          tp=self.group.tp, dp=self.group.dp,
                                          ep=expert_parallel(self.group.dp.world if self.group.dp else self.group.tp,
                                                             server.parallel.ep_size))
-        load_weights(self.model, self.cfg, model_path, load_format=load.load_format,
-                     dequant_fp8=load.dequant_fp8, seed=load.seed, progress=self.group.info.is_leader)
-        if spec_steps and server.sched.speculative_token_map:
-            self._restrict_draft_vocab(server.sched.speculative_token_map, server.sched.speculative_eagle_topk or 1)
+        load_weights(self.model, self.cfg, model_path, load_format=load.load_format, dequant_fp8=load.dequant_fp8,
+                     seed=load.seed, progress=self.group.info.is_leader, draft=draft)
+        if spec_steps and sched.speculative_token_map:
+            self._restrict_draft_vocab(sched.speculative_token_map, sched.speculative_eagle_topk or 1)
         logger.info("weights: %.2f GiB on rank %d of %d", weight_bytes(self.model) / 2**30, self.group.info.rank,
                     self.group.size)
         kv_dtype = KV_CACHE_DTYPES[server.cache.kv_cache_dtype]
@@ -121,7 +126,6 @@ class ModelRunner:
         self.req_to_token: torch.Tensor | None = None      # set by attach() (the scheduler's table)
         self.token_buf: torch.Tensor | None = None
         self.graphs = None
-        sched = server.sched
         self.spec = SpecDecoder(self, spec_steps, sched.speculative_eagle_topk or 1,
                                 sched.speculative_num_draft_tokens) if spec_steps else None
         logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,

@@ -5,6 +5,7 @@ the loader checks against it, `--load-format dummy` generates it.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import pickle
@@ -17,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from mlaserve.config import ModelConfig
+from mlaserve.draft_checkpoint import DraftCheckpoint
 from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref
 from mlaserve.layers.linear import cdiv, copy_checked
 
@@ -201,11 +203,15 @@ def iter_safetensors(path: str | Path, skip=None) -> tuple[int, Iterator[tuple[s
 
 
 class WeightLoader:
-    """Routes checkpoint tensors to the model's parameters by original name, checking each against its spec."""
+    """Routes checkpoint tensors to the model's parameters by original name, checking each against its spec.
+    With a separate `draft` checkpoint the MTP layer's tensors come from it (renamed to the target's MTP index),
+    and the target's own are not read."""
 
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, dequant_fp8: bool):
-        self.model, self.cfg, self.dequant = model, cfg, dequant_fp8
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, *, dequant_fp8: bool,
+                 draft: DraftCheckpoint | None = None):
+        self.model, self.cfg, self.dequant, self.draft = model, cfg, dequant_fp8, draft
         has_mtp = getattr(model, "mtp", None) is not None
+        assert draft is None or has_mtp, "a draft checkpoint for a model built without its MTP layer"
         self.specs = {s.name: s for s in checkpoint_specs(cfg, include_mtp=has_mtp)}
         self.all_names = {s.name for s in checkpoint_specs(cfg, include_mtp=True)}
         self.params = dict(model.named_parameters())
@@ -236,14 +242,42 @@ class WeightLoader:
         self.skipped += 1
         return True
 
+    def read(self, path: str | Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+        """(tensor count, (name, tensor)) of the checkpoint at `path`, then of the separate draft's MTP layer under
+        the target's names: the target's own MTP tensors and a full draft checkpoint's other ones are not read."""
+        if self.draft is None:
+            return iter_safetensors(path, skip=self.skip)
+        n, items = iter_safetensors(path, skip=lambda name: name.startswith(self.mtp_prefix) or self.skip(name))
+        m, drafts = iter_safetensors(self.draft.path, skip=self._skip_draft)
+        return n + m, itertools.chain(items, ((self.draft.to_target(k, self.mtp_prefix), t) for k, t in drafts))
+
+    def _skip_draft(self, name: str) -> bool:
+        """`skip` for the draft checkpoint's names; raises on a NextN checkpoint's tensor outside model.layers.0."""
+        target = self.draft.to_target(name, self.mtp_prefix)
+        if target is not None:
+            return self.skip(target)
+        if self.draft.nextn:
+            raise CheckpointError(f"unexpected tensor {name!r} in the NextN draft checkpoint {self.draft.path} "
+                                  f"(it holds {self.draft.prefix}* only)")
+        return True
+
+    def where(self, name: str, quote: bool = True) -> str:
+        """`name` as its file has it (for messages): a separate draft's MTP tensors by the draft's names."""
+        if self.draft is not None and name.startswith(self.mtp_prefix):
+            own = self.draft.to_draft(name, self.mtp_prefix)
+            return f"{repr(own) if quote else own} of the draft checkpoint {self.draft.path}"
+        return repr(name) if quote else name
+
     def load(self, name: str, tensor: torch.Tensor) -> None:
         spec = self.specs.get(name)
         if spec is None:
             if name in self.all_names:          # MTP weights of a model built without the MTP layer
                 return
-            raise CheckpointError(f"unexpected tensor {name!r} (shape {list(tensor.shape)}) for this config.json")
+            raise CheckpointError(f"unexpected tensor {self.where(name)} (shape {list(tensor.shape)}) for this "
+                                  "config.json")
         if tuple(tensor.shape) != spec.shape:
-            raise CheckpointError(f"{name}: shape {list(tensor.shape)}, expected {list(spec.shape)}")
+            raise CheckpointError(f"{self.where(name, quote=False)}: shape {list(tensor.shape)}, "
+                                  f"expected {list(spec.shape)}")
         if self.skip(name):
             return                               # another EP rank's expert
         self.seen.add(name)
@@ -294,13 +328,25 @@ class WeightLoader:
         getattr(param, "weight_loader", copy_checked)(name, param, tensor)
 
     def finish(self) -> None:
+        if self.draft is not None:
+            self._share_with_target()
         missing = [n for n in self.specs if n not in self.seen]
         if missing:
-            raise CheckpointError(f"missing tensor {missing[0]!r} (expected shape {list(self.specs[missing[0]].shape)})"
+            raise CheckpointError(f"missing tensor {self.where(missing[0])} (expected shape "
+                                  f"{list(self.specs[missing[0]].shape)})"
                                   + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
         if self.pending:
-            raise CheckpointError(f"FP8 tensor {next(iter(self.pending))!r} has no weight/scale partner")
+            raise CheckpointError(f"FP8 tensor {self.where(next(iter(self.pending)))} has no weight/scale partner")
         post_load(self.model)
+
+    def _share_with_target(self) -> None:
+        """A separate draft may leave out its copies of the embedding and output head (newer NextN exports do): the
+        MTP layer shares model.embed_tokens anyway, and then shares lm_head's weight as its head."""
+        embed, head = self.mtp_prefix + "embed_tokens.weight", self.mtp_prefix + "shared_head.head.weight"
+        self.seen.add(embed)
+        if head not in self.seen:
+            self.model.mtp.shared_head.head.weight = self.model.lm_head.weight
+            self.seen.add(head)
 
 
 def post_load(model: torch.nn.Module) -> None:
@@ -312,9 +358,10 @@ def post_load(model: torch.nn.Module) -> None:
 
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, path: str | Path | None, *,
                  load_format: str = "auto", dequant_fp8: bool = False, seed: int = 0,
-                 progress: bool = True) -> None:
-    """Fill `model` from a checkpoint directory (`auto`/`safetensors`) or with random values (`dummy`)."""
-    loader = WeightLoader(model, cfg, dequant_fp8=dequant_fp8)
+                 progress: bool = True, draft: DraftCheckpoint | None = None) -> None:
+    """Fill `model` from a checkpoint directory (`auto`/`safetensors`) or with random values (`dummy`, the MTP
+    layer too); `draft`: the separate checkpoint the MTP layer's weights come from (`cfg` then has an MTP layer)."""
+    loader = WeightLoader(model, cfg, dequant_fp8=dequant_fp8, draft=draft)
     device = next(model.parameters()).device
     if load_format == "dummy":
         specs = [s for s in loader.specs.values() if not loader.skip(s.name)]
@@ -322,7 +369,7 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, path: str | Path | No
     elif load_format in ("auto", "safetensors"):
         if path is None:
             raise CheckpointError("no checkpoint path given")
-        total, items = iter_safetensors(path, skip=loader.skip)
+        total, items = loader.read(path)
     else:
         raise ValueError(f"unknown load format {load_format!r}; choices: auto, safetensors, dummy")
     for name, tensor in tqdm(items, total=total, desc="loading weights", unit="tensor",

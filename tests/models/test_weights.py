@@ -1,17 +1,24 @@
-"""Weight loading: original names through the index, clear one-line errors, dummy weights, w_kc / w_vc."""
+"""Weight loading: original names through the index, clear one-line errors, dummy weights, w_kc / w_vc, the MTP layer
+from a separate draft checkpoint."""
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from mlaserve.config import ModelConfig
+from mlaserve.distributed import TensorParallel
+from mlaserve.distributed.expert import ExpertParallel
+from mlaserve.draft_checkpoint import DraftCheckpoint, draft_checkpoint
 from mlaserve.kernels.quant import block_dequant_ref
+from mlaserve.models import weights as weights_mod
 from mlaserve.models.deepseek import DeepseekForCausalLM
 from mlaserve.models.weights import CheckpointError, load_token_map, load_weights
+from mlaserve.tools.export_nextn import export_nextn
 
 
 def build(path, **kw):
@@ -22,6 +29,10 @@ def build(path, **kw):
 def corrupt(src, dst, edit):
     """Copy a checkpoint and apply `edit(tensors)` to its first shard."""
     shutil.copytree(src, dst)
+    return corrupt_in_place(dst, edit)
+
+
+def corrupt_in_place(dst, edit):
     shard = sorted(dst.glob("*.safetensors"))[0]
     tensors = load_file(shard)
     edit(tensors)
@@ -117,3 +128,62 @@ def test_load_token_map_formats_and_one_line_errors(tmp_path):
             load_token_map(tmp_path / name, 5 if name == "a.pt" else 10)
         assert words in str(e.value) and str(e.value).startswith("--speculative-token-map ") \
             and "\n" not in str(e.value), str(e.value)
+
+
+def nextn_draft(src, dst, keep: bool) -> DraftCheckpoint:
+    export_nextn(src, dst, keep)
+    return draft_checkpoint(str(dst), str(src), ModelConfig.from_hf(src))
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["without-embed-head", "with-embed-head"])
+def test_nextn_draft_loads_as_the_own_mtp_layer_on_each_tp_ep_rank(checkpoints, tmp_path, monkeypatch, keep):
+    """Each rank of tp 2 / ep 2 (FP8, dequantised: the shrunk experts' shards are not whole 128-blocks): the MTP
+    layer from a NextN export equals the one the target's own tensors give (the head: the export's copy, or lm_head's
+    weight when left out); the draft's other rank's experts and the target's own MTP tensors are not read."""
+    path = checkpoints("v3-fp8")
+    cfg, draft = ModelConfig.from_hf(path), nextn_draft(path, tmp_path / "nextn", keep)
+    read: list[str] = []
+    real = weights_mod.iter_safetensors
+
+    def spy(p, skip=None):
+        n, items = real(p, skip)
+        return n, ((read.append(f"{p}:{name}"), (name, t))[1] for name, t in items)
+    monkeypatch.setattr(weights_mod, "iter_safetensors", spy)
+    for rank in range(2):
+        kw = dict(load_mtp=True, dequant_fp8=True, tp=TensorParallel(rank, 2), ep=ExpertParallel(rank, 2))
+        own, _ = build(path, **kw)
+        load_weights(own, cfg, path, progress=False, dequant_fp8=True)
+        read.clear()
+        got, _ = build(path, **kw)
+        load_weights(got, cfg, path, progress=False, dequant_fp8=True, draft=draft)
+        from_target = [n.split(":")[1] for n in read if n.startswith(f"{path}:")]
+        from_draft = [n.split(":")[1] for n in read if n.startswith(f"{draft.path}:")]
+        assert from_draft and not any(n.startswith("model.layers.3.") for n in from_target)
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in from_draft if ".experts." in n}
+        half = cfg.n_routed_experts // 2
+        assert experts == set(range(half * rank, half * (rank + 1)))
+        mtp = got.mtp
+        assert (mtp.shared_head.head.weight is got.lm_head.weight) is not keep
+        if not keep:
+            mtp.shared_head.head.weight = own.mtp.shared_head.head.weight = got.lm_head.weight
+        for (name, a), (_, b) in zip(own.state_dict().items(), got.state_dict().items()):
+            assert torch.equal(a, b), name
+
+
+def test_draft_tensors_named_as_in_the_draft_checkpoint(checkpoints, tmp_path):
+    path = checkpoints("v3")
+    cfg = ModelConfig.from_hf(path)
+    cases = [(lambda t: t.pop("model.layers.0.eh_proj.weight"), r"missing tensor 'model\.layers\.0\.eh_proj\.weight' "
+              r"of the draft checkpoint .*nextn0 \(expected shape \[256, 512\]\)"),
+             (lambda t: t.update({"model.layers.1.enorm.weight": torch.zeros(256)}),
+              r"unexpected tensor 'model\.layers\.1\.enorm\.weight' in the NextN draft checkpoint .*nextn1 \(it "
+              r"holds model\.layers\.0\.\* only\)"),
+             (lambda t: t.update({"model.layers.0.enorm.weight": torch.zeros(3)}),
+              r"model\.layers\.0\.enorm\.weight of the draft checkpoint .*nextn2: shape \[3\], expected \[256\]")]
+    for i, (edit, words) in enumerate(cases):
+        draft = nextn_draft(path, tmp_path / f"nextn{i}", keep=False)
+        corrupt_in_place(Path(draft.path), edit)
+        model, _ = build(path, load_mtp=True)
+        with pytest.raises(CheckpointError, match=words) as e:
+            load_weights(model, cfg, path, progress=False, draft=draft)
+        assert "\n" not in str(e.value)
