@@ -3,7 +3,8 @@
 # anomaly, issue 15's TTFT at concurrency 1). Servers run eagle, plain, eagle (the Triton cache is warm for the
 # second eagle); each gets a TTFT run (concurrency 1, one new token), then concurrency 16 twice, the second under
 # py-spy (scheduler and HTTP/tokenizer process; speedscope files, all in profiles.tgz). Carry .whl (server
-# deps + py-spy). RUNS picks the servers (default: eagle1 plain eagle2).
+# deps + py-spy). RUNS picks the servers (default: eagle1 plain eagle2; nextn: EAGLE with the demo's MTP layer
+# exported by `mlaserve export-nextn` as --speculative-draft-model-path).
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
@@ -37,7 +38,12 @@ probe() {  # $1 label, rest: serve flags
 }
 wait_spies() { sleep 1; while pgrep -x py-spy > /dev/null; do sleep 0.5; done; }
 for run in ${RUNS:-eagle1 plain eagle2}; do
-  case $run in eagle*) probe $run --speculative-algorithm EAGLE ;; *) probe $run ;; esac
+  case $run in
+    nextn) python3 -m mlaserve.cli export-nextn --input-dir mlaserve/demo --output-dir /tmp/demo_nextn > /dev/null
+           probe nextn --speculative-algorithm EAGLE --speculative-draft-model-path /tmp/demo_nextn ;;
+    eagle*) probe $run --speculative-algorithm EAGLE ;;
+    *) probe $run ;;
+  esac
 done
 for f in "$OUT"/*_sched.json "$OUT"/*_main.json; do
   [ -f "$f" ] && { echo "### $(basename $f)"; python3 benchmarks/pyspy_summary.py "$f" 28 | cut -c1-150; }
