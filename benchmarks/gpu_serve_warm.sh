@@ -54,7 +54,7 @@ for run in ${V2L_RUNS:-default mixed}; do
   bench v2l_${run}_c64b 64 192 256 128 --tokenizer $M
   stop v2l_$run
 done
-for rep in ${DEMO_REPS:-1 2}; do
+for rep in ${DEMO_REPS-1 2}; do
   for run in plain eagle; do
     flags=""; [ $run = eagle ] && flags="--speculative-algorithm EAGLE"
     server demo_${run}$rep --cuda-graph-max-bs 16 $flags
