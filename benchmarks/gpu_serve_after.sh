@@ -4,7 +4,7 @@
 # full-width V2-Lite (gpu_mixed.sh without its tests: concurrency 64 default and --enable-mixed-chunk, concurrency
 # 1 / 16 with mixed chunks and 512-token chunks), and V2-Lite's one-batch prefill at 256 tokens (TTFT's floor). Carry .whl. Returns demo.tgz, v2l.tgz and the summaries.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONPATH=$PWD:/tmp/site
 git log -1 --format='commit %H' 2>/dev/null > "$OUT/commit.txt"
 OUT=/tmp/o_demo SPY=${SPY:-0} RUNS="${DEMO_RUNS:-plain eagle nextn}" bash benchmarks/gpu_serve_probe.sh 2>&1 | grep -v "Target directory"
 OUT=/tmp/o_v2l TESTS=0 RUNS="${V2L_RUNS:-default mixed levels}" bash benchmarks/gpu_mixed.sh 2>&1 | grep -v "Target directory"
