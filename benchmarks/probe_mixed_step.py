@@ -1,0 +1,92 @@
+"""How long each scheduler step takes when new prompts arrive while many requests decode, with and without
+--enable-mixed-chunk (issue 15: p99 inter-token latency at concurrency 64). GPU, in-process, overlap off so each
+`Scheduler.step` is one batch launched and processed.
+
+The real scheduler over a dummy-weight checkpoint: RUNNING requests of PROMPT tokens decode, then ARRIVE new
+prompts of the same length come in; every step's wall time (synchronised) is printed with its batch: mode, new
+tokens, decodes riding along. With --profile, the first mixed (or prefill) step after the arrivals runs under the
+torch profiler and its top kernels are printed.
+
+    PYTHONPATH=$PWD python benchmarks/probe_mixed_step.py --model-path DIR [--mixed] [--chunk N] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from mlaserve.config import ServerConfig
+from mlaserve.core import ForwardMode, SamplingParams
+from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.scheduler.scheduler import Scheduler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--running", type=int, default=64)
+    ap.add_argument("--arrive", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    sched = Scheduler(ServerConfig.from_flat(
+        model_path=args.model_path, load_format="dummy", log_level="warning", disable_overlap_schedule=True,
+        enable_mixed_chunk=args.mixed, chunked_prefill_size=args.chunk), args.model_path)
+    rng = random.Random(0)
+    vocab = sched.runner.cfg.vocab_size
+    batches: list[tuple[str, int, int]] = []
+    launch = sched.runner.launch
+
+    def traced(batch, *a, **kw):
+        batches.append((batch.mode.name, sum(batch.extend_lens) if batch.mode is ForwardMode.EXTEND
+                        else len(batch.reqs), batch.num_decode))
+        return launch(batch, *a, **kw)
+    sched.runner.launch = traced
+
+    def add(rid: str) -> None:
+        ids = [rng.randrange(10, vocab) for _ in range(args.prompt)]
+        sched.add_request(GenerateReqMsg(rid, ids, SamplingParams(max_new_tokens=400, temperature=0.0,
+                                                                  ignore_eos=True), seed=1))
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def step() -> tuple[float, tuple]:
+        n = len(batches)
+        sync()
+        t = time.perf_counter()
+        sched.step()
+        sync()
+        return (time.perf_counter() - t) * 1e3, batches[n] if len(batches) > n else ("none", 0, 0)
+
+    for i in range(args.running):
+        add(f"r{i}")
+    while sched.waiting or getattr(sched, "chunked", None):
+        step()
+    for _ in range(10):
+        step()
+    decode_ms = sorted(step()[0] for _ in range(10))[5]
+    for i in range(args.arrive):
+        add(f"a{i}")
+    rows = []
+    profiled = False
+    while len(rows) < 12:
+        if args.profile and not profiled:
+            profiled = True
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                ms, b = step()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        else:
+            ms, b = step()
+        rows.append({"ms": round(ms, 2), "mode": b[0], "tokens": b[1], "decodes": b[2]})
+    print(json.dumps({"mixed": args.mixed, "chunk": args.chunk, "running": args.running, "arrive": args.arrive,
+                      "prompt": args.prompt, "decode_step_ms": round(decode_ms, 2), "steps": rows}))
+
+
+if __name__ == "__main__":
+    main()
