@@ -8,10 +8,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
 python3 -m mlaserve.tools.tokenizer $M > /dev/null
 nvidia-smi --query-gpu=name --format=csv,noheader
-p() { echo "### $*"; timeout 150 python3 benchmarks/probe_mixed_step.py --model-path $M "$@" 2>&1 | grep -v "loading weights" | tail -${TAILN:-3}; }
+p() { echo "### $*"; timeout 150 python3 benchmarks/probe_mixed_step.py --model-path $M "$@" 2>&1 | tr '\r' '\n' | grep -v "loading weights" | tail -${TAILN:-2}; }
 p --arrive 4
 p --arrive 4 --mixed
 p --arrive 4 --mixed --chunk 512
-p --arrive 32 --mixed --chunk 512
-TAILN=40 p --arrive 4 --mixed --chunk 512 --profile
-TAILN=40 p --arrive 4 --profile
+p --arrive 16 --mixed --chunk 2048
+p --arrive 16 --chunk 2048
+TAILN=30 p --arrive 4 --mixed --chunk 512 --profile
