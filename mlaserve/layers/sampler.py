@@ -25,7 +25,7 @@ def _index_rows(id_lists: list[list[int]], vocab_size: int, device: torch.device
     lens = [len(ids) for ids in id_lists]
     flat = [t for ids in id_lists for t in ids]
     assert all(0 <= t < vocab_size for t in flat), f"token ids must be in [0, {vocab_size})"
-    rows = torch.repeat_interleave(torch.arange(len(id_lists)), torch.tensor(lens, dtype=torch.int64))
+    rows = torch.tensor([b for b, n in enumerate(lens) for _ in range(n)], dtype=torch.int64)   # no repeat_interleave: ms on the CPU
     return rows.to(device), torch.tensor(flat, dtype=torch.int64, device=device)
 
 
