@@ -6,7 +6,8 @@ The real scheduler over a dummy-weight checkpoint: RUNNING requests of PROMPT to
 prompts of the same length come in; every step's wall time (synchronised) is printed with its batch: mode, new
 tokens, decodes riding along (`E576+64:67.4` = an extend of 576 tokens, 64 of them decodes, 67.4 ms). Several
 waves show what repeats once the shapes were seen. With --profile, the first step of the last wave runs under the
-torch profiler and its top operators by host time are printed.
+torch profiler and its top operators by host time are printed; with --cprofile, the extend steps of the last
+wave run under cProfile (Python functions by cumulative and own time).
 
     PYTHONPATH=$PWD python benchmarks/probe_mixed_step.py --model-path DIR [--mixed] [--chunk N] [--profile]
 """
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--waves", type=int, default=3, help="arrival waves, 8 steps each")
     ap.add_argument("--profile", action="store_true", help="profile the first step of the last wave")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the extend steps of the last wave (Python time)")
     args = ap.parse_args()
     sched = Scheduler(ServerConfig.from_flat(
         model_path=args.model_path, load_format="dummy", log_level="warning", disable_overlap_schedule=True,
@@ -72,7 +74,7 @@ def main() -> None:
     for _ in range(10):
         step()
     decode_ms = sorted(step()[0] for _ in range(10))[5]
-    waves = []
+    waves, prof_py = [], None
     for wave in range(args.waves):
         for i in range(args.arrive):
             add(f"a{wave}.{i}")
@@ -84,10 +86,20 @@ def main() -> None:
                     ms, b = step()
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
                                                 max_name_column_width=60))
+            elif args.cprofile and wave == args.waves - 1 and (sched.waiting or sched.chunked):
+                import cProfile
+                prof_py = prof_py or cProfile.Profile()
+                prof_py.enable()
+                ms, b = step()
+                prof_py.disable()
             else:
                 ms, b = step()
             rows.append(f"{b[0][0]}{b[1]}+{b[2]}:{ms:.1f}")
         waves.append(" ".join(rows))
+    if prof_py is not None:
+        import pstats
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(prof_py).sort_stats(key).print_stats(28)
     print(json.dumps({"mixed": args.mixed, "chunk": args.chunk, "running": args.running, "arrive": args.arrive,
                       "prompt": args.prompt, "decode_step_ms": round(decode_ms, 2), "waves": waves}))
 
