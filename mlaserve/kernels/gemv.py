@@ -74,11 +74,36 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through `gemv` for up to MAX_M rows of 16-bit activations on the GPU (decode) and outputs at
-    least MIN_N wide, else cuBLAS."""
+    least MIN_N wide, else cuBLAS with the rows padded to a bucket (`cublas_linear`)."""
     if x.dim() == 2 and x.shape[0] <= MAX_M and w.shape[0] >= MIN_N and x.is_cuda \
             and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and w.stride(1) == 1:
         return gemv(x, w, bias)
-    return F.linear(x, w, bias)
+    return cublas_linear(x, w, bias)
+
+
+def bucket_rows(m: int) -> int:
+    """`m` rounded up to one of four sizes per power of two (multiples of 16 at least): at most 25% more rows."""
+    if m <= MAX_M:
+        return m
+    step = max(16, (1 << (m - 1).bit_length()) // 8)
+    return -(-m // step) * step
+
+
+def cublas_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  pad: bool | None = None) -> torch.Tensor:
+    """F.linear with a 2-D `x`'s rows padded to `bucket_rows` (zeros; the extra output rows are dropped) in eager
+    GPU code. cuBLAS picks its kernel on the host for every new shape: 0.8-2.3 ms a call for a token count it has
+    not seen, 25-35 us for one it has (H100, benchmarks/probe_gemm_host.py), and eager prefill brings a new count
+    with nearly every prompt. Buckets keep the shapes few. Not while a CUDA graph captures (its shapes are fixed
+    and replay skips the host) nor under torch.compile; `pad` forces it either way (tests)."""
+    if pad is None:      # NOTE: not inside torch.compile (decode graphs: fixed shapes; no SymInt arithmetic)
+        pad = x.is_cuda and torch.cuda.is_available() and not torch.compiler.is_compiling() \
+            and not torch.cuda.is_current_stream_capturing()
+    m = x.shape[0] if x.dim() == 2 else 0
+    mp = bucket_rows(m) if pad else m
+    if mp == m:
+        return F.linear(x, w, bias)
+    return F.linear(F.pad(x, (0, 0, 0, mp - m)), w, bias)[:m]
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

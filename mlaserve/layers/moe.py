@@ -9,11 +9,11 @@ parallelism (--ep-size = --tp-size) each rank holds E / ep whole routed experts 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.distributed import TensorParallel
 from mlaserve.distributed.expert import ExpertParallel
+from mlaserve.kernels.gemv import cublas_linear
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
 from mlaserve.layers.ops import Ops
 
@@ -76,7 +76,7 @@ class Router(torch.nn.Module):
         if x.shape[0] <= self.route_max_tokens:    # the gate weight as stored: upcasting it is exact
             return self.ops.moe_route(x, self.weight, c.num_experts_per_tok, sync=self.route_sync, **kw)
         w = getattr(self, "weight_f32", None)
-        logits = F.linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
+        logits = cublas_linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
         return self.ops.moe_topk(logits, c.num_experts_per_tok, **kw)
 
 
@@ -126,7 +126,7 @@ class ExpertStack(torch.nn.Module):
         return out
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, w) if scale is None else self.ops.fp8_linear(x, w, scale)
+        return cublas_linear(x, w) if scale is None else self.ops.fp8_linear(x, w, scale)
 
 
 class RoutedExperts(ExpertStack):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlaserve.kernels.gemv import MAX_M, gemv
+from mlaserve.kernels.gemv import MAX_M, bucket_rows, cublas_linear, gemv
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
@@ -27,3 +27,21 @@ def test_gemv_matches_linear(device: str, m: int, n: int, k: int, dtype: torch.d
 def test_gemv_rejects_more_rows(device: str) -> None:
     with pytest.raises(AssertionError, match="at most"):
         gemv(torch.randn(MAX_M + 1, 8, device=device), torch.randn(4, 8, device=device))
+
+
+def test_bucket_rows_are_few_and_waste_at_most_a_quarter() -> None:
+    buckets = {bucket_rows(m) for m in range(1, 16385)}
+    assert all(bucket_rows(m) == m for m in range(1, 17))
+    assert all(m <= bucket_rows(m) <= max(m + 15, m * 5 // 4) for m in range(1, 16385))
+    assert all(bucket_rows(b) == b for b in buckets)          # a bucket is its own bucket
+    assert len(buckets - set(range(1, 17))) <= 50, sorted(buckets)
+
+
+@pytest.mark.parametrize("m", [17, 100, 300, 513])
+def test_padded_cublas_linear_equals_linear(m: int) -> None:
+    seed = torch.seed()
+    print("seed", seed)
+    x, w, b = torch.randn(m, 48, dtype=torch.float64), torch.randn(40, 48, dtype=torch.float64), torch.randn(40, dtype=torch.float64)
+    y = cublas_linear(x, w, b, pad=True)
+    assert y.shape == (m, 40) and y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=1e-12)
