@@ -12,7 +12,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
 PYTHONPATH=$PWD:/tmp/site python3 -m mlaserve.tools.tokenizer $M > /dev/null
 OLD=${OLD:-HEAD~1}; rm -rf /tmp/old && mkdir -p /tmp/old && git archive $OLD | tar -x -C /tmp/old && echo "old: $(git rev-parse --short $OLD)"
-for a in ${PROBES-"--mixed --chunk 512" "--chunk 2048"}; do
+for a in "--mixed --chunk 512" "--chunk 2048"; do
+  [ "${PROBES:-1}" = 1 ] || break
   echo "### new: probe $a"
   PYTHONPATH=$PWD:/tmp/site timeout 150 python3 benchmarks/probe_mixed_step.py --model-path $M --arrive 4 $a 2>&1 | tr '\r' '\n' | grep '^{'
 done
