@@ -4,7 +4,9 @@
 # second eagle); each gets a TTFT run (concurrency 1, one new token), then concurrency 16 twice, the second under
 # py-spy (scheduler and HTTP/tokenizer process; speedscope files, all in profiles.tgz). Carry .whl (server
 # deps + py-spy). RUNS picks the servers (default: eagle1 plain eagle2; nextn: EAGLE with the demo's MTP layer
-# exported by `mlaserve export-nextn` as --speculative-draft-model-path).
+# exported by `mlaserve export-nextn` as --speculative-draft-model-path). py-spy is not among
+# ../shared/device/wheels.sh's packages: add it with `python3 -m pip download --only-binary=:all: --python-version 3.12
+# --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 -d .whl py-spy`.
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
