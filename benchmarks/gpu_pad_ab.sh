@@ -4,14 +4,17 @@
 #  1. probe_mixed_step.py: 4 prompts arriving during 64 decodes, mixed 512-token chunks and plain 2048 (after only);
 #  2. `mlaserve serve` + `bench serving --backend mlaserve`, prompts of 128-256 tokens (--random-range-ratio 0.5, so
 #     lengths vary as in real traffic): concurrency 1 (24 prompts, 16 new tokens: TTFT) and 64 (192 prompts, 128
-#     new tokens: ITL), old code then new code. Carry .whl.
+#     new tokens: ITL), old code then new code. Carry .whl (and .old, see below).
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
 PYTHONPATH=$PWD:/tmp/site python3 -m mlaserve.tools.tokenizer $M > /dev/null
-OLD=${OLD:-HEAD~1}; rm -rf /tmp/old && mkdir -p /tmp/old && git archive $OLD | tar -x -C /tmp/old && echo "old: $(git rev-parse --short $OLD)"
+# The old tree: a carried .old (the device's git copy can lack new commits; make it here with
+# `mkdir .old && git archive REV mlaserve benchmarks pyproject.toml | tar -x -C .old`), else `git archive $OLD`.
+if [ -d .old ]; then rm -rf /tmp/old && cp -r .old /tmp/old && echo "old: the carried .old"
+else OLD=${OLD:-HEAD~1}; rm -rf /tmp/old && mkdir -p /tmp/old && git archive $OLD | tar -x -C /tmp/old && echo "old: $OLD"; fi
 for a in "--mixed --chunk 512" "--chunk 2048"; do
   [ "${PROBES:-1}" = 1 ] || break
   echo "### new: probe $a"
@@ -31,13 +34,7 @@ for code in old new; do
     PYTHONPATH=$PWD:/tmp/site timeout 150 python3 -m mlaserve.cli bench serving --backend mlaserve --num-prompts $2 \
       --random-input-len 256 --random-output-len $3 --random-range-ratio 0.5 --request-rate inf --max-concurrency $1 \
       --tokenizer $M --disable-tqdm --output-file "$OUT/serving_$code.jsonl" > /dev/null 2>&1
-    PYTHONPATH=$PWD:/tmp/site python3 - "$OUT/serving_$code.jsonl" $code <<'PY'
-import json, sys
-r = json.loads(open(sys.argv[1]).read().splitlines()[-1])
-print(f"{sys.argv[2]} conc {r['max_concurrency']:>2}: out {r['output_throughput']:7.1f} tok/s, TTFT median {r['median_ttft_ms']:6.1f} "
-      f"p99 {r['p99_ttft_ms']:7.1f} ms, TPOT median {r['median_tpot_ms']:5.2f} ms, ITL median {r['median_itl_ms']:5.2f} "
-      f"p99 {r['p99_itl_ms']:6.2f} ms")
-PY
+    python3 benchmarks/serving_summary.py --last "$OUT/serving_$code.jsonl" $code
   done
   pkill -TERM -f "mlaserve.cli serve" ; sleep 3
 done

@@ -22,15 +22,7 @@ bench() {  # $1 label, $2 conc, $3 prompts, $4 in, $5 out, rest: extra bench fla
   timeout 150 python3 -m mlaserve.cli bench serving --backend mlaserve --num-prompts $n --random-input-len $in \
     --random-output-len $out --random-range-ratio 1.0 --request-rate inf --max-concurrency $conc --disable-tqdm \
     --output-file $W/serving_$label.jsonl "$@" > $W/bench_$label.txt 2>&1
-  python3 - $W/serving_$label.jsonl $label <<'PY' | tee -a $W/summary.txt
-import json, sys
-r = json.loads(open(sys.argv[1]).read().splitlines()[-1])
-ratio = r["p99_itl_ms"] / r["median_itl_ms"] if r["median_itl_ms"] else float("nan")
-acc = r.get("accept_length")
-print(f"{sys.argv[2]:>16} conc {r['max_concurrency']:>3}: out {r['output_throughput']:8.1f} tok/s, TTFT median "
-      f"{r['median_ttft_ms']:7.1f} p99 {r['p99_ttft_ms']:7.1f} ms, TPOT median {r['median_tpot_ms']:6.2f} ms, ITL/token "
-      f"median {r['median_itl_ms']:6.2f} p99 {r['p99_itl_ms']:7.2f} ms (x{ratio:.2f})" + (f", accept {acc}" if acc else ""))
-PY
+  python3 benchmarks/serving_summary.py --last $W/serving_$label.jsonl $label | tee -a $W/summary.txt
 }
 server() {  # $1 label, rest: serve flags; waits for the first served token
   local label=$1; shift

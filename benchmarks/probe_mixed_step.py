@@ -69,7 +69,7 @@ def main() -> None:
 
     for i in range(args.running):
         add(f"r{i}")
-    while sched.waiting or getattr(sched, "chunked", None):
+    while sched.waiting or sched.chunked:
         step()
     for _ in range(10):
         step()
