@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.norm import fused_add_rmsnorm_ref
+
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING = ("softmax", "sigmoid")
 
@@ -205,18 +207,51 @@ def moe_topk_ref(router_logits: torch.Tensor, top_k: int, *, topk_method: str, s
 # itself done in sync[t]; the last of token t's programs (the only one to see count S - 1) resets the count
 # and selects from the complete row.
 @triton.jit
+def _route_rows(x_ptr, res_ptr, nw_ptr, t, h0, offs_h, h_ok, stride_x, stride_res, rstd, NORM_IN: tl.constexpr):
+    # x[t, h0 + offs_h] in fp32; NORM_IN: rmsnorm(x + res) with DeepSeek's roundings (as kernels/norm.py)
+    x = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=h_ok, other=0.0)
+    if NORM_IN:
+        ty = x.dtype
+        r = tl.load(res_ptr + t * stride_res + h0 + offs_h, mask=h_ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
+        y = (x.to(tl.float32) * rstd).to(ty).to(tl.float32)
+        x = (tl.load(nw_ptr + h0 + offs_h, mask=h_ok, other=0.0).to(tl.float32) * y).to(ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, stride_x, stride_w,
+                      res_ptr, nw_ptr, normed_ptr, res_out_ptr, eps, stride_res, stride_normed, stride_res_out,
                       bias_ptr, weights_ptr, ids_ptr, per_group, n_group, routed_scaling_factor,
                       TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
                       NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                      BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                      NORM_IN: tl.constexpr):
+    # NORM_IN: the gate reads rmsnorm(x + res) (weight nw); the slice-0 program of each token also writes that
+    # normed row (the experts' input) and x + res (the residual stream) to their own buffers.
     t = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_h = tl.arange(0, BLOCK_H)
+    rstd = 0.0
+    if NORM_IN:                 # every program reads the token's row once more for its mean square
+        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            h_ok = offs_h < hidden - h0
+            x = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=h_ok, other=0.0)
+            r = tl.load(res_ptr + t * stride_res + h0 + offs_h, mask=h_ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            if tl.program_id(0) == 0:
+                tl.store(res_out_ptr + t * stride_res_out + h0 + offs_h, x, mask=h_ok)
+            x = x.to(tl.float32)
+            ss += x * x
+        rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / hidden + eps)
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):                                    # fp32 products of exact upcasts
         h_ok = offs_h < hidden - h0
-        x = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=h_ok, other=0.0).to(tl.float32)       # [BH]
+        x = _route_rows(x_ptr, res_ptr, nw_ptr, t, h0, offs_h, h_ok, stride_x, stride_res, rstd, NORM_IN)  # [BH]
+        if NORM_IN:
+            if tl.program_id(0) == 0:
+                tl.store(normed_ptr + t * stride_normed + h0 + offs_h, x.to(normed_ptr.dtype.element_ty), mask=h_ok)
         w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + h0 + offs_h[None, :],
                     mask=(e < n_experts)[:, None] & h_ok[None, :], other=0.0).to(tl.float32)       # [BE, BH]
         acc += w * x[None, :]
@@ -255,6 +290,38 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, topk_method:
     Returns:
         as `moe_topk`: (weights [T, k + n_shared] float32, ids [T, k + n_shared] int32).
     """
+    return _route(x, None, weight, top_k, sync, config, **_routing_args(locals()))[:2]
+
+
+def moe_route_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   weight: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str, n_group: int = 1,
+                   topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
+                   e_score_correction_bias: torch.Tensor | None = None, n_shared: int = 0,
+                   sync: torch.Tensor | None = None,
+                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_route` of h = rmsnorm(x + residual) (the layer's post-attention norm folded into the router's launch).
+
+    x, residual: [T, h], one dtype, rows contiguous; norm_weight [h]. Returns (weights, ids, h [T, h] in x.dtype,
+    x + residual [T, h] in x.dtype): the last two are new tensors (residual is not modified)."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1, \
+        f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}"
+    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous(), \
+        f"norm weight must be [{x.shape[1]}], contiguous"
+    return _route(x, (residual, norm_weight, eps), weight, top_k, sync, config, **_routing_args(locals()))
+
+
+_ROUTING = ("topk_method", "scoring_func", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+            "e_score_correction_bias", "n_shared")
+
+
+def _routing_args(scope: dict) -> dict:
+    return {k: scope[k] for k in _ROUTING}
+
+
+def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None, weight: torch.Tensor,
+           top_k: int, sync: torch.Tensor | None, config: dict | None, *, topk_method: str, scoring_func: str,
+           n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+           e_score_correction_bias: torch.Tensor | None, n_shared: int) -> tuple[torch.Tensor, ...]:
     t, h = x.shape
     e = weight.shape[0]
     assert weight.dim() == 2 and weight.shape[1] == h, f"weight must be [E, {h}], got {tuple(weight.shape)}"
@@ -267,16 +334,29 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, topk_method:
     cfg = dict(config or route_config(e, h))
     block_e, block_h = cfg.pop("BLOCK_E"), cfg.pop("BLOCK_H")
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)                 # scratch: [T, E]
-    return _launch_select(_moe_route_kernel, (triton.cdiv(e, block_e), t),
-                          (x, weight, logits, sync, e, h, x.stride(0), weight.stride(0)), t, e, top_k, topk_method,
-                          scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
-                          e_score_correction_bias, n_shared, x.device, BLOCK_E=block_e, BLOCK_H=block_h, **cfg)
+    res, nw, eps = norm or (x, x, 0.0)
+    normed, res_out = (torch.empty_like(x), torch.empty_like(x)) if norm else (x, x)
+    args = (x, weight, logits, sync, e, h, x.stride(0), weight.stride(0), res, nw, normed, res_out, float(eps),
+            res.stride(0), normed.stride(0), res_out.stride(0))
+    weights, ids = _launch_select(_moe_route_kernel, (triton.cdiv(e, block_e), t), args, t, e, top_k, topk_method,
+                                  scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                                  e_score_correction_bias, n_shared, x.device, BLOCK_E=block_e, BLOCK_H=block_h,
+                                  NORM_IN=norm is not None, **cfg)
+    return weights, ids, normed, res_out
 
 
 def moe_route_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, sync: torch.Tensor | None = None,
                   config: dict | None = None, **routing) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec of `moe_route`: fp32 logits, then `moe_topk_ref` (`sync` / `config` are the kernel's own)."""
     return moe_topk_ref(F.linear(x.float(), weight.float()), top_k, **routing)          # logits [T, E]
+
+
+def moe_route_norm_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, top_k: int, *, sync: torch.Tensor | None = None,
+                       config: dict | None = None, **routing) -> tuple[torch.Tensor, ...]:
+    """The spec of `moe_route_norm`: the fused add + norm's reference, then `moe_route_ref`."""
+    h, res_out = fused_add_rmsnorm_ref(x, residual, norm_weight, eps)
+    return (*moe_route_ref(h, weight, top_k, **routing), h, res_out)
 
 
 def _mask_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:

@@ -16,6 +16,7 @@ from mlaserve.distributed.expert import ExpertParallel
 from mlaserve.kernels.gemv import cublas_linear
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
 from mlaserve.layers.ops import Ops
+from mlaserve.layers.rmsnorm import RMSNorm
 
 # Up to this many tokens the shared experts run inside the fused-MoE call (decode: fewer, fuller launches);
 # above it, as dense GEMMs (prefill: the grouped GEMM is slower than a plain one for an expert every token uses).
@@ -69,15 +70,27 @@ class Router(torch.nn.Module):
     def forward(self, x: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, h] -> (weights [T, K + n_shared] f32, global ids [T, K + n_shared] int32); the n_shared shared
         slots (ids E .., weight 1) come last."""
-        c = self.cfg
-        kw = dict(topk_method=c.topk_method, scoring_func=c.scoring_func, n_group=c.n_group, topk_group=c.topk_group,
-                  norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
-                  e_score_correction_bias=self.e_score_correction_bias, n_shared=n_shared)
+        c, kw = self.cfg, self._routing(n_shared)
         if x.shape[0] <= self.route_max_tokens:    # the gate weight as stored: upcasting it is exact
             return self.ops.moe_route(x, self.weight, c.num_experts_per_tok, sync=self.route_sync, **kw)
         w = getattr(self, "weight_f32", None)
         logits = cublas_linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
         return self.ops.moe_topk(logits, c.num_experts_per_tok, **kw)
+
+    def route_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                     n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward(norm(x + residual)) in one launch, up to `route_max_tokens` tokens; returns (weights, ids,
+        norm(x + residual), x + residual)."""
+        assert x.shape[0] <= self.route_max_tokens, f"route_normed takes at most {self.route_max_tokens} tokens"
+        return self.ops.moe_route_norm(x, residual, norm.weight, norm.eps, self.weight, self.cfg.num_experts_per_tok,
+                                       sync=self.route_sync, **self._routing(n_shared))
+
+    def _routing(self, n_shared: int) -> dict:
+        c = self.cfg
+        return dict(topk_method=c.topk_method, scoring_func=c.scoring_func, n_group=c.n_group,
+                    topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                    routed_scaling_factor=c.routed_scaling_factor,
+                    e_score_correction_bias=self.e_score_correction_bias, n_shared=n_shared)
 
 
 class ExpertStack(torch.nn.Module):
@@ -200,14 +213,35 @@ class MoE(torch.nn.Module):
         self.gate = Router(cfg, dtype, device, ops=ops)
         self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp, ep=ep)
 
+    def takes_norm(self, num_tokens: int) -> bool:
+        """Whether `forward_normed` can fold the post-attention norm into the router's launch (decode sizes)."""
+        return num_tokens <= self.gate.route_max_tokens
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x + residual)) with the add and norm inside the router's launch (`takes_norm`); returns
+        (output, x + residual)."""
+        out, residual = self._forward(x, (residual, norm))
+        return out, residual
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, None)[0]
+
+    def _forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, RMSNorm] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # norm = (residual, RMSNorm): x is the un-normed attention output; returns (output, x + residual or None)
         ex = self.experts
-        if ex.ep.size > 1:                                                    # EP: local ids, -1 elsewhere
-            weights, ids = self.gate(x)                                       # [T, K] f32, [T, K] int32 global
-            out = ex(x, weights, ex.ep.to_local(ids, ex.n_total))
-            return out + ex.shared_forward(x) if ex.n_shared else out
-        fuse_shared = x.shape[0] <= FUSE_SHARED_MAX_TOKENS
+        ep = ex.ep.size > 1
+        fuse_shared = not ep and x.shape[0] <= FUSE_SHARED_MAX_TOKENS
         # [T, K (+ n_shared)]: the shared slots E .. E + n_shared - 1 (weight 1) ride along in the fused call
-        weights, ids = self.gate(x, n_shared=ex.n_shared if fuse_shared else 0)
+        n_shared = ex.n_shared if fuse_shared else 0
+        residual = None
+        if norm is None:
+            weights, ids = self.gate(x, n_shared=n_shared)                   # [T, K] f32, [T, K] int32 global
+        else:
+            weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared)
+        if ep:                                                                # EP: local ids, -1 elsewhere
+            out = ex(x, weights, ex.ep.to_local(ids, ex.n_total))
+            return (out + ex.shared_forward(x) if ex.n_shared else out), residual
         out = ex(x, weights, ids)
-        return out if fuse_shared or not ex.n_shared else out + ex.shared_forward(x)
+        return (out if fuse_shared or not ex.n_shared else out + ex.shared_forward(x)), residual

@@ -10,7 +10,8 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from mlaserve.kernels.moe_topk import moe_route, moe_route_ref, moe_topk, moe_topk_ref
+from mlaserve.kernels.moe_topk import (moe_route, moe_route_norm, moe_route_norm_ref, moe_route_ref, moe_topk,
+                                       moe_topk_ref)
 
 # weights: fp32 scores; exp / sigmoid / normalisation may differ by a few ulps between Triton and torch
 TOL = 1e-6
@@ -168,3 +169,26 @@ def test_moe_route_cuda_graph_replays() -> None:
         graph.replay()
         assert_same_routing(out, moe_route_ref(x, weight, e_score_correction_bias=bias, n_shared=1, **kw))
     assert not sync.any()
+
+
+@pytest.mark.parametrize("kw,num_experts,hidden", ROUTE_CASES[:3])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_moe_route_norm_matches_ref(kw: dict, num_experts: int, hidden: int, tokens: int, dtype: torch.dtype,
+                                    device: str) -> None:
+    """The post-attention add + norm folded into the router: same experts, the normed rows and x + residual as
+    the unfused references; the residual input untouched, the sync counts left zero."""
+    _seed()
+    x, res = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+    norm_w = (torch.rand(hidden, device=device) + 0.5).to(dtype)
+    weight = (torch.randn(num_experts, hidden, device=device) * hidden ** -0.5).to(dtype)
+    bias = torch.randn(num_experts, device=device) * 0.1 if kw["topk_method"] == "noaux_tc" else None
+    sync, res_before = torch.zeros(8, dtype=torch.int32, device=device), res.clone()
+    want = moe_route_norm_ref(x, res, norm_w, 1e-6, weight, e_score_correction_bias=bias, n_shared=2, **kw)
+    for _ in range(2):
+        got = moe_route_norm(x, res, norm_w, 1e-6, weight, e_score_correction_bias=bias, n_shared=2, sync=sync, **kw)
+        assert not sync.any() and torch.equal(res, res_before)
+        assert_same_routing(got[:2], want[:2])
+        tol = 2e-3 if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(got[2], want[2], atol=tol, rtol=tol)
+        assert torch.equal(got[3], want[3])                                   # x + residual, rounded once

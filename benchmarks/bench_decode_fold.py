@@ -1,0 +1,131 @@
+"""Decode launches folded together, each timed beside the launches it replaces (H100; CUDA graphs, L2 flushed).
+
+  norm + qkv_a:   fused_add_rmsnorm + linear (cuBLAS)      vs  gemv_rmsnorm        (V2-Lite: 2048 -> 3648)
+  norm + router:  fused_add_rmsnorm + moe_route            vs  moe_route_norm      (V2-Lite 64 x 2048, V3 256 x 7168)
+  fused MoE:      fused_moe at one token, align + 2 GEMMs  vs  its slot-per-block path (no align launch)
+  MLA decode:     decode + separate split reduce           vs  the reduce folded into the decode launch
+
+Each pair is one graph of REPS back-to-back calls (as in a decode step: a launch gap between kernels), reported
+per call in us. Usage: python benchmarks/bench_decode_fold.py [--tokens 1 4 16] [--reps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+
+import torch
+
+from mlaserve.bench.timing import time_cuda
+from mlaserve.kernels import fused_moe as fm
+from mlaserve.kernels import mla_decode as md
+from mlaserve.kernels.gemv import gemv_rmsnorm, linear
+from mlaserve.kernels.moe_topk import moe_route, moe_route_norm
+from mlaserve.kernels.norm import fused_add_rmsnorm
+
+V2_ROUTE = dict(topk_method="greedy", scoring_func="softmax", n_shared=2)
+V3_ROUTE = dict(topk_method="noaux_tc", scoring_func="sigmoid", n_group=8, topk_group=4, norm_topk_prob=True,
+                routed_scaling_factor=2.5, n_shared=1)
+
+
+def _per_call(fn, reps: int) -> float:
+    def many():
+        for _ in range(reps):
+            fn()
+    return time_cuda(many, iters=30) * 1000 / reps
+
+
+def _row(name: str, t: int, unfused: float, fused: float) -> dict:
+    r = dict(case=name, tokens=t, unfused_us=round(unfused, 2), fused_us=round(fused, 2),
+             saved_us=round(unfused - fused, 2))
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def norm_qkv(t: int, reps: int, h: int = 2048, n: int = 3648) -> dict:
+    dt = torch.bfloat16
+    x, res = torch.randn(t, h, device="cuda", dtype=dt), torch.randn(t, h, device="cuda", dtype=dt)
+    nw = torch.rand(h, device="cuda", dtype=dt) + 0.5
+    w = torch.randn(n, h, device="cuda", dtype=dt) * h ** -0.5
+    r = res.clone()
+
+    def unfused():
+        y, _ = fused_add_rmsnorm(x, r, nw, 1e-6)
+        return linear(y, w)
+    return _row(f"norm+qkv_a {h}->{n}", t, _per_call(unfused, reps),
+                _per_call(lambda: gemv_rmsnorm(x, nw, 1e-6, w, None, res), reps))
+
+
+def norm_route(t: int, reps: int, e: int, h: int, k: int, routing: dict) -> dict:
+    dt = torch.bfloat16
+    x, res = torch.randn(t, h, device="cuda", dtype=dt), torch.randn(t, h, device="cuda", dtype=dt)
+    nw = torch.rand(h, device="cuda", dtype=dt) + 0.5
+    gate = torch.randn(e, h, device="cuda", dtype=dt) * h ** -0.5
+    bias = torch.randn(e, device="cuda") * 0.1 if routing["topk_method"] == "noaux_tc" else None
+    sync, r = torch.zeros(t, dtype=torch.int32, device="cuda"), res.clone()
+
+    def unfused():
+        y, _ = fused_add_rmsnorm(x, r, nw, 1e-6)
+        return moe_route(y, gate, k, e_score_correction_bias=bias, sync=sync, **routing)
+    return _row(f"norm+route {e}x{h}", t, _per_call(unfused, reps),
+                _per_call(lambda: moe_route_norm(x, res, nw, 1e-6, gate, k, e_score_correction_bias=bias,
+                                                 sync=sync, **routing), reps))
+
+
+def moe_one_token(reps: int, e: int = 64, n_shared: int = 2, h: int = 2048, i: int = 1408, k: int = 6) -> dict | None:
+    if "slot_blocks" not in inspect.signature(fm.fused_moe).parameters:
+        print("fused_moe has no slot_blocks switch: skipped")
+        return None
+    dt = torch.bfloat16
+    w13 = torch.randn(e + n_shared, 2 * i, h, device="cuda", dtype=dt) * 0.02
+    w2 = torch.randn(e + n_shared, h, i, device="cuda", dtype=dt) * 0.02
+    x = torch.randn(1, h, device="cuda", dtype=dt)
+    ids = torch.cat([torch.randperm(e, device="cuda")[:k], torch.arange(e, e + n_shared, device="cuda")])
+    ids = ids.to(torch.int32)[None]
+    wts = torch.rand(1, k + n_shared, device="cuda")
+    sync = torch.zeros(h // 16 + 1, dtype=torch.int32, device="cuda")
+
+    def run(slot_blocks: bool):
+        return lambda: fm.fused_moe(x, w13, w2, wts, ids, num_routed_experts=e, sync=sync, slot_blocks=slot_blocks)
+    return _row(f"fused_moe T=1 E={e}+{n_shared}", 1, _per_call(run(False), reps), _per_call(run(True), reps))
+
+
+def mla(b: int, heads: int, ctx: int, reps: int) -> dict | None:
+    if "sync" not in inspect.signature(md.mla_decode).parameters:
+        print("mla_decode has no sync argument: skipped")
+        return None
+    dt, big_l, r = torch.bfloat16, 512, 64
+    slots = b * ctx
+    kv = torch.randn(slots, big_l + r, device="cuda", dtype=dt)
+    req_to_token = torch.arange(slots, device="cuda", dtype=torch.int32).view(b, ctx)
+    pool_idx = torch.arange(b, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(b, heads, big_l, device="cuda", dtype=dt)
+    q_pe = torch.randn(b, heads, r, device="cuda", dtype=dt)
+    splits = md.choose_num_kv_splits(md.decode_programs(b, heads), ctx)
+    sync = torch.zeros(b * heads, dtype=torch.int32, device="cuda")
+
+    def run(s):
+        return lambda: md.mla_decode(q, kv, req_to_token, pool_idx, seq_lens, 0.1, q_pe=q_pe, num_kv_splits=splits,
+                                     sync=s)
+    return _row(f"mla_decode b{b} H{heads} ctx{ctx} splits{splits}", b, _per_call(run(None), reps),
+                _per_call(run(sync), reps))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name())
+    for t in a.tokens:
+        norm_qkv(t, a.reps)
+        norm_route(t, a.reps, 64, 2048, 6, V2_ROUTE)
+        norm_route(t, a.reps, 256, 7168, 8, V3_ROUTE)
+    moe_one_token(a.reps)
+    for b, heads, ctx in [(1, 16, 256), (1, 16, 2048), (1, 16, 16384), (16, 16, 2048), (1, 128, 2048)]:
+        mla(b, heads, ctx, a.reps)
+
+
+if __name__ == "__main__":
+    main()
