@@ -230,17 +230,24 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_om,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                       QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
-                      DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
-                      BLOCK_SIZE_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
+                      DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, SLOT_BLOCKS: tl.constexpr,
+                      TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                      TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+                      GROUP_SIZE_M: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`).
+    # SLOT_BLOCKS (`_slot_blocks`): row block b is slot b alone, its other rows padding, and expert_ids_ptr is the
+    # flat topk_ids [S]; sorted_ids_ptr and num_post_pad_ptr are not read.
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(num_padded, BLOCK_SIZE_M), tl.cdiv(N, TILE_N),
                                 GROUP_SIZE_M)
-    used = tl.load(num_post_pad_ptr)
-    if pid_m * BLOCK_SIZE_M >= used:
-        return
-    slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)  # [BM]
+    if SLOT_BLOCKS:                       # the grid has exactly num_slots row blocks: every one is used
+        used = num_slots * BLOCK_SIZE_M
+        slots = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pid_m, num_slots).to(tl.int64)                 # [BM]
+    else:
+        used = tl.load(num_post_pad_ptr)
+        if pid_m * BLOCK_SIZE_M >= used:
+            return
+        slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)  # [BM]
     valid = slots < num_slots
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * TILE_N + tl.arange(0, TILE_N)
@@ -293,11 +300,16 @@ def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, c: torch.Tensor,
-                  routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weights: torch.Tensor | None,
-                  cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int, gated: bool,
-                  combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                  routing: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
+                  weights: torch.Tensor | None, cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int,
+                  gated: bool, combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
+    # routing: `moe_align_block_size`'s, or `_slot_blocks`'s (None, ids [S], None); one expert id per row block
     sorted_ids, expert_ids, num_post_pad = routing
+    slot_blocks = sorted_ids is None
+    if slot_blocks:
+        sorted_ids = num_post_pad = expert_ids                                   # not read
+    num_blocks = expert_ids.numel()
     fp8 = w_scale is not None
     a_scale = a
     if fp8 and not fuse_quant:
@@ -305,7 +317,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         assert a_scale.stride(1) == 1, "activation scales need a contiguous last dim"
     n_out, k = c.shape[1], a.shape[1]
     tile_n = cfg["BLOCK_SIZE_N"] // 2 if gated else cfg["BLOCK_SIZE_N"]
-    grid = (triton.cdiv(sorted_ids.numel(), cfg["BLOCK_SIZE_M"]) * triton.cdiv(n_out, tile_n),)
+    grid = (num_blocks * triton.cdiv(n_out, tile_n),)
     bs = w_scale if fp8 else w
     out, sync = combine or (c, sorted_ids)
     if combine:
@@ -313,14 +325,25 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
             f"sync must be int32 [>= {triton.cdiv(n_out, tile_n)}]"
     _fused_moe_kernel[grid](
         a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
-        n_out, k, c.shape[0], sorted_ids.numel(), a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0),
         A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
-        DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, TOP_K=c.shape[0] // out.shape[0], BLOCK_T=8,
+        DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, SLOT_BLOCKS=slot_blocks,
+        TOP_K=c.shape[0] // out.shape[0], BLOCK_T=8,
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# One token: its k slots name distinct experts (moe_topk / moe_route pick each routed expert at most once while the
+# kept groups hold >= top_k experts, as in every DeepSeek config; the shared slots are E .. E + n_shared - 1), so the
+# sort would group nothing. Each slot is its own row block instead (`_fused_moe_kernel`'s SLOT_BLOCKS: slot b and
+# BLOCK_SIZE_M - 1 padding rows, expert ids[b]), with no align launch.
+# NOTE: nothing relies on the ids being distinct: a repeated id is one more block reading that expert's weights
+# into its own row, and every id -1 (several under EP) is a block of zero rows, as in the sorted layout.
+def _slot_blocks(topk_ids: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+    return None, topk_ids.reshape(-1).contiguous(), None                      # ids: [S]
 
 
 def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -332,8 +355,8 @@ def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     assert k == x.shape[1] and two_i % 2 == 0, f"w13 must be [E, 2I, {x.shape[1]}], got {tuple(w13.shape)}"
     assert w2.shape == (e, k, two_i // 2), f"w2 must be {(e, k, two_i // 2)}, got {tuple(w2.shape)}"
     assert w13.is_contiguous() and w2.is_contiguous(), "w13 and w2 must be contiguous"
-    assert topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0], \
-        f"topk_ids must be [{x.shape[0]}, k], got {tuple(topk_ids.shape)}"
+    assert topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0] and not topk_ids.is_floating_point(), \
+        f"topk_ids must be [{x.shape[0]}, k] int, got {tuple(topk_ids.shape)} {topk_ids.dtype}"
     assert topk_weights.shape == topk_ids.shape, f"topk_weights {tuple(topk_weights.shape)} != topk_ids shape"
     fp8 = w13.dtype == FP8_DTYPE
     if not fp8:
@@ -378,6 +401,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         sync: int32 zeros [>= ceil(K / 32)], owned by the caller and left zero (one launch at a time per buffer).
             With it, up to COMBINE_MAX_TOKENS tokens, the second GEMM also sums each token's k rows (the last
             program of each output tile); otherwise `sum_dim1` does, as one more launch.
+    One token runs no sort: each of its k slots is a row block of its own (`_slot_blocks`), any ids.
     Returns:
         out [T, K] in x.dtype. No host sync: capturable in a CUDA graph for a fixed T.
     """
@@ -394,7 +418,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # quantising activations inside the GEMM pays while few rows share each weight tile (decode)
     fuse_quant = bool(cfg.pop("FUSE_QUANT", t <= 128 and cfg["BLOCK_SIZE_K"] == block_shape[1]))
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
-    routing = moe_align_block_size(topk_ids, cfg["BLOCK_SIZE_M"], e)
+    routing = _slot_blocks(topk_ids) if t == 1 else moe_align_block_size(topk_ids, cfg["BLOCK_SIZE_M"], e)
     h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
     _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted

@@ -1,5 +1,6 @@
 """fused_moe (Triton, bf16 and block-FP8) vs fused_moe_ref on scaled-down DeepSeek-V2-Lite / V3 expert shapes,
-the ref vs a per-token loop, the sort/align invariants, config lookup, tuner and bench-case arithmetic."""
+the ref vs a per-token loop, the sort/align invariants, the one-token path without the sort, config lookup, tuner
+and bench-case arithmetic."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from mlaserve.bench.kernel_cases import fused_moe as bench_case
 from mlaserve.kernels import fused_moe as fm
 from mlaserve.kernels.fused_moe import fused_moe, fused_moe_ref, get_moe_config, moe_align_block_size
+from mlaserve.kernels.moe_topk import moe_topk
 from mlaserve.kernels.quant import block_dequant_ref, block_quant_fp8_ref
 from mlaserve.tools import tune_fused_moe as tuner
 
@@ -315,14 +317,17 @@ def test_fused_moe_with_sentinel_ids_sums_to_all_experts(dtype: torch.dtype, tok
     assert rel_err(parts[0] + parts[1], whole) < tol
 
 
-def test_fused_moe_with_every_id_sentinel_is_zero(device: str) -> None:
+@pytest.mark.parametrize("tokens", [5, 1])                 # sorted; one token (one block per slot, combined)
+def test_fused_moe_with_every_id_sentinel_is_zero(tokens: int, device: str) -> None:
     w = dense_weights(V2_LITE, torch.float32, device)
-    topk_weights, _ = routing(5, V2_LITE, device)
-    x = torch.randn(5, V2_LITE.hidden, device=device)
-    ids = torch.full((5, V2_LITE.top_k), -1, dtype=torch.int32, device=device)
+    topk_weights, _ = routing(tokens, V2_LITE, device)
+    x = torch.randn(tokens, V2_LITE.hidden, device=device)
+    ids = torch.full((tokens, V2_LITE.top_k), -1, dtype=torch.int32, device=device)
     out = torch.full_like(x, float("nan"))
-    assert torch.equal(fused_moe(x, **w, topk_weights=topk_weights, topk_ids=ids, config=CFG, out=out),
+    sync = torch.zeros(64, dtype=torch.int32, device=device)
+    assert torch.equal(fused_moe(x, **w, topk_weights=topk_weights, topk_ids=ids, config=CFG, out=out, sync=sync),
                        torch.zeros_like(x))
+    assert not sync.any()
     assert torch.equal(fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=ids), torch.zeros_like(x))
 
 
@@ -355,7 +360,7 @@ def test_fused_moe_in_gemm_combine(dtype: torch.dtype, tokens: int, fp8: bool, e
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8,tokens", [(False, 1), (False, COMBINE_TEST_MAX), (True, 4)])
+@pytest.mark.parametrize("fp8,tokens", [(False, 1), (True, 1), (False, COMBINE_TEST_MAX), (True, 4)])
 def test_fused_moe_in_gemm_combine_cuda_graph(fp8: bool, tokens: int, monkeypatch) -> None:
     """Captured once with the combine, replayed on new inputs: every replay matches the reference."""
     monkeypatch.setattr(fm, "COMBINE_MAX_TOKENS", COMBINE_TEST_MAX)
@@ -375,3 +380,76 @@ def test_fused_moe_in_gemm_combine_cuda_graph(fp8: bool, tokens: int, monkeypatc
         torch.cuda.synchronize()
         assert rel_err(out, ref_fn(x, w, topk_weights, topk_ids)) < (FP8_TOL if fp8 else TOL)[torch.bfloat16]
     assert not sync.any()
+
+
+# --- one token: each (token, k) slot is its own row block, no align launch ----------------------------------------
+
+N_SHARED = 2
+
+
+def one_token_case(variant: str, fp8: bool, dtype: torch.dtype, device: str):
+    """A fresh one-token case (the seed printed): (weights, topk_weights, topk_ids, x, num_routed_experts).
+    variant: "routed" (moe_topk's picks), "shared" (+ N_SHARED shared slots, experts stacked after the routed ones),
+    "dup" (one expert named by three slots), "ep" (rank 0 of two, 8 local experts: two slots -1)."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    shape = V3 if fp8 else V2_LITE
+    e, k = shape.num_experts, shape.top_k
+    stacked = shape._replace(num_experts=e + N_SHARED) if variant == "shared" else shape
+    w = fp8_weights(stacked, device) if fp8 else dense_weights(stacked, dtype, device)
+    topk_weights, topk_ids = moe_topk(torch.randn(1, e, device=device), k, topk_method="greedy",
+                                      scoring_func="softmax", n_shared=N_SHARED if variant == "shared" else 0)
+    if variant == "dup":
+        topk_ids[0, 1:3] = topk_ids[0, 0]
+    if variant == "ep":
+        picks = torch.cat([torch.randperm(8)[:k - 2], 8 + torch.randperm(8)[:2]])[torch.randperm(k)]
+        topk_ids = split_ids(picks.view(1, k).to(device), 0, 8)
+        w = {name: v[:8].contiguous() for name, v in w.items()}
+    x = torch.randn(1, shape.hidden, device=device, dtype=dtype)
+    return w, topk_weights, topk_ids, x, e
+
+
+@pytest.mark.parametrize("dtype,fp8,fuse_quant,variant,sync", [
+    (torch.float32, False, None, "routed", False), (torch.float16, False, None, "shared", True),
+    (torch.float16, False, None, "dup", False), (torch.float32, False, None, "ep", True),
+    (torch.float16, True, None, "ep", False), (torch.bfloat16, True, None, "shared", True),
+    (torch.bfloat16, True, None, "dup", True), (torch.float16, True, False, "routed", True)])
+def test_fused_moe_one_token_runs_no_sort(dtype: torch.dtype, fp8: bool, fuse_quant: bool | None, variant: str,
+                                          sync: bool, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode at batch 1 launches no align kernel, and matches the reference and the sorted layout's output: the
+    router's shared slots, an expert named three times, several EP sentinels, with and without the in-GEMM combine."""
+    monkeypatch.setattr(fm, "COMBINE_MAX_TOKENS", 1)
+    w, topk_weights, topk_ids, x, e = one_token_case(variant, fp8, dtype, device)
+    config = (FP8_CFG if fp8 else CFG) if fuse_quant is None else dict(FP8_CFG, FUSE_QUANT=fuse_quant)
+    kw = dict(topk_weights=topk_weights, topk_ids=topk_ids, config=config, num_routed_experts=e)
+    kw["sync"] = torch.zeros(64, dtype=torch.int32, device=device) if sync else None
+    with monkeypatch.context() as m:                 # the sorted layout (what T > 1 runs) on the same slots
+        m.setattr(fm, "_slot_blocks", lambda ids: moe_align_block_size(ids, config["BLOCK_SIZE_M"], w["w13"].shape[0]))
+        sorted_out = fused_moe(x, **w, **kw)
+
+    def no_sort(*_):
+        raise AssertionError("moe_align_block_size ran for one token")
+
+    monkeypatch.setattr(fm, "moe_align_block_size", no_sort)
+    got = fused_moe(x, **w, **kw)
+    assert kw["sync"] is None or not kw["sync"].any()
+    tol = (FP8_TOL if fp8 else TOL)[dtype]
+    assert rel_err(got, sorted_out) < tol / 4
+    ref = (spec_ref if fp8 and fuse_quant is not False else device_ref)(x, w, topk_weights, topk_ids)
+    assert rel_err(got, ref) < tol
+
+
+def test_fused_moe_sorts_from_two_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only one token skips the sort: from two tokens slots can share an expert's block (meta tensors, launches
+    stubbed)."""
+    sorted_for: list[int] = []
+    monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: sorted_for.append(ids.shape[0]))
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
+    monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
+    w = dense_weights(V2_LITE, torch.float16, "meta")
+    for t in (1, 2, 64):
+        x = torch.empty(t, V2_LITE.hidden, dtype=torch.float16, device="meta")
+        ids = torch.empty(t, V2_LITE.top_k, dtype=torch.int32, device="meta")
+        fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG)
+    assert sorted_for == [2, 64]
