@@ -73,8 +73,8 @@ def norm_route(t: int, reps: int, e: int, h: int, k: int, routing: dict) -> dict
 
 
 def moe_one_token(reps: int, e: int = 64, n_shared: int = 2, h: int = 2048, i: int = 1408, k: int = 6) -> dict | None:
-    if "slot_blocks" not in inspect.signature(fm.fused_moe).parameters:
-        print("fused_moe has no slot_blocks switch: skipped")
+    if not hasattr(fm, "_slot_blocks"):
+        print("fused_moe has no slot-per-block path: skipped")
         return None
     dt = torch.bfloat16
     w13 = torch.randn(e + n_shared, 2 * i, h, device="cuda", dtype=dt) * 0.02
@@ -84,10 +84,18 @@ def moe_one_token(reps: int, e: int = 64, n_shared: int = 2, h: int = 2048, i: i
     ids = ids.to(torch.int32)[None]
     wts = torch.rand(1, k + n_shared, device="cuda")
     sync = torch.zeros(h // 16 + 1, dtype=torch.int32, device="cuda")
+    block_m = fm.get_moe_config(e, i, "bf16", 1)["BLOCK_SIZE_M"]
 
-    def run(slot_blocks: bool):
-        return lambda: fm.fused_moe(x, w13, w2, wts, ids, num_routed_experts=e, sync=sync, slot_blocks=slot_blocks)
-    return _row(f"fused_moe T=1 E={e}+{n_shared}", 1, _per_call(run(False), reps), _per_call(run(True), reps))
+    def run():
+        return fm.fused_moe(x, w13, w2, wts, ids, num_routed_experts=e, sync=sync)
+    fused = _per_call(run, reps)
+    slot_blocks = fm._slot_blocks
+    fm._slot_blocks = lambda topk_ids: fm.moe_align_block_size(topk_ids, block_m, e + n_shared)   # the old path
+    try:
+        unfused = _per_call(run, reps)
+    finally:
+        fm._slot_blocks = slot_blocks
+    return _row(f"fused_moe T=1 E={e}+{n_shared}", 1, unfused, fused)
 
 
 def mla(b: int, heads: int, ctx: int, reps: int) -> dict | None:
