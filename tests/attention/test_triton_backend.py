@@ -1,0 +1,46 @@
+"""TritonMLABackend.decode against the PyTorch reference backend, through the engine's ForwardContext."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mlaserve.attention import create_attn_backend
+from mlaserve.core import ForwardMode
+from mlaserve.engine.forward_batch import build_context
+from mlaserve.kvcache.pool import MLAKVPool
+
+L, R, HEADS = 64, 16, 4
+
+
+@pytest.mark.parametrize("splits", [None, 1, 6])
+def test_decode_shares_one_sync_buffer_across_layers(device: str, splits: int | None) -> None:
+    """Two layers, ragged requests: the reference's output; every launch reads the backend's one `sync` buffer
+    (made once) and leaves it zero for the next layer."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    pool = MLAKVPool(400, 2, L, R, torch.float32, device)
+    for buf in pool.buffers:
+        buf.copy_(torch.randn_like(buf))
+    lens = [1, random.randint(2, 50), random.randint(100, 300)]
+    req_to_token = torch.zeros(4, 320, dtype=torch.int32, device=device)
+    slots = torch.randperm(400, device=device)[:sum(lens)].int() + 1
+    for row, (start, n) in enumerate(zip([0, lens[0], lens[0] + lens[1]], lens)):
+        req_to_token[row, :n] = slots[start:start + n]
+    triton_backend = create_attn_backend("triton", 0.1, L, R)
+    torch_backend = create_attn_backend("torch", 0.1, L, R)
+    last = torch.tensor([n - 1 for n in lens], device=device)
+    ctx = build_context(ForwardMode.DECODE, req_pool_idx=[0, 1, 2], prefix_lens=last.tolist(), extend_lens=[1, 1, 1],
+                        out_slots=req_to_token[torch.arange(3, device=device), last].long(),
+                        req_to_token=req_to_token, kv_pool=pool, attn_backend=triton_backend, device=device)
+    ctx.num_kv_splits = splits
+    sync = None
+    for layer in (0, 1):
+        q, q_pe = torch.randn(3, HEADS, L, device=device), torch.randn(3, HEADS, R, device=device)
+        got = triton_backend.decode(layer, q, q_pe, ctx)
+        sync = triton_backend.sync if sync is None else sync
+        assert triton_backend.sync is sync and not sync.any()
+        want = torch_backend.decode(layer, q, q_pe, ctx)
+        assert (got - want).abs().max().item() <= 1e-4
