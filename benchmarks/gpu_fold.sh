@@ -19,6 +19,7 @@ if [ "$PART" = check ]; then
     tests/kernels/test_mla_decode.py tests/kernels/test_fused_moe.py tests/attention tests/models/test_gpu_fastpath.py \
     2>&1 | tail -12 | tee "$OUT/tests.txt"
   new timeout 120 python3 benchmarks/bench_decode_fold.py 2>&1 | grep -v Warn | tee "$OUT/fold.jsonl"
+  new timeout 150 python3 benchmarks/probe_mla_latency.py 2>&1 | grep -v Warn | tee "$OUT/mla_fold.txt"
   for code in old new; do
     $code timeout 90 python3 benchmarks/profile_decode.py --bs 1 > "$OUT/prof_v2l_bs1_$code.txt" 2>&1
     grep -A22 "kernels per step" "$OUT/prof_v2l_bs1_$code.txt"
