@@ -188,7 +188,9 @@ def test_moe_route_norm_matches_ref(kw: dict, num_experts: int, hidden: int, tok
     for _ in range(2):
         got = moe_route_norm(x, res, norm_w, 1e-6, weight, e_score_correction_bias=bias, n_shared=2, sync=sync, **kw)
         assert not sync.any() and torch.equal(res, res_before)
-        assert_same_routing(got[:2], want[:2])
         tol = 2e-3 if dtype == torch.float16 else 1e-5
         torch.testing.assert_close(got[2], want[2], atol=tol, rtol=tol)
         assert torch.equal(got[3], want[3])                                   # x + residual, rounded once
+        # NOTE: the routing of the kernel's own normed rows: a last-bit difference of the norm (its sum order)
+        # can flip a near-tie between experts, as any two norm kernels would
+        assert_same_routing(got[:2], moe_route_ref(got[2], weight, e_score_correction_bias=bias, n_shared=2, **kw))
