@@ -1,9 +1,7 @@
 """Decode launches folded together, each timed beside the launches it replaces (H100; CUDA graphs, L2 flushed).
 
-  norm + qkv_a:   fused_add_rmsnorm + linear (cuBLAS)      vs  gemv_rmsnorm        (V2-Lite: 2048 -> 3648)
   norm + router:  fused_add_rmsnorm + moe_route            vs  moe_route_norm      (V2-Lite 64 x 2048, V3 256 x 7168)
   fused MoE:      fused_moe at one token, align + 2 GEMMs  vs  its slot-per-block path (no align launch)
-  MLA decode:     decode + separate split reduce           vs  the reduce folded into the decode launch
 
 Each pair is one graph of REPS back-to-back calls (as in a decode step: a launch gap between kernels), reported
 per call in us. Usage: python benchmarks/bench_decode_fold.py [--tokens 1 4 16] [--reps 20]
@@ -11,15 +9,12 @@ per call in us. Usage: python benchmarks/bench_decode_fold.py [--tokens 1 4 16] 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 
 import torch
 
 from mlaserve.bench.timing import time_cuda
 from mlaserve.kernels import fused_moe as fm
-from mlaserve.kernels import mla_decode as md
-from mlaserve.kernels.gemv import gemv_rmsnorm, linear
 from mlaserve.kernels.moe_topk import moe_route, moe_route_norm
 from mlaserve.kernels.norm import fused_add_rmsnorm
 
@@ -40,20 +35,6 @@ def _row(name: str, t: int, unfused: float, fused: float) -> dict:
              saved_us=round(unfused - fused, 2))
     print(json.dumps(r), flush=True)
     return r
-
-
-def norm_qkv(t: int, reps: int, h: int = 2048, n: int = 3648) -> dict:
-    dt = torch.bfloat16
-    x, res = torch.randn(t, h, device="cuda", dtype=dt), torch.randn(t, h, device="cuda", dtype=dt)
-    nw = torch.rand(h, device="cuda", dtype=dt) + 0.5
-    w = torch.randn(n, h, device="cuda", dtype=dt) * h ** -0.5
-    r = res.clone()
-
-    def unfused():
-        y, _ = fused_add_rmsnorm(x, r, nw, 1e-6)
-        return linear(y, w)
-    return _row(f"norm+qkv_a {h}->{n}", t, _per_call(unfused, reps),
-                _per_call(lambda: gemv_rmsnorm(x, nw, 1e-6, w, None, res), reps))
 
 
 def norm_route(t: int, reps: int, e: int, h: int, k: int, routing: dict) -> dict:
@@ -98,28 +79,6 @@ def moe_one_token(reps: int, e: int = 64, n_shared: int = 2, h: int = 2048, i: i
     return _row(f"fused_moe T=1 E={e}+{n_shared}", 1, unfused, fused)
 
 
-def mla(b: int, heads: int, ctx: int, reps: int) -> dict | None:
-    if "sync" not in inspect.signature(md.mla_decode).parameters:
-        print("mla_decode has no sync argument: skipped")
-        return None
-    dt, big_l, r = torch.bfloat16, 512, 64
-    slots = b * ctx
-    kv = torch.randn(slots, big_l + r, device="cuda", dtype=dt)
-    req_to_token = torch.arange(slots, device="cuda", dtype=torch.int32).view(b, ctx)
-    pool_idx = torch.arange(b, device="cuda", dtype=torch.int32)
-    seq_lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
-    q = torch.randn(b, heads, big_l, device="cuda", dtype=dt)
-    q_pe = torch.randn(b, heads, r, device="cuda", dtype=dt)
-    splits = md.choose_num_kv_splits(md.decode_programs(b, heads), ctx)
-    sync = torch.zeros(b * heads, dtype=torch.int32, device="cuda")
-
-    def run(s):
-        return lambda: md.mla_decode(q, kv, req_to_token, pool_idx, seq_lens, 0.1, q_pe=q_pe, num_kv_splits=splits,
-                                     sync=s)
-    return _row(f"mla_decode b{b} H{heads} ctx{ctx} splits{splits}", b, _per_call(run(None), reps),
-                _per_call(run(sync), reps))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
@@ -127,12 +86,9 @@ def main() -> None:
     a = ap.parse_args()
     print(torch.cuda.get_device_name())
     for t in a.tokens:
-        norm_qkv(t, a.reps)
         norm_route(t, a.reps, 64, 2048, 6, V2_ROUTE)
         norm_route(t, a.reps, 256, 7168, 8, V3_ROUTE)
     moe_one_token(a.reps)
-    for b, heads, ctx in [(1, 16, 256), (1, 16, 2048), (1, 16, 16384), (16, 16, 2048), (1, 128, 2048)]:
-        mla(b, heads, ctx, a.reps)
 
 
 if __name__ == "__main__":

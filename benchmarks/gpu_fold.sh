@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# Issue 15, decode launches folded together (norms into the qkv_a GEMV and the router, the MLA split reduce into
-# the decode launch, no align launch for one-token MoE). Two device calls on an H100 (carry .old: the tree
-# before, `mkdir .old && git archive REV mlaserve benchmarks pyproject.toml | tar -x -C .old`):
+# Issue 15, decode launches folded together (the post-attention norm into the router, no align launch for one-token
+# MoE, no reduce launch for one-split MLA decode). Two device calls on an H100 (carry .whl and .old, the tree
+# before: `mkdir .old && git archive REV mlaserve benchmarks pyproject.toml | tar -x -C .old`, without the demo
+# weights):
 #   bash benchmarks/gpu_fold.sh check   GPU tests of the changed kernels and the fast path, bench_decode_fold.py,
 #                                       the bs-1 decode profiles (kernels per step), old and new
 #   bash benchmarks/gpu_fold.sh bench   one-batch V2-Lite bs 1 / 16 / 64, old then new, twice; V3 4L once each
 set -uo pipefail
+[ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 MLASERVE_CACHE=/tmp/mlaserve-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=${1:-check}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 python3 -c "import json; d=json.load(open('mlaserve/tools/configs/deepseek-v3.json')); d['num_hidden_layers']=4; json.dump(d, open('/tmp/v3_4l.json','w'))"
 [ -d .old ] && { rm -rf /tmp/old && cp -r .old /tmp/old; }
-new() { PYTHONPATH=$PWD "$@"; }
-old() { (cd /tmp/old && PYTHONPATH=/tmp/old "$@"); }
+new() { PYTHONPATH=$PWD:/tmp/site "$@"; }
+old() { (cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/site "$@"); }
 if [ "$PART" = check ]; then
   new timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_moe_topk.py \
     tests/kernels/test_mla_decode.py tests/kernels/test_fused_moe.py tests/attention tests/models/test_gpu_fastpath.py \
     2>&1 | tail -12 | tee "$OUT/tests.txt"
   new timeout 120 python3 benchmarks/bench_decode_fold.py 2>&1 | grep -v Warn | tee "$OUT/fold.jsonl"
-  new timeout 150 python3 benchmarks/probe_mla_latency.py 2>&1 | grep -v Warn | tee "$OUT/mla_fold.txt"
   for code in old new; do
     $code timeout 90 python3 benchmarks/profile_decode.py --bs 1 > "$OUT/prof_v2l_bs1_$code.txt" 2>&1
     grep -A22 "kernels per step" "$OUT/prof_v2l_bs1_$code.txt"

@@ -5,17 +5,11 @@ import torch
 
 from mlaserve.attention.base import BaseAttnBackend, ExpandKV
 from mlaserve.core import ForwardContext
-from mlaserve.kernels.mla_decode import SYNC_ENTRIES, mla_decode
+from mlaserve.kernels.mla_decode import mla_decode
 from mlaserve.kernels.mla_prefill import mla_prefill
 
 
 class TritonMLABackend(BaseAttnBackend):
-    def __init__(self, sm_scale: float, kv_lora_rank: int, rope_dim: int):
-        super().__init__(sm_scale, kv_lora_rank, rope_dim)
-        # mla_decode's arrival counts, one buffer for every layer and batch: layers run one at a time on one
-        # stream and each launch leaves it zero
-        self.sync: torch.Tensor | None = None
-
     def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
         k_nope, v = expand_kv(kv_c)                                           # [T, H, Dn], [T, H, Dv]
@@ -26,10 +20,7 @@ class TritonMLABackend(BaseAttnBackend):
                            k_pe_new=k_pe)
 
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if self.sync is None:
-            # NOTE: made by the first decode; the graph runners warm up before they capture, so no capture allocates
-            self.sync = torch.zeros(SYNC_ENTRIES, dtype=torch.int32, device=q.device)
         return mla_decode(q, ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,
                           self.sm_scale, kv_lora_rank=self.kv_lora_rank, num_q=ctx.num_q,
                           kv_scale=ctx.kv_pool.kv_scale, num_kv_splits=ctx.num_kv_splits, q_pe=q_pe,
-                          tree_mask=ctx.tree_mask, sync=self.sync)
+                          tree_mask=ctx.tree_mask)

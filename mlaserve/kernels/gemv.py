@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.norm import fused_add_rmsnorm_ref, rmsnorm_ref
 from mlaserve.kernels.precision import dot_precision
 
 MAX_M = 16
@@ -23,57 +22,21 @@ TARGET_PROGRAMS = 264        # ~2 per SM (H100): enough W bytes in flight to cov
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-@triton.jit
-def _normed_rows(X, R, NW, offs_m, offs_k, m_ok, k_ok, stride_xm, stride_rm, rstd, HAS_RES: tl.constexpr):
-    # rows of rmsnorm(x (+ r)) [BM, BK] in x's dtype, with DeepSeek's roundings (as kernels/norm.py)
-    mask = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-    ty = x.dtype
-    if HAS_RES:
-        r = tl.load(R + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
-    y = (x.to(tl.float32) * rstd[:, None]).to(ty).to(tl.float32)
-    nw = tl.load(NW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    return (nw[None, :] * y).to(ty)
-
-
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, R, NW, RO, eps, stride_rm, stride_rom,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, INTERPRET: tl.constexpr,
+def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
-    # NORM: the rows are rmsnorm(x (+ r)) with weight NW; program 0 also writes x + r to RO (HAS_RES)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok, n_ok = offs_m < M, offs_n < N
     x_rows = X + offs_m[:, None] * stride_xm
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:                      # every program reads the whole (small) rows once for their mean square
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = m_ok[:, None] & (offs_k < K)[None, :]
-            x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
-            if HAS_RES:
-                r = tl.load(R + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)             # residual_out, rounded
-                if tl.program_id(0) == 0:
-                    tl.store(RO + offs_m[:, None] * stride_rom + offs_k[None, :], x, mask=mask)
-            x = x.to(tl.float32)
-            rstd += tl.sum(x * x, axis=1)
-        rstd = tl.math.rsqrt(rstd / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        if NORM:
-            x = _normed_rows(X, R, NW, offs_m, offs_k, m_ok, k_ok, stride_xm, stride_rm, rstd, HAS_RES)
-        else:
-            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, BK]
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)       # [BN, BK]
-        if INTERPRET:             # NOTE: the interpreter multiplies 16-bit dot operands as raw bits; fp32 is exact
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)   # [BM, BK]
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)   # [BN, BK]
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
@@ -101,49 +64,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
     y = x.new_empty((m, n))
     if m == 0:
         return y
-    _launch(x, w, bias, y)
-    return y
-
-
-def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-            norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor | None] | None = None) -> None:
-    # norm = (weight, eps, residual, residual_out) for gemv_rmsnorm
-    (m, k), n = x.shape, w.shape[0]
-    nw, eps, res, res_out = norm or (w, 0.0, None, None)
     block_n = _block_n(n)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        res if res is not None else x, nw, res_out if res_out is not None else x, float(eps),
-        res.stride(0) if res is not None else 0, res_out.stride(0) if res_out is not None else 0,
-        HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=res is not None, INTERPRET=not x.is_cuda,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k >= 256 else 64, DOT_PREC=dot_precision(x.dtype),
-        num_warps=4, num_stages=4)
-
-
-def gemv_rmsnorm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                 bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """rmsnorm(x (+ residual)) @ w^T (+ bias) in one launch, for x [M, K] with M <= 16 (decode: the layer's input
-    norm folded into the GEMV that reads it; each program re-reads the M small rows for their mean square).
-
-    Returns (y [M, N] in x.dtype, residual_out): residual_out = x + residual as a new tensor (rounded to x.dtype),
-    or x itself without `residual`. The norm rounds as `kernels/norm.py` does."""
-    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], \
-        f"x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}"
-    m, k = x.shape
-    assert m <= MAX_M, f"gemv takes at most {MAX_M} rows, got {m}"
-    assert x.dtype == w.dtype and x.dtype in _TL_DTYPE and x.device == w.device, \
-        f"x and w must share a float dtype and device, got {x.dtype} / {w.dtype}"
-    assert x.stride(1) == 1 and w.stride(1) == 1, "x and w must be contiguous along K"
-    assert norm_weight.shape == (k,) and norm_weight.is_contiguous(), f"norm weight must be [{k}], contiguous"
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1, \
-            f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}"
-    y = x.new_empty((m, w.shape[0]))
-    res_out = torch.empty_like(x) if residual is not None else x
-    if m:
-        _launch(x, w, bias, y, (norm_weight, eps, residual, res_out if residual is not None else None))
-    return y, res_out
+        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256 if k >= 256 else 64,
+        DOT_PREC=dot_precision(x.dtype), num_warps=4, num_stages=4)
+    return y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,13 +109,3 @@ def cublas_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference for `linear` / `gemv`: F.linear."""
     return F.linear(x, w, bias)
-
-
-def gemv_rmsnorm_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                     bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec of `gemv_rmsnorm`: the norm's reference, then F.linear (any number of rows)."""
-    if residual is None:
-        return F.linear(rmsnorm_ref(x, norm_weight, eps), w, bias), x
-    h, res_out = fused_add_rmsnorm_ref(x, residual, norm_weight, eps)
-    return F.linear(h, w, bias), res_out

@@ -19,16 +19,10 @@ WAVES = 1                  # on the H100 sweep a second wave only added reduce w
 MIN_SPLIT_TOKENS = 64      # shorter splits cost more in the reduce than they gain (sweep_mla_short.py, H100)
 MAX_SPLITS = 128
 REDUCE_TILE = 8192         # fp32 values of [S, BLOCK_L] one reduce program holds
-# With a `sync` buffer, up to this many fp32 partial values per (request, head block) (S x rows x L) the last
-# split program merges them itself instead of a second launch. A guess, to be measured on the GPU
-# (benchmarks/probe_mla_latency.py): the merge is one program's serial read of up to S x rows x L fp32 from L2,
-# and 256 KB is about what one SM reads (~100-130 GB/s) in the ~2 us a second launch costs at batch 1 (a 1.2-2.8 us
-# reduce in h100-mla-decode-latency.txt, plus the gap before it). At L = 512: S x rows <= 128. S counts empty
-# splits too (their merge reads only the lse), since the host does not know the lengths.
-FOLD_MAX_VALUES = 65536
-# `sync` entries enough for every split count choose_num_kv_splits picks: it splits (S >= 2) only when
-# B x head blocks <= NUM_SMS * WAVES / 2, and one split needs no count.
-SYNC_ENTRIES = NUM_SMS * WAVES
+# NOTE: one split writes the output directly (no reduce launch). Merging several splits in the decode kernel's
+# last-arriving program instead of a second launch (tried: benchmarks/probe_mla_latency.py at its commit, results in
+# benchmarks/results/decode-fold-h100.md) was slower at every size on an H100: +2.8 us at 16 heads x 4 splits, up
+# to +400 us at 128 heads x 66 splits; one program's serial merge costs more than a launch.
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -66,13 +60,6 @@ def decode_programs(batch: int, rows: int) -> int:
     return batch * triton.cdiv(rows, pick_config(rows).block_h)
 
 
-def fold_reduce(splits: int, rows: int, kv_lora_rank: int) -> bool:
-    """Whether the decode kernel merges its `splits` partial outputs itself (given a `sync`): always for one split,
-    else while one program's merge of [S, rows, L] fp32 stays under FOLD_MAX_VALUES. rows: query rows of one
-    head block (min(block_h, num_q * H))."""
-    return splits == 1 or splits * rows * kv_lora_rank <= FOLD_MAX_VALUES
-
-
 def choose_num_kv_splits(programs: int, max_len: int, num_sms: int = NUM_SMS) -> int:
     """Splits per request so `programs` (requests x head blocks) x splits fills at most WAVES waves of the GPU
     (a partial extra wave costs a whole one) without splits shorter than MIN_SPLIT_TOKENS."""
@@ -100,49 +87,18 @@ def _store_cols(ptrs, x, rows_ok, offs, D: tl.constexpr, BLOCK_D: tl.constexpr):
         tl.store(ptrs, x, mask=rows_ok[:, None] & (offs < D)[None, :])
 
 
-@triton.jit
-def _merge_splits(MidO, MidLse, out_ptrs, Sync, idx, th, row_ok, used, num_splits,
-                  L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
-    # The last of one (request, head block)'s S programs to store its partials merges its rows' splits with the
-    # math of _mla_decode_reduce_kernel: weights exp2(lse - max lse), fp32 sums, one rounding to Out's dtype.
-    # th: [BLOCK_H] rows t * H + h of MidLse [T*H, S]; used: splits that hold tokens (the rest wrote only -inf lse).
-    # NOTE: as in moe_route: a barrier, then one acq_rel count per program; the last one's loads skip L1.
-    tl.debug_barrier()
-    if tl.atomic_add(Sync + idx, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        tl.atomic_xchg(Sync + idx, 0, sem="relaxed", scope="gpu")           # ready for the next launch
-        offs_s = tl.arange(0, BLOCK_S)
-        offs_l = tl.arange(0, BLOCK_L)
-        l_ok = offs_l < L
-        lse = tl.load(MidLse + th[:, None] * num_splits + offs_s[None, :],
-                      mask=row_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
-                      cache_modifier=".cg")                                  # [BLOCK_H, BLOCK_S]
-        lse = tl.where(row_ok[:, None], lse, 0.0)       # padding rows: finite weights, a 0 result never stored
-        lse_max = tl.max(lse, axis=1)
-        w_sum = tl.sum(tl.exp2(lse - lse_max[:, None]), axis=1)             # empty splits weigh 0
-        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-        for s in range(0, used):
-            lse_s = tl.sum(tl.where(offs_s[None, :] == s, lse, 0.0), axis=1)  # [BLOCK_H] column s, exactly
-            full = row_ok & (lse_s > float("-inf"))                         # MidO rows of -inf lse: never written
-            o = tl.load(MidO + (th * num_splits + s)[:, None] * L + offs_l[None, :],
-                        mask=full[:, None] & l_ok[None, :], other=0.0, cache_modifier=".cg")     # [BLOCK_H, BL]
-            acc += o * tl.exp2(lse_s - lse_max)[:, None]
-        res = acc / w_sum[:, None]
-        _store_cols(out_ptrs, res.to(out_ptrs.dtype.element_ty), row_ok, offs_l, L, BLOCK_L)
-
-
 @triton.jit(do_not_specialize=["num_splits"])
-def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, MidO, MidLse, Out, Sync,
+def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, MidO, MidLse, Out,
                        qk_scale, v_scale, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_rtt,
                        stride_ot, stride_oh, H, num_q, num_splits,
                        L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        DOT_PREC: tl.constexpr):
     """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp.
     L / R that are not powers of two >= 16 run padded to BLOCK_L / BLOCK_R (zero columns add nothing).
 
         MidO None (one split)  | the partial is the output: written to Out
-        Sync None              | partials to MidO / MidLse, merged by _mla_decode_reduce_kernel
-        Sync given             | partials to MidO / MidLse, merged by the last split program (_merge_splits)
+        MidO given             | partials to MidO / MidLse, merged by _mla_decode_reduce_kernel
     """
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -215,9 +171,6 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
         _store_cols(MidO + mid[:, None] * L + offs_l[None, :], o, row_ok & (rows * 0 + start < seq_len), offs_l,
                     L, BLOCK_L)
         tl.store(MidLse + mid, lse, mask=row_ok)
-        if Sync is not None:
-            _merge_splits(MidO, MidLse, out_ptrs, Sync, b * tl.num_programs(1) + hb, th, row_ok,
-                          tl.cdiv(seq_len, tl.maximum(split_len, 1)), num_splits, L, BLOCK_L, BLOCK_H, BLOCK_S)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -292,7 +245,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
                seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512, num_q: int = 1,
                kv_scale: float | None = None, num_kv_splits: int | None = None,
                out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
-               tree_mask: torch.Tensor | None = None, sync: torch.Tensor | None = None) -> torch.Tensor:
+               tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed-MLA decode: out[t, h] = softmax(q[t, h] . K^T * sm_scale) @ V over the request's cached tokens.
 
     Args:
@@ -308,10 +261,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
         tree_mask: [T] int64, speculative tree verification: bit i of row b*num_q + j lets query j of request b see
             position seq_lens[b] - num_q + i, for i <= j (bits above j are ignored: a tree lists parents first);
             the prefix stays visible. None: causal (every bit i <= j set).
-        sync: int32 zeros, owned by the caller and left zero (one launch at a time per buffer). With it the decode
-            kernel also merges the splits (one launch, not two): one split writes `out` directly; more, while
-            `fold_reduce` holds, count their arrivals in sync[:B * head blocks] (`decode_programs(B, num_q * H)`;
-            SYNC_ENTRIES serve every split count `choose_num_kv_splits` picks) and the last one merges.
+        One split writes `out` directly; more write fp32 partials that a second launch merges.
     Returns:
         [T, H, L] in q.dtype (written into `out` when given).
     """
@@ -328,25 +278,19 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     cfg = pick_config(num_q * h)
     head_blocks = triton.cdiv(num_q * h, cfg.block_h)
     splits = num_kv_splits or choose_num_kv_splits(decode_programs(b, num_q * h), int(seq_lens.max()))
-    fold = sync is not None and fold_reduce(splits, min(cfg.block_h, num_q * h), big_l)
-    count = fold and splits > 1
-    if count:
-        assert sync.dtype == torch.int32 and sync.numel() >= b * head_blocks and sync.device == q.device, \
-            f"sync must be int32 [>= {b * head_blocks}] on {q.device}, got {sync.dtype} [{sync.numel()}]"
     mid_o = mid_lse = None
-    if not fold or count:
+    if splits > 1:
         mid_o = torch.empty((t, h, splits, big_l), dtype=torch.float32, device=q.device)   # [T, H, S, L]
         mid_lse = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)        # [T, H, S]
     scale = 1.0 if kv_scale is None else float(kv_scale)
     _mla_decode_kernel[(b, head_blocks, splits)](
-        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, tree_mask, mid_o, mid_lse, out,
-        sync if count else None, sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), q_pe.stride(0),
+        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, tree_mask, mid_o, mid_lse, out, sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), q_pe.stride(0),
         q_pe.stride(1), kv_cache.stride(0), req_to_token.stride(0), out.stride(0), out.stride(1),
         h, num_q, splits, L=big_l, R=d - big_l, BLOCK_L=_padded(big_l), BLOCK_R=_padded(d - big_l),
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_S=triton.next_power_of_2(splits) if count else 1,
+        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not fold:
+    if splits > 1:
         _reduce(mid_o, mid_lse, out, splits)
     return out
 
@@ -371,9 +315,9 @@ def mla_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.
                    req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512,
                    num_q: int = 1, kv_scale: float | None = None, num_kv_splits: int | None = None,
                    out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
-                   tree_mask: torch.Tensor | None = None, sync: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference (the spec of `mla_decode`), one request at a time in fp32. `num_kv_splits` and `sync` do not
-    change the math and are ignored."""
+                   tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference (the spec of `mla_decode`), one request at a time in fp32. `num_kv_splits` does not change
+    the math and is ignored."""
     if q_pe is not None:
         q = torch.cat([q[..., :kv_lora_rank], q_pe], dim=-1)
     t, h, _ = q.shape

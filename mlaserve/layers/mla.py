@@ -14,15 +14,11 @@ import torch
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode
 from mlaserve.distributed import TensorParallel
-from mlaserve.kernels.gemv import MAX_M
 from mlaserve.kernels.quant import block_dequant_ref
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear
 from mlaserve.layers.ops import Ops
 from mlaserve.layers.rmsnorm import RMSNorm
 from mlaserve.layers.rope import RotaryEmbedding
-
-# Up to this many tokens the input norm runs inside the qkv_a GEMV (`kernels/gemv.gemv_rmsnorm`; decode).
-NORM_FOLD_MAX_TOKENS = MAX_M
 
 
 class MLAAttention(torch.nn.Module):
@@ -81,30 +77,12 @@ class MLAAttention(torch.nn.Module):
         kv = self.kv_b_proj(latent).view(-1, self.h, self.dn + self.dv)
         return kv[..., : self.dn], kv[..., self.dn:]
 
-    def takes_norm(self, num_tokens: int) -> bool:
-        """Whether `forward_normed` can fold the layer's input norm into the q / kv down-projection GEMV: one
-        16-bit `qkv_a_proj` without bias, at most NORM_FOLD_MAX_TOKENS tokens (decode)."""
-        lin = self.qkv_a_proj
-        return lin is not None and lin.quant is None and lin.bias is None and num_tokens <= NORM_FOLD_MAX_TOKENS
-
-    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                       norm: RMSNorm, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(x + residual)) with the norm inside the qkv_a GEMV (`takes_norm`); returns (output,
-        x + residual) (x itself without a residual)."""
-        qkv, residual = self.ops.rmsnorm_linear(x, norm.weight, norm.eps, self.qkv_a_proj.weight, None, residual)
-        return self._attention(positions, *qkv.split([self.q_out, self.l + self.r], dim=-1), ctx), residual
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
         if self.qkv_a_proj is not None:
             q, latent = self.qkv_a_proj(x).split([self.q_out, self.l + self.r], dim=-1)   # views of one GEMM
         else:
             q, latent = (self.q_a_proj if self.q_lora else self.q_proj)(x), self.kv_a_proj_with_mqa(x)
-        return self._attention(positions, q, latent, ctx)
-
-    def _attention(self, positions: torch.Tensor, q: torch.Tensor, latent: torch.Tensor,
-                   ctx: ForwardContext) -> torch.Tensor:
-        # q: [T, q_out] (q_a or q), latent: [T, L + R] -> [T, hidden] (this rank's partial sum under TP)
-        t = q.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q
         q = q.view(t, self.h, self.dn + self.r)                               # [T, H, Dn + R]
         # latent: [T, L + R]

@@ -27,6 +27,12 @@ FUSE_SHARED_MAX_TOKENS = 256
 ROUTE_FUSED_MAX_TOKENS = 128
 ROUTE_FUSED_MAX_TOKENS_LARGE = 16           # gates of more than ROUTE_SMALL_GATE values
 ROUTE_SMALL_GATE = 64 * 2048
+# Up to this many tokens the post-attention RMSNorm (and its residual add) runs inside the router's launch
+# (`moe_route_norm`: every program re-reads its token's row for the mean square). benchmarks/bench_decode_fold.py
+# on an H100 (benchmarks/results/decode-fold-h100.md): 0.8-1.0 us faster than norm + router for V2-Lite's gate at
+# 1-16 tokens; for V3's 256 x 7168 gate 1.2 us faster at one token, 3.6 us slower at 4 and 24 us at 16.
+NORM_FOLD_MAX_TOKENS = 16
+NORM_FOLD_MAX_TOKENS_LARGE = 1
 
 
 class DenseMLP(torch.nn.Module):
@@ -59,7 +65,9 @@ class Router(torch.nn.Module):
             self.e_score_correction_bias = torch.nn.Parameter(
                 torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False)
             self.e_score_correction_bias.weight_loader = lambda name, p, t: copy_checked(name, p, t)
-        self.route_max_tokens = ROUTE_FUSED_MAX_TOKENS if e * h <= ROUTE_SMALL_GATE else ROUTE_FUSED_MAX_TOKENS_LARGE
+        small = e * h <= ROUTE_SMALL_GATE
+        self.route_max_tokens = ROUTE_FUSED_MAX_TOKENS if small else ROUTE_FUSED_MAX_TOKENS_LARGE
+        self.norm_fold_max_tokens = NORM_FOLD_MAX_TOKENS if small else NORM_FOLD_MAX_TOKENS_LARGE
         # NOTE: `moe_route`'s arrival counts, zero between launches; one per layer, as layers run one at a time
         self.register_buffer("route_sync", torch.zeros(self.route_max_tokens, dtype=torch.int32, device=device),
                              persistent=False)
@@ -214,8 +222,8 @@ class MoE(torch.nn.Module):
         self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp, ep=ep)
 
     def takes_norm(self, num_tokens: int) -> bool:
-        """Whether `forward_normed` can fold the post-attention norm into the router's launch (decode sizes)."""
-        return num_tokens <= self.gate.route_max_tokens
+        """Whether `forward_normed` folds the post-attention norm into the router's launch (decode sizes)."""
+        return num_tokens <= self.gate.norm_fold_max_tokens
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

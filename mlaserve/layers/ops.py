@@ -28,7 +28,6 @@ class Ops(NamedTuple):
     mla_rope_kv_store: Callable    # rotate q_pe / k_pe in place and write [kv_c, k_pe] cache rows
     head_gemm: Callable            # (a [T, H, K], w [H, K, N] or [H, N, K] with trans=True) -> [T, H, N]
     linear: Callable               # (x [T, K], w [N, K], bias) -> [T, N] (16-bit weights)
-    rmsnorm_linear: Callable       # (x, norm weight, eps, w, bias, residual) -> (rmsnorm(x + res) @ w^T, x + res)
     moe_route_norm: Callable       # (x, residual, norm weight, eps, gate weight, K) -> moe_route of the norm, + h, x + res
 
 
@@ -45,10 +44,10 @@ def get_ops(name: str) -> Ops:
                    _opaque(activation.silu_and_mul), _opaque(moe_topk.moe_topk), _opaque(moe_topk.moe_route),
                    _opaque(fused_moe.fused_moe), _opaque(fp8_gemm.fp8_linear), _opaque(rope.mla_rope_kv_store),
                    _opaque(mla_absorb.head_gemm), _opaque(gemv.linear),
-                   _opaque(gemv.gemv_rmsnorm), _opaque(moe_topk.moe_route_norm))
+                   _opaque(moe_topk.moe_route_norm))
     if name == "torch":
         return Ops("torch", norm.rmsnorm_ref, norm.fused_add_rmsnorm_ref, activation.silu_and_mul_ref,
                    moe_topk.moe_topk_ref, moe_topk.moe_route_ref, fused_moe.fused_moe_ref, fp8_gemm.fp8_linear_ref,
                    rope.mla_rope_kv_store_ref, mla_absorb.head_gemm_ref, gemv.linear_ref,
-                   gemv.gemv_rmsnorm_ref, moe_topk.moe_route_norm_ref)
+                   moe_topk.moe_route_norm_ref)
     raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(KERNEL_BACKENDS)}")

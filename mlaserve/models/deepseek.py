@@ -51,17 +51,12 @@ class DecoderLayer(torch.nn.Module):
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block with the residual carried separately: returns (mlp output, residual stream),
         their sum being the block's output (the add is fused into the next norm)."""
-        t = x.shape[0]
-        if self.self_attn.takes_norm(t):                 # decode: the norm inside the q / kv down-projection
-            h, residual = self.self_attn.forward_normed(positions, x, residual, self.input_layernorm, ctx)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
         else:
-            if residual is None:
-                residual, h = x, self.input_layernorm(x)
-            else:
-                h, residual = self.input_layernorm(x, residual)
-            h = self.self_attn(positions, h, ctx)
-        h = self.tp.all_reduce(h)                                           # sum of the heads' shares
-        if self.dp is None and isinstance(self.mlp, MoE) and self.mlp.takes_norm(t):
+            h, residual = self.input_layernorm(x, residual)
+        h = self.tp.all_reduce(self.self_attn(positions, h, ctx))          # sum of the heads' shares
+        if self.dp is None and isinstance(self.mlp, MoE) and self.mlp.takes_norm(x.shape[0]):
             h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm)  # norm in the router
             return self.tp.all_reduce(h), residual
         h, residual = self.post_attention_layernorm(h, residual)

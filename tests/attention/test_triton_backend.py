@@ -15,9 +15,8 @@ L, R, HEADS = 64, 16, 4
 
 
 @pytest.mark.parametrize("splits", [None, 1, 6])
-def test_decode_shares_one_sync_buffer_across_layers(device: str, splits: int | None) -> None:
-    """Two layers, ragged requests: the reference's output; every launch reads the backend's one `sync` buffer
-    (made once) and leaves it zero for the next layer."""
+def test_decode_matches_the_torch_backend(device: str, splits: int | None) -> None:
+    """Two layers, ragged requests, split counts chosen by the engine, one, or six: the torch backend's output."""
     seed = random.randrange(2**31)
     print(f"seed {seed}")
     torch.manual_seed(seed)
@@ -36,11 +35,8 @@ def test_decode_shares_one_sync_buffer_across_layers(device: str, splits: int | 
                         out_slots=req_to_token[torch.arange(3, device=device), last].long(),
                         req_to_token=req_to_token, kv_pool=pool, attn_backend=triton_backend, device=device)
     ctx.num_kv_splits = splits
-    sync = None
     for layer in (0, 1):
         q, q_pe = torch.randn(3, HEADS, L, device=device), torch.randn(3, HEADS, R, device=device)
         got = triton_backend.decode(layer, q, q_pe, ctx)
-        sync = triton_backend.sync if sync is None else sync
-        assert triton_backend.sync is sync and not sync.any()
         want = torch_backend.decode(layer, q, q_pe, ctx)
         assert (got - want).abs().max().item() <= 1e-4

@@ -6,13 +6,10 @@ import random
 
 import pytest
 import torch
-import triton
-
 import mlaserve.kernels.mla_decode as md
 from mlaserve.bench.kernel_cases import mla_decode as bench_case
-from mlaserve.kernels.mla_decode import (FOLD_MAX_VALUES, MAX_SPLITS, MIN_SPLIT_TOKENS, NUM_SMS, SYNC_ENTRIES,
-                                         choose_num_kv_splits, decode_programs, fold_reduce, mla_decode,
-                                         mla_decode_ref, pick_config)
+from mlaserve.kernels.mla_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, NUM_SMS, choose_num_kv_splits, decode_programs,
+                                         mla_decode, mla_decode_ref, pick_config)
 
 # Tolerances (max abs error; outputs are averages of N(0, 1) values, so |out| <= ~3):
 #   fp32 q: dots are exact fp32 in the interpreter, only summation order differs -> 1e-4.
@@ -207,14 +204,7 @@ def test_chain_tree_mask_is_the_causal_mask(device: str) -> None:
     assert (mla_decode_ref(**args, tree_mask=chain) - mla_decode_ref(**args)).abs().max().item() == 0
 
 
-# --------------------------------------------------------------------------------- the merge in the decode kernel
-def seed() -> None:
-    s = random.randrange(2**31)
-    print(f"seed {s}")
-    random.seed(s)
-    torch.manual_seed(s)
-
-
+# ------------------------------------------------------------------------------------------ one split, one launch
 class LaunchCount:
     """Stands in for a Triton kernel and counts its launches."""
 
@@ -226,115 +216,24 @@ class LaunchCount:
         return self.kernel[grid]
 
 
-def check_folded(args: dict, splits: int, monkeypatch, **kw) -> None:
-    """With a sync buffer, twice (the counts left zero for the next launch): no reduce launch, the reference's
-    output within TOL, and the two-launch output within an ulp of the output dtype (fp32 sums of the same
-    partials; only the summation order may differ on a GPU)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_split_writes_the_output_without_a_reduce(device: str, dtype: torch.dtype, monkeypatch) -> None:
+    """One split: the decode kernel writes `out` itself (no reduce launch); several: one reduce launch. Both the
+    reference's output, ragged lengths (a one-token request, a strided `out`), num_q 2 with a tree mask."""
+    s = random.randrange(2**31)
+    print(f"seed {s}")
+    random.seed(s)
+    torch.manual_seed(s)
     reduce = LaunchCount(md._mla_decode_reduce_kernel)
     monkeypatch.setattr(md, "_mla_decode_reduce_kernel", reduce)
-    dtype = args["q"].dtype
-    want = mla_decode_ref(**args, **kw)
-    separate = mla_decode(**args, num_kv_splits=splits, **kw)
-    assert reduce.launches == 1
-    sync = torch.zeros(md.SYNC_ENTRIES, dtype=torch.int32, device=want.device)
-    for _ in range(2):
-        got = mla_decode(**args, num_kv_splits=splits, sync=sync, **kw)
-        assert not sync.any()
-        assert torch.isfinite(got).all() and got.dtype == dtype
-        assert (got.float() - want.float()).abs().max().item() <= TOL[dtype]
-        rtol = 2 ** -10 if dtype == torch.float16 else 1e-6
-        torch.testing.assert_close(got, separate, rtol=rtol, atol=1e-5)
-    assert reduce.launches == 1
-
-
-@pytest.mark.parametrize("splits,dtype", [(1, torch.float32), (1, torch.float16), (4, torch.float32),
-                                          (16, torch.float16)])
-def test_folded_merge_ragged_lengths(device: str, splits: int, dtype: torch.dtype, monkeypatch) -> None:
-    # 16 splits over these lengths leave most of the short requests' splits empty (they write only their lse)
-    seed()
-    lens = [1, random.randint(2, 60), random.randint(150, 300)]
-    check_folded(make_case(device, lens, heads=16, big_l=64, rope=16, num_q=1, dtype=dtype, kv_dtype=dtype),
-                 splits, monkeypatch)
-
-
-@pytest.mark.parametrize("splits", [1, 5])
-def test_folded_merge_num_q_tree_mask_and_two_head_blocks(device: str, splits: int, monkeypatch) -> None:
-    # num_q 3 x 24 heads = 72 rows: two head blocks of 64 per request (counted apart), the second mostly padding;
-    # 5 splits of the shortest request leave all but its first empty
-    seed()
-    num_q = 3
-    lens = [num_q, random.randint(100, 200)]
-    args = make_case(device, lens, heads=24, big_l=64, rope=16, num_q=num_q, dtype=torch.float16,
-                     kv_dtype=torch.float16)
-    assert triton.cdiv(num_q * 24, pick_config(num_q * 24).block_h) == 2
-    check_folded(args, splits, monkeypatch, tree_mask=random_tree_mask(num_q, len(lens), device))
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_folded_merge_fp8_cache_separate_rope_query_strided_out(device: str, splits: int, monkeypatch) -> None:
-    seed()
-    args = make_case(device, [random.randint(1, 40), random.randint(100, 250)], heads=4, big_l=64, rope=16,
-                     num_q=1, dtype=torch.float16, kv_dtype=torch.float8_e4m3fn)
-    q = args["q"]
-    check_folded({**args, "q": q[..., :64]}, splits, monkeypatch, q_pe=q[..., 64:])
-    out = torch.full((2, 6, 64), float("nan"), dtype=torch.float16, device=device)[:, 1:5]   # strided heads
-    sync = torch.zeros(8, dtype=torch.int32, device=device)
-    mla_decode(**args, num_kv_splits=splits, out=out, sync=sync)
-    assert (out.float() - mla_decode_ref(**args).float()).abs().max().item() <= TOL[torch.float16]
-    assert not sync.any()
-
-
-def test_merge_above_the_fold_limit_is_a_second_launch(device: str, monkeypatch) -> None:
-    """Past FOLD_MAX_VALUES (S x rows x L per head block) the reduce runs as its own launch and sync is not
-    touched; one split never needs it."""
-    seed()
-    args = make_case(device, [3, random.randint(100, 200)], heads=4, big_l=64, rope=16, num_q=1,
-                     dtype=torch.float32, kv_dtype=torch.float32)
-    monkeypatch.setattr(md, "FOLD_MAX_VALUES", 4 * 4 * 64)                    # 4 splits of 4 rows of 64 fold
-    reduce = LaunchCount(md._mla_decode_reduce_kernel)
-    monkeypatch.setattr(md, "_mla_decode_reduce_kernel", reduce)
-    sync = torch.zeros(2, dtype=torch.int32, device=device)
-    want = mla_decode_ref(**args)
-    for splits, launches in ((4, 0), (5, 1), (1, 1)):                         # launches so far
-        got = mla_decode(**args, num_kv_splits=splits, sync=sync)
-        assert reduce.launches == launches and not sync.any()
-        assert (got - want).abs().max().item() <= TOL[torch.float32]
-    with pytest.raises(AssertionError, match="sync must be int32"):
-        mla_decode(**args, num_kv_splits=2, sync=sync[:1])                    # 2 requests x 1 head block
-
-
-def test_fold_rule_and_sync_entries() -> None:
-    assert fold_reduce(1, 64, 4 * FOLD_MAX_VALUES)                             # one split: nothing to merge
-    assert fold_reduce(FOLD_MAX_VALUES // (16 * 512), 16, 512)
-    assert not fold_reduce(FOLD_MAX_VALUES // (16 * 512) + 1, 16, 512)
-    # every split count the engine uses (choose_num_kv_splits) with S >= 2 has its counts within SYNC_ENTRIES
-    split = [p for p in range(1, 4 * NUM_SMS) if choose_num_kv_splits(p, max_len=1 << 20) >= 2]
-    assert max(split) <= SYNC_ENTRIES
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [16, 128])
-def test_folded_merge_in_a_cuda_graph(heads: int, monkeypatch) -> None:
-    """Captured once with the merge in the decode kernel (bf16, 8 splits; 128 heads: two head blocks per request,
-    folded past the rule), replayed on new lengths and queries: every replay matches the reference and the
-    two-launch output, and leaves the counts zero."""
-    seed()
-    monkeypatch.setattr(md, "FOLD_MAX_VALUES", 1 << 30)
-    lens = torch.tensor([40, 700, 1500, 9])
-    args = make_case("cuda", lens.tolist(), heads=heads, big_l=512, rope=64, num_q=1, dtype=torch.bfloat16,
-                     kv_dtype=torch.bfloat16)
-    sync = torch.zeros(SYNC_ENTRIES, dtype=torch.int32, device="cuda")
-    out = mla_decode(**args, num_kv_splits=8, sync=sync)                     # compile
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mla_decode(**args, num_kv_splits=8, sync=sync)
-    for _ in range(10):
-        args["q"].copy_(torch.randn_like(args["q"]))
-        args["seq_lens"].copy_((torch.rand(4) * lens).long() + 1)            # 1 .. each request's cached tokens
-        graph.replay()
-        torch.cuda.synchronize()
-        want = mla_decode_ref(**args).float()
-        assert ((out.float() - want).abs().max() / want.abs().max()).item() < 2e-2
-        separate = mla_decode(**args, num_kv_splits=8)
-        torch.testing.assert_close(out, separate, rtol=2 ** -7, atol=1e-5)     # within a bf16 ulp
-    assert not sync.any()
+    for num_q, tree in ((1, False), (2, True)):
+        lens = [num_q, random.randint(2, 60), random.randint(150, 300)]
+        args = make_case(device, lens, heads=16, big_l=64, rope=16, num_q=num_q, dtype=dtype, kv_dtype=dtype)
+        kw = dict(tree_mask=random_tree_mask(num_q, len(lens), device)) if tree else {}
+        want = mla_decode_ref(**args, **kw).float()
+        for splits, launches in ((1, 0), (4, 1)):
+            before = reduce.launches
+            out = torch.full((len(lens) * num_q, 18, 64), float("nan"), dtype=dtype, device=device)[:, 1:17]
+            got = mla_decode(**args, num_kv_splits=splits, out=out, **kw)
+            assert reduce.launches - before == launches and got.data_ptr() == out.data_ptr()
+            assert (got.float() - want).abs().max().item() <= TOL[dtype]
