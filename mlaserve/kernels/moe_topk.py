@@ -226,35 +226,56 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
                       TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
                       NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                      NORM_IN: tl.constexpr):
-    # NORM_IN: the gate reads rmsnorm(x + res) (weight nw); the slice-0 program of each token also writes that
+                      NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr):
+    # ONE_TILE: hidden <= BLOCK_H. NORM_IN: the gate reads rmsnorm(x + res) (weight nw); the slice-0 program of each token also writes that
     # normed row (the experts' input) and x + res (the residual stream) to their own buffers.
     t = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_h = tl.arange(0, BLOCK_H)
-    rstd = 0.0
-    if NORM_IN:                 # every program reads the token's row once more for its mean square
-        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, hidden, BLOCK_H):
-            h_ok = offs_h < hidden - h0
-            x = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=h_ok, other=0.0)
-            r = tl.load(res_ptr + t * stride_res + h0 + offs_h, mask=h_ok, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            if tl.program_id(0) == 0:
-                tl.store(res_out_ptr + t * stride_res_out + h0 + offs_h, x, mask=h_ok)
-            x = x.to(tl.float32)
-            ss += x * x
-        rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / hidden + eps)
-    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):                                    # fp32 products of exact upcasts
-        h_ok = offs_h < hidden - h0
-        x = _route_rows(x_ptr, res_ptr, nw_ptr, t, h0, offs_h, h_ok, stride_x, stride_res, rstd, NORM_IN)  # [BH]
+    if ONE_TILE:                # the row is one tile: the gate slice's load first (HBM), then the row's
+        h_ok = offs_h < hidden
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
+                    mask=(e < n_experts)[:, None] & h_ok[None, :], other=0.0)                      # [BE, BH]
+        x = tl.load(x_ptr + t * stride_x + offs_h, mask=h_ok, other=0.0)
         if NORM_IN:
+            ty = x.dtype
+            r = tl.load(res_ptr + t * stride_res + offs_h, mask=h_ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(ty)                   # residual_out, rounded
+            xf = x.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+            y = (xf * rstd).to(ty).to(tl.float32)
+            nw = tl.load(nw_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+            normed = (nw * y).to(ty)
             if tl.program_id(0) == 0:
-                tl.store(normed_ptr + t * stride_normed + h0 + offs_h, x.to(normed_ptr.dtype.element_ty), mask=h_ok)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + h0 + offs_h[None, :],
-                    mask=(e < n_experts)[:, None] & h_ok[None, :], other=0.0).to(tl.float32)       # [BE, BH]
-        acc += w * x[None, :]
+                tl.store(res_out_ptr + t * stride_res_out + offs_h, x, mask=h_ok)
+                tl.store(normed_ptr + t * stride_normed + offs_h, normed.to(normed_ptr.dtype.element_ty), mask=h_ok)
+            x = normed
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    else:
+        rstd = 0.0
+        if NORM_IN:             # every program reads the token's row once more for its mean square
+            ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for h0 in range(0, hidden, BLOCK_H):
+                h_ok = offs_h < hidden - h0
+                x = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=h_ok, other=0.0)
+                r = tl.load(res_ptr + t * stride_res + h0 + offs_h, mask=h_ok, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+                if tl.program_id(0) == 0:
+                    tl.store(res_out_ptr + t * stride_res_out + h0 + offs_h, x, mask=h_ok)
+                x = x.to(tl.float32)
+                ss += x * x
+            rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / hidden + eps)
+        acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):                                # fp32 products of exact upcasts
+            h_ok = offs_h < hidden - h0
+            x = _route_rows(x_ptr, res_ptr, nw_ptr, t, h0, offs_h, h_ok, stride_x, stride_res, rstd, NORM_IN)
+            if NORM_IN:
+                if tl.program_id(0) == 0:
+                    tl.store(normed_ptr + t * stride_normed + h0 + offs_h, x.to(normed_ptr.dtype.element_ty),
+                             mask=h_ok)
+            w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + h0 + offs_h[None, :],
+                        mask=(e < n_experts)[:, None] & h_ok[None, :], other=0.0).to(tl.float32)   # [BE, BH]
+            acc += w * x[None, :]
     tl.store(logits_ptr + t * n_experts + e, tl.sum(acc, axis=1), mask=e < n_experts)
     # NOTE: the barrier orders every thread's logits store before the (release) count; the last program's
     # acquire then sees all of token t's row. Its loads skip L1 (.cg), which is not coherent across SMs.
@@ -341,7 +362,7 @@ def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | Non
     weights, ids = _launch_select(_moe_route_kernel, (triton.cdiv(e, block_e), t), args, t, e, top_k, topk_method,
                                   scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
                                   e_score_correction_bias, n_shared, x.device, BLOCK_E=block_e, BLOCK_H=block_h,
-                                  NORM_IN=norm is not None, **cfg)
+                                  NORM_IN=norm is not None, ONE_TILE=h <= block_h, **cfg)
     return weights, ids, normed, res_out
 
 

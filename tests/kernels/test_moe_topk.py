@@ -172,12 +172,13 @@ def test_moe_route_cuda_graph_replays() -> None:
 
 
 @pytest.mark.parametrize("kw,num_experts,hidden", ROUTE_CASES[:3])
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens,config", [(1, None), (5, None), (3, dict(BLOCK_E=8, BLOCK_H=64, num_warps=4))])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_moe_route_norm_matches_ref(kw: dict, num_experts: int, hidden: int, tokens: int, dtype: torch.dtype,
-                                    device: str) -> None:
+def test_moe_route_norm_matches_ref(kw: dict, num_experts: int, hidden: int, tokens: int, config: dict | None,
+                                    dtype: torch.dtype, device: str) -> None:
     """The post-attention add + norm folded into the router: same experts, the normed rows and x + residual as
-    the unfused references; the residual input untouched, the sync counts left zero."""
+    the unfused references; the residual input untouched, the sync counts left zero. The row in one tile (the
+    default tiles) or in several (config: 64-wide tiles)."""
     _seed()
     x, res = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
     norm_w = (torch.rand(hidden, device=device) + 0.5).to(dtype)
@@ -186,7 +187,8 @@ def test_moe_route_norm_matches_ref(kw: dict, num_experts: int, hidden: int, tok
     sync, res_before = torch.zeros(8, dtype=torch.int32, device=device), res.clone()
     want = moe_route_norm_ref(x, res, norm_w, 1e-6, weight, e_score_correction_bias=bias, n_shared=2, **kw)
     for _ in range(2):
-        got = moe_route_norm(x, res, norm_w, 1e-6, weight, e_score_correction_bias=bias, n_shared=2, sync=sync, **kw)
+        got = moe_route_norm(x, res, norm_w, 1e-6, weight, e_score_correction_bias=bias, n_shared=2, sync=sync,
+                             config=config, **kw)
         assert not sync.any() and torch.equal(res, res_before)
         tol = 2e-3 if dtype == torch.float16 else 1e-5
         torch.testing.assert_close(got[2], want[2], atol=tol, rtol=tol)
