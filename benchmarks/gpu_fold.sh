@@ -28,10 +28,11 @@ if [ "$PART" = check ]; then
   new timeout 90 python3 benchmarks/profile_decode.py --bs 1 --model-config /tmp/v3_4l.json > "$OUT/prof_v3_bs1_new.txt" 2>&1
   grep -A3 "kernels per step" "$OUT/prof_v3_bs1_new.txt"
 fi
-if [ "$PART" = route ]; then      # the one-tile router after the first runs
-  new timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_topk.py tests/models/test_gpu_fastpath.py \
-    -k "route or greedy_equals" 2>&1 | tail -3 | tee "$OUT/tests.txt"
-  new timeout 120 python3 benchmarks/bench_decode_fold.py --tokens 1 16 2>&1 | grep -v Warn | tee "$OUT/fold.jsonl"
+if [ "$PART" = route ] || [ "$PART" = rope ]; then   # the one-tile router; then W_UK's GEMM in the rope's launch
+  K="route or greedy_equals"; [ "$PART" = rope ] && K="rope or absorb or greedy_equals or logprobs"
+  new timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_topk.py tests/kernels/test_mla_absorb.py \
+    tests/kernels/test_rope.py tests/models/test_gpu_fastpath.py -k "$K" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+  [ "$PART" = route ] && new timeout 120 python3 benchmarks/bench_decode_fold.py --tokens 1 16 2>&1 | grep -v Warn | tee "$OUT/fold.jsonl"
   new timeout 90 python3 benchmarks/profile_decode.py --bs 1 > "$OUT/prof_v2l_bs1_new.txt" 2>&1
   grep -A12 "kernels per step" "$OUT/prof_v2l_bs1_new.txt"
   B="python3 -m mlaserve.cli bench one-batch --load-format dummy --input-len 256 --output-len 32"

@@ -45,9 +45,21 @@ def _mla_rope_kv_store_kernel(q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr,
                               BLOCK_L: tl.constexpr, NORM: tl.constexpr,
                               HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
                               MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    rope_kv_store_program(tl.program_id(0).to(tl.int64), tl.program_id(1), q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr,
+                          cache_ptr, slot_ptr, scale_ptr, nw_ptr, eps, H, L, stride_qt, stride_qh, stride_kt,
+                          stride_ct, stride_pos, stride_cache, stride_slot, R_HALF, BLOCK_RH, BLOCK_H, BLOCK_L, NORM,
+                          HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+
+
+@triton.jit
+def rope_kv_store_program(t, hb, q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr, slot_ptr, scale_ptr, nw_ptr,
+                          eps, H, L, stride_qt, stride_qh, stride_kt, stride_ct, stride_pos, stride_cache,
+                          stride_slot, R_HALF: tl.constexpr, BLOCK_RH: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BLOCK_L: tl.constexpr, NORM: tl.constexpr,
+                          HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                          MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
     # Program (t, hb) rotates heads [hb * BLOCK_H, (hb + 1) * BLOCK_H) of token t; hb == 0 also handles k / kv.
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
+    # (Also run inside mla_absorb's combined launch, which hands it its (t, hb).)
     i = tl.arange(0, BLOCK_RH)                                                # pair index (padded to a power of 2)
     i_ok = i < R_HALF
     pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
@@ -122,6 +134,18 @@ def mla_rope_kv_store(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor
         out_slots: [T] int32/int64 distinct slots in [0, S) (any stride).
         kv_scale: fp8 cache only: it stores clamp(value / kv_scale, +-fp8 max).
     """
+    args, meta, grid = rope_launch_args(q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache, out_slots,
+                                        kv_scale=kv_scale, norm_weight=norm_weight, eps=eps)
+    if q_pe.shape[0]:
+        _mla_rope_kv_store_kernel[grid](*args, **meta, num_warps=4)
+
+
+def rope_launch_args(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, out_slots: torch.Tensor, *,
+                     kv_scale: float | torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                     eps: float = 0.0) -> tuple[tuple, dict, tuple[int, int]]:
+    """`mla_rope_kv_store`'s checks, then (`rope_kv_store_program`'s arguments after (t, hb), its constexprs,
+    the grid (T, head blocks))."""
     _check(q_pe, k_pe, kv_c, positions, cos_sin_cache)
     t, h, r = q_pe.shape
     l = kv_c.shape[1]
@@ -131,17 +155,14 @@ def mla_rope_kv_store(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor
     if norm_weight is not None:
         assert norm_weight.shape == (l,) and norm_weight.is_contiguous() and norm_weight.device == kv_c.device, \
             f"norm_weight must be a contiguous [{l}] tensor on {kv_c.device}"
-    if t == 0:
-        return
     block_h = min(_BLOCK_H, triton.next_power_of_2(h))
-    grid = (t, triton.cdiv(h, block_h))
-    _mla_rope_kv_store_kernel[grid](
-        q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache, out_slots, scale if scale is not None else kv_cache,
-        norm_weight if norm_weight is not None else kv_c, float(eps), h, l, q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), kv_c.stride(0), positions.stride(0),
-        kv_cache.stride(0), out_slots.stride(0), R_HALF=r // 2, BLOCK_RH=triton.next_power_of_2(r // 2),
-        BLOCK_H=block_h,
-        BLOCK_L=triton.next_power_of_2(l), NORM=norm_weight is not None, HAS_SCALE=scale is not None, **fp8_consts(kv_cache.dtype, kv_cache.device),
-        num_warps=4)
+    args = (q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache, out_slots, scale if scale is not None else kv_cache,
+            norm_weight if norm_weight is not None else kv_c, float(eps), h, l, q_pe.stride(0), q_pe.stride(1),
+            k_pe.stride(0), kv_c.stride(0), positions.stride(0), kv_cache.stride(0), out_slots.stride(0))
+    meta = dict(R_HALF=r // 2, BLOCK_RH=triton.next_power_of_2(r // 2), BLOCK_H=block_h,
+                BLOCK_L=triton.next_power_of_2(l), NORM=norm_weight is not None, HAS_SCALE=scale is not None,
+                **fp8_consts(kv_cache.dtype, kv_cache.device))
+    return args, meta, (t, triton.cdiv(h, block_h))
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:

@@ -90,9 +90,14 @@ class MLAAttention(torch.nn.Module):
         # kv_a_layernorm on kv_c, rotate q_pe and k_pe, all in place, and write the [kv_c, k_pe] rows to the cache
         # (one kernel on Triton)
         pool, norm = ctx.kv_pool, self.kv_a_layernorm
-        self.ops.mla_rope_kv_store(q[..., self.dn:], latent[:, self.l:], kv_c, positions, self.rotary.cos_sin_cache,
-                                   pool.kv_buffer(self.layer_id), ctx.out_slots, kv_scale=pool.kv_scale,
-                                   norm_weight=norm.weight, eps=norm.eps)
+        rope = (q[..., self.dn:], latent[:, self.l:], kv_c, positions, self.rotary.cos_sin_cache,
+                pool.kv_buffer(self.layer_id), ctx.out_slots)
+        rope_kw = dict(kv_scale=pool.kv_scale, norm_weight=norm.weight, eps=norm.eps)
+        if ctx.mode is ForwardMode.DECODE and self.absorb and ctx.parts is None:
+            # absorbed decode: W_UK's per-head GEMM rides in the rope's launch (it reads q's other columns)
+            q_lat = self.ops.rope_head_gemm(q[..., : self.dn], self.w_kc, *rope, **rope_kw)     # [T, H, L]
+            return self.o_proj(self._decode_absorbed(q_lat, q, ctx).reshape(t, self.h * self.dv))
+        self.ops.mla_rope_kv_store(*rope, **rope_kw)
         k_pe = latent[:, self.l:]                                             # [T, R] (roped)
         if ctx.parts is not None and self.absorb:       # a mixed batch: its prompts non-absorbed, its decodes absorbed
             n = t - ctx.num_decode
@@ -107,9 +112,13 @@ class MLAAttention(torch.nn.Module):
         backend = ctx.attn_backend
         if ctx.mode is ForwardMode.DECODE and self.absorb:
             q_lat = self.ops.head_gemm(q[..., : self.dn], self.w_kc)           # absorb W_UK: [T, H, L]
-            o_lat = _decode(backend, self.layer_id, q_lat, q[..., self.dn:], ctx)   # [T, H, L]
-            return self.ops.head_gemm(o_lat, self.w_vc, trans=True)            # apply W_UV: [T, H, Dv]
+            return self._decode_absorbed(q_lat, q, ctx)
         return _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
+
+    def _decode_absorbed(self, q_lat: torch.Tensor, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # q_lat: [T, H, L] (W_UK absorbed), q: [T, H, Dn + R] (q_pe roped) -> o: [T, H, Dv]
+        o_lat = _decode(ctx.attn_backend, self.layer_id, q_lat, q[..., self.dn:], ctx)   # [T, H, L]
+        return self.ops.head_gemm(o_lat, self.w_vc, trans=True)                # apply W_UV: [T, H, Dv]
 
 
 @torch.compiler.disable

@@ -27,6 +27,7 @@ class Ops(NamedTuple):
     fp8_linear: Callable           # (x, w_q, w_scale_inv) -> y
     mla_rope_kv_store: Callable    # rotate q_pe / k_pe in place and write [kv_c, k_pe] cache rows
     head_gemm: Callable            # (a [T, H, K], w [H, K, N] or [H, N, K] with trans=True) -> [T, H, N]
+    rope_head_gemm: Callable       # (q_nope, w_kc, *mla_rope_kv_store's arguments) -> head_gemm(q_nope, w_kc), one launch
     linear: Callable               # (x [T, K], w [N, K], bias) -> [T, N] (16-bit weights)
     moe_route_norm: Callable       # (x, residual, norm weight, eps, gate weight, K) -> moe_route of the norm, + h, x + res
 
@@ -43,11 +44,11 @@ def get_ops(name: str) -> Ops:
         return Ops("triton", _opaque(norm.rmsnorm), _opaque(norm.fused_add_rmsnorm),
                    _opaque(activation.silu_and_mul), _opaque(moe_topk.moe_topk), _opaque(moe_topk.moe_route),
                    _opaque(fused_moe.fused_moe), _opaque(fp8_gemm.fp8_linear), _opaque(rope.mla_rope_kv_store),
-                   _opaque(mla_absorb.head_gemm), _opaque(gemv.linear),
-                   _opaque(moe_topk.moe_route_norm))
+                   _opaque(mla_absorb.head_gemm), _opaque(mla_absorb.rope_head_gemm),
+                   _opaque(gemv.linear), _opaque(moe_topk.moe_route_norm))
     if name == "torch":
         return Ops("torch", norm.rmsnorm_ref, norm.fused_add_rmsnorm_ref, activation.silu_and_mul_ref,
                    moe_topk.moe_topk_ref, moe_topk.moe_route_ref, fused_moe.fused_moe_ref, fp8_gemm.fp8_linear_ref,
-                   rope.mla_rope_kv_store_ref, mla_absorb.head_gemm_ref, gemv.linear_ref,
-                   moe_topk.moe_route_norm_ref)
+                   rope.mla_rope_kv_store_ref, mla_absorb.head_gemm_ref,
+                   mla_absorb.rope_head_gemm_ref, gemv.linear_ref, moe_topk.moe_route_norm_ref)
     raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(KERNEL_BACKENDS)}")
