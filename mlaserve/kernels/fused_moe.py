@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import quant
+from mlaserve.kernels.norm import fused_add_rmsnorm_ref
 from mlaserve.kernels.precision import dot_precision
 from mlaserve.kernels.quant import quant_group_rows
 from mlaserve.kernels.reduce import bf16_rne, sum_dim1
@@ -202,8 +203,36 @@ def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
+def _round(v, ty, ROUND_BF16: tl.constexpr):
+    # fp32 v rounded to the storage dtype ty, back in fp32 (the interpreter's own bf16 cast truncates)
+    if ROUND_BF16:
+        return bf16_rne(v)
+    return v.to(ty).to(tl.float32)
+
+
+@triton.jit
+def _norm_rows(out_ptr, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, num_tokens, N, stride_om, stride_res,
+               ROUND_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The next layer's input norm on the combined rows: ro = out + res, h = rmsnorm(ro) (kernels/norm.py's roundings);
+    # ro and h have out's row stride.
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < N
+    ty = out_ptr.dtype.element_ty
+    w = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    for t in range(0, num_tokens):
+        o = tl.load(out_ptr + t * stride_om + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        r = tl.load(nres_ptr + t * stride_res + offs, mask=ok, other=0.0).to(tl.float32)
+        x = _round(o + r, ty, ROUND_BF16)
+        tl.store(nro_ptr + t * stride_om + offs, x.to(ty), mask=ok)
+        y = _round(x * tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps), ty, ROUND_BF16)
+        tl.store(nh_ptr + t * stride_om + offs, _round(w * y, ty, ROUND_BF16).to(ty), mask=ok)
+
+
+@triton.jit
 def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, num_slots, stride_cm, stride_om,
-                  TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_T: tl.constexpr, TILE_N: tl.constexpr):
+                  nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res,
+                  TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_T: tl.constexpr, TILE_N: tl.constexpr,
+                  NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr):
     # The last of N tile pid_n's programs to store its rows of c sums them per token:
     # out[t, tile] = sum_j c[t * TOP_K + j, tile] in fp32, rounded once.
     # NOTE: as in moe_route: a barrier, then one acq_rel count per program; the last one's loads skip L1.
@@ -222,20 +251,29 @@ def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, nu
                 acc = bf16_rne(acc)
             tl.store(out_ptr + tok[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=mask)
+        if NORM_OUT:                  # the last tile to finish (a second count, sync[num tiles]) norms whole rows
+            num_tiles = tl.cdiv(N, TILE_N)
+            tl.debug_barrier()
+            if tl.atomic_add(sync_ptr + num_tiles, 1, sem="acq_rel", scope="gpu") == num_tiles - 1:
+                tl.atomic_xchg(sync_ptr + num_tiles, 0, sem="relaxed", scope="gpu")
+                _norm_rows(out_ptr, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, num_tokens, N, stride_om, stride_res,
+                           ROUND_BF16, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_padded"])   # one compile for every token count
 def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
                       sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, N, K, num_slots, num_padded,
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_om,
+                      nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, stride_res,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                       QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
                       DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, SLOT_BLOCKS: tl.constexpr,
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-                      GROUP_SIZE_M: tl.constexpr):
+                      GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
-    # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`).
+    # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
+    # the next layer's input norm of out + residual (`_norm_rows`).
     # SLOT_BLOCKS (`_slot_blocks`): row block b is slot b alone, its other rows padding, and expert_ids_ptr is the
     # flat topk_ids [S]; sorted_ids_ptr and num_post_pad_ptr are not read.
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(num_padded, BLOCK_SIZE_M), tl.cdiv(N, TILE_N),
@@ -259,7 +297,8 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                      mask=valid[:, None] & n_ok[None, :])
             if COMBINE:
                 _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots,
-                              stride_cm, stride_om, TOP_K, ROUND_BF16, BLOCK_T, TILE_N)
+                              stride_cm, stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, TOP_K,
+                              ROUND_BF16, BLOCK_T, TILE_N, NORM_OUT, BLOCK_D)
         return
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
@@ -290,7 +329,8 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
     if COMBINE:
         _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
-                      stride_om, TOP_K, ROUND_BF16, BLOCK_T, TILE_N)
+                      stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, TOP_K, ROUND_BF16, BLOCK_T,
+                      TILE_N, NORM_OUT, BLOCK_D)
 
 
 def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +342,10 @@ def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, c: torch.Tensor,
                   routing: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
                   weights: torch.Tensor | None, cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int,
-                  gated: bool, combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                  gated: bool, combine: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None) -> None:
     # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
+    # norm = (residual, norm weight, eps, h, residual_out), with combine: also the next layer's input norm
     # routing: `moe_align_block_size`'s, or `_slot_blocks`'s (None, ids [S], None); one expert id per row block
     sorted_ids, expert_ids, num_post_pad = routing
     slot_blocks = sorted_ids is None
@@ -323,16 +365,21 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
     if combine:
         assert sync.dtype == torch.int32 and sync.numel() >= triton.cdiv(n_out, tile_n), \
             f"sync must be int32 [>= {triton.cdiv(n_out, tile_n)}]"
+    res, nw, eps, nh, nro = norm or (out, out, 0.0, out, out)
+    if norm:
+        assert combine and sync.numel() > triton.cdiv(n_out, tile_n), "the norm needs the combine and one more count"
+        assert nh.stride(0) == nro.stride(0) == out.stride(0), "h and residual_out rows must be strided as out's"
     _fused_moe_kernel[grid](
         a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
         n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0),
+        a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps), res.stride(0),
         A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
         DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, SLOT_BLOCKS=slot_blocks,
         TOP_K=c.shape[0] // out.shape[0], BLOCK_T=8,
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
+        NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -405,6 +452,35 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     Returns:
         out [T, K] in x.dtype. No host sync: capturable in a CUDA graph for a fixed T.
     """
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config,
+                      num_routed_experts, out, sync, None)
+
+
+def fused_moe_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
+                   sync: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                   block_shape: tuple[int, int] = (128, 128), config: dict | None = None,
+                   num_routed_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_moe` followed by the next layer's input norm, in the same two launches (up to COMBINE_MAX_TOKENS
+    tokens, where the second GEMM combines): returns (rmsnorm(out + residual), out + residual), new tensors in
+    x.dtype; `residual` [T, K] (rows contiguous) is not modified. The last output tile to be combined norms the
+    whole rows: `sync` needs one more entry than fused_moe's (int32 zeros [>= ceil(K / 32) + 1])."""
+    t = x.shape[0]
+    assert t <= COMBINE_MAX_TOKENS, f"fused_moe_norm takes at most {COMBINE_MAX_TOKENS} tokens, got {t}"
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1, \
+        f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}"
+    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous(), \
+        f"norm weight must be [{x.shape[1]}], contiguous"
+    h, res_out = torch.empty_like(x), torch.empty_like(x)
+    _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config, num_routed_experts,
+               None, sync, (residual, norm_weight, eps, h, res_out))
+    return h, res_out
+
+
+def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+               block_shape: tuple[int, int], config: dict | None, num_routed_experts: int | None,
+               out: torch.Tensor | None, sync: torch.Tensor | None, norm: tuple | None) -> torch.Tensor:
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     t, k = x.shape
     e, i, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
@@ -424,7 +500,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
     combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg, fuse_quant,
-                  block_shape, 1, False, combine)
+                  block_shape, 1, False, combine, norm)
     if combine:
         return out
     if t * k <= SUM_DIM1_MAX_VALUES:
@@ -461,6 +537,13 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         y = _expert_linear(h, w2[e], None if w2_scale is None else w2_scale[e], block_shape)
         out.index_add_(0, tok, y * topk_weights[tok, j, None].float())
     return out.to(x.dtype)
+
+
+def fused_moe_norm_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec of `fused_moe_norm`: `fused_moe_ref`, then the fused add + norm's reference."""
+    return fused_add_rmsnorm_ref(fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **kw), residual, norm_weight, eps)
 
 
 # --------------------------------------------------------------------------------------------- configs

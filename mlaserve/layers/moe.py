@@ -13,6 +13,7 @@ import torch
 from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.distributed import TensorParallel
 from mlaserve.distributed.expert import ExpertParallel
+from mlaserve.kernels.fused_moe import COMBINE_MAX_TOKENS
 from mlaserve.kernels.gemv import cublas_linear
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
 from mlaserve.layers.ops import Ops
@@ -204,6 +205,14 @@ class RoutedExperts(ExpertStack):
             return self.shared.dense_forward(x, range(self.n_shared))
         return self.dense_forward(x, range(self.n_routed, self.n_routed + self.n_shared))
 
+    def forward_norm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, then the next layer's input norm inside the combine (`fused_moe_norm`, one token): returns
+        (norm(out + residual), out + residual)."""
+        return self.ops.fused_moe_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
+                                       sync=self.combine_sync, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
+                                       num_routed_experts=self.n_routed)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert)."""
         # tuned tiles are keyed by this rank's routed experts; the shared slots ride along
@@ -225,19 +234,25 @@ class MoE(torch.nn.Module):
         """Whether `forward_normed` folds the post-attention norm into the router's launch (decode sizes)."""
         return num_tokens <= self.gate.norm_fold_max_tokens
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def takes_next_norm(self, num_tokens: int) -> bool:
+        """Whether `forward_normed` can also run the next layer's input norm inside the experts' combine (one
+        token, experts not split by EP: the caller must not need to all-reduce the output first)."""
+        return num_tokens <= COMBINE_MAX_TOKENS and num_tokens <= FUSE_SHARED_MAX_TOKENS and self.experts.ep.size == 1
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                       next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(x + residual)) with the add and norm inside the router's launch (`takes_norm`); returns
-        (output, x + residual)."""
-        out, residual = self._forward(x, (residual, norm))
-        return out, residual
+        (output, x + residual). With `next_norm` (`takes_next_norm`): (next_norm(output + x + residual),
+        output + x + residual), the next layer's input norm done in the experts' combine."""
+        return self._forward(x, (residual, norm), next_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x, None)[0]
 
-    def _forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, RMSNorm] | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # norm = (residual, RMSNorm): x is the un-normed attention output; returns (output, x + residual or None)
+    def _forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, RMSNorm] | None,
+                 next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # norm = (residual, RMSNorm): x is the un-normed attention output; returns (output, x + residual or None),
+        # or with next_norm (and norm) the next layer's normed input and residual stream
         ex = self.experts
         ep = ex.ep.size > 1
         fuse_shared = not ep and x.shape[0] <= FUSE_SHARED_MAX_TOKENS
@@ -248,6 +263,8 @@ class MoE(torch.nn.Module):
             weights, ids = self.gate(x, n_shared=n_shared)                   # [T, K] f32, [T, K] int32 global
         else:
             weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared)
+        if next_norm is not None:
+            return ex.forward_norm(x, weights, ids, residual, next_norm)
         if ep:                                                                # EP: local ids, -1 elsewhere
             out = ex(x, weights, ex.ep.to_local(ids, ex.n_total))
             return (out + ex.shared_forward(x) if ex.n_shared else out), residual

@@ -24,6 +24,7 @@ class Ops(NamedTuple):
     moe_topk: Callable             # router logits [T, E] -> (weights [T, K (+ n_shared)], ids [T, K (+ n_shared)])
     moe_route: Callable            # (x [T, h], gate weight [E, h], K) -> moe_topk of the fp32 logits, one launch
     fused_moe: Callable            # (x, w13, w2, weights, ids, w13_scale=, w2_scale=, sync=) -> [T, h]
+    fused_moe_norm: Callable       # fused_moe, then (rmsnorm(out + residual), out + residual) for the next layer
     fp8_linear: Callable           # (x, w_q, w_scale_inv) -> y
     mla_rope_kv_store: Callable    # rotate q_pe / k_pe in place and write [kv_c, k_pe] cache rows
     head_gemm: Callable            # (a [T, H, K], w [H, K, N] or [H, N, K] with trans=True) -> [T, H, N]
@@ -43,12 +44,14 @@ def get_ops(name: str) -> Ops:
     if name == "triton":
         return Ops("triton", _opaque(norm.rmsnorm), _opaque(norm.fused_add_rmsnorm),
                    _opaque(activation.silu_and_mul), _opaque(moe_topk.moe_topk), _opaque(moe_topk.moe_route),
-                   _opaque(fused_moe.fused_moe), _opaque(fp8_gemm.fp8_linear), _opaque(rope.mla_rope_kv_store),
+                   _opaque(fused_moe.fused_moe), _opaque(fused_moe.fused_moe_norm),
+                   _opaque(fp8_gemm.fp8_linear), _opaque(rope.mla_rope_kv_store),
                    _opaque(mla_absorb.head_gemm), _opaque(mla_absorb.rope_head_gemm),
                    _opaque(gemv.linear), _opaque(moe_topk.moe_route_norm))
     if name == "torch":
         return Ops("torch", norm.rmsnorm_ref, norm.fused_add_rmsnorm_ref, activation.silu_and_mul_ref,
-                   moe_topk.moe_topk_ref, moe_topk.moe_route_ref, fused_moe.fused_moe_ref, fp8_gemm.fp8_linear_ref,
+                   moe_topk.moe_topk_ref, moe_topk.moe_route_ref, fused_moe.fused_moe_ref, fused_moe.fused_moe_norm_ref,
+                   fp8_gemm.fp8_linear_ref,
                    rope.mla_rope_kv_store_ref, mla_absorb.head_gemm_ref,
                    mla_absorb.rope_head_gemm_ref, gemv.linear_ref, moe_topk.moe_route_norm_ref)
     raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(KERNEL_BACKENDS)}")

@@ -48,21 +48,31 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block with the residual carried separately: returns (mlp output, residual stream),
-        their sum being the block's output (the add is fused into the next norm)."""
-        if residual is None:
+                ctx: ForwardContext, next_norm: RMSNorm | None = None,
+                normed: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Pre-norm block with the residual carried separately: returns (mlp output, residual stream, False), their
+        sum being the block's output (the add is fused into the next norm). `normed`: x is already this block's
+        normed input (the previous block ran the norm). Given the norm that follows (`next_norm`: the next
+        block's input norm or the final one), a one-token MoE block may run it inside its experts' combine and
+        return (next_norm(output + residual), output + residual, True)."""
+        if normed:
+            h = x
+        elif residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.tp.all_reduce(self.self_attn(positions, h, ctx))          # sum of the heads' shares
-        if self.dp is None and isinstance(self.mlp, MoE) and self.mlp.takes_norm(x.shape[0]):
+        t = x.shape[0]
+        if self.dp is None and isinstance(self.mlp, MoE) and self.mlp.takes_norm(t):
+            if next_norm is not None and self.tp.size == 1 and self.mlp.takes_next_norm(t):
+                h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm)
+                return h, residual, True
             h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm)  # norm in the router
-            return self.tp.all_reduce(h), residual
+            return self.tp.all_reduce(h), residual, False
         h, residual = self.post_attention_layernorm(h, residual)
         if self.dp is not None:
-            return self.dp_moe(h, ctx.global_num_tokens), residual
-        return self.tp.all_reduce(self.mlp(h)), residual                    # sum of the intermediate shares
+            return self.dp_moe(h, ctx.global_num_tokens), residual, False
+        return self.tp.all_reduce(self.mlp(h)), residual, False             # sum of the intermediate shares
 
     def dp_moe(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The MoE under DP attention: h [n, h] of this group -> all groups' [N, h] -> MoE -> this group's [n, h]."""
@@ -78,10 +88,11 @@ class DeepseekModel(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=kw["ops"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None                     # [T, h]
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
-        return self.norm(x, residual)[0]
+        x, residual, normed = self.embed_tokens(input_ids), None, False     # [T, h]
+        for i, layer in enumerate(self.layers):
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, residual, normed = layer(positions, x, residual, ctx, after, normed)
+        return x if normed else self.norm(x, residual)[0]
 
 
 class SharedHead(torch.nn.Module):
@@ -123,7 +134,8 @@ class NextNLayer(torch.nn.Module):
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> ModelOutput:
         x = self.eh_proj(torch.cat([self.enorm(self.embed(next_ids)), self.hnorm(hidden)], dim=-1))
-        x = self.shared_head.norm(*self.block(positions, x, None, ctx))[0]
+        x, residual, normed = self.block(positions, x, None, ctx, self.shared_head.norm)
+        x = x if normed else self.shared_head.norm(x, residual)[0]
         rows = x if ctx.logits_indices is None else x[ctx.logits_indices]
         return ModelOutput(self.shared_head.head(rows), x)
 

@@ -460,3 +460,28 @@ def test_fused_moe_sorts_from_two_tokens(monkeypatch: pytest.MonkeyPatch) -> Non
         ids = torch.empty(t, V2_LITE.top_k, dtype=torch.int32, device="meta")
         fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG)
     assert sorted_for == [2, 64]
+
+
+@pytest.mark.parametrize("fp8,dtype", [(False, torch.float32), (False, torch.float16), (True, torch.float16)])
+def test_fused_moe_norm_is_the_moe_then_the_next_norm(fp8: bool, dtype: torch.dtype, device: str) -> None:
+    """One token: the experts' output combined in the second GEMM, then (last output tile) the next layer's input
+    norm of out + residual: fused_moe's own output run through the norm's reference, x + residual rounded once,
+    the residual untouched and every count back to zero (twice: the counts are reused)."""
+    from mlaserve.kernels.norm import fused_add_rmsnorm_ref
+
+    shape, w, topk_weights, topk_ids, x, config = seeded_case(1, fp8, dtype, device)
+    residual = torch.randn_like(x) * 4
+    norm_w = (torch.rand(shape.hidden, device=device) + 0.5).to(dtype)
+    sync, before = torch.zeros(shape.hidden // 16 + 1, dtype=torch.int32, device=device), residual.clone()
+    out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config, sync=sync)
+    want_h, want_res = fused_add_rmsnorm_ref(out, residual, norm_w, 1e-6)
+    for _ in range(2):
+        h, res = fm.fused_moe_norm(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, residual=residual,
+                                   norm_weight=norm_w, eps=1e-6, sync=sync, config=config)
+        assert not sync.any() and torch.equal(residual, before)
+        assert torch.equal(res, want_res)
+        tol = 2e-3 if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(h, want_h, atol=tol, rtol=tol)
+    ref_h, _ = fm.fused_moe_norm_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, residual=residual,
+                                     norm_weight=norm_w, eps=1e-6)
+    assert rel_err(h, ref_h) < (FP8_TOL if fp8 else TOL)[dtype] * 4          # the norm scales errors by ~rms^-1
