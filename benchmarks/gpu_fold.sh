@@ -28,10 +28,13 @@ if [ "$PART" = check ]; then
   new timeout 90 python3 benchmarks/profile_decode.py --bs 1 --model-config /tmp/v3_4l.json > "$OUT/prof_v3_bs1_new.txt" 2>&1
   grep -A3 "kernels per step" "$OUT/prof_v3_bs1_new.txt"
 fi
-if [ "$PART" = route ] || [ "$PART" = rope ]; then   # the one-tile router; then W_UK's GEMM in the rope's launch
+if [ "$PART" = route ] || [ "$PART" = rope ] || [ "$PART" = next ]; then
+  # the one-tile router; W_UK's GEMM in the rope's launch; the next layer's input norm in the MoE combine
   K="route or greedy_equals"; [ "$PART" = rope ] && K="rope or absorb or greedy_equals or logprobs"
-  new timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_topk.py tests/kernels/test_mla_absorb.py \
-    tests/kernels/test_rope.py tests/models/test_gpu_fastpath.py -k "$K" 2>&1 | tail -3 | tee "$OUT/tests.txt"
+  [ "$PART" = next ] && K="fused_moe or greedy_equals or logprobs or spec"
+  new timeout 400 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_topk.py tests/kernels/test_mla_absorb.py \
+    tests/kernels/test_rope.py tests/kernels/test_fused_moe.py tests/models/test_gpu_fastpath.py tests/engine/test_spec.py \
+    -k "$K" 2>&1 | tail -3 | tee "$OUT/tests.txt"
   [ "$PART" = route ] && new timeout 120 python3 benchmarks/bench_decode_fold.py --tokens 1 16 2>&1 | grep -v Warn | tee "$OUT/fold.jsonl"
   new timeout 90 python3 benchmarks/profile_decode.py --bs 1 > "$OUT/prof_v2l_bs1_new.txt" 2>&1
   grep -A12 "kernels per step" "$OUT/prof_v2l_bs1_new.txt"
