@@ -174,6 +174,10 @@ class ModelConfig:
         )
         if cfg.n_routed_experts and cfg.topk_group > cfg.n_group:
             _bad("topk_group", cfg.topk_group, f"must be <= n_group ({cfg.n_group})")
+        kept = cfg.topk_group * (cfg.n_routed_experts // cfg.n_group)
+        if cfg.n_routed_experts and cfg.topk_method != "greedy" and kept < cfg.num_experts_per_tok:
+            _bad("topk_group", cfg.topk_group, f"its {kept} experts are fewer than num_experts_per_tok "
+                 f"({cfg.num_experts_per_tok})")
         if cfg.n_routed_experts and cfg.num_experts_per_tok > cfg.n_routed_experts:
             _bad("num_experts_per_tok", cfg.num_experts_per_tok, "exceeds n_routed_experts")
         return cfg

@@ -63,6 +63,14 @@ def test_unsupported_values_fail_with_one_line(key, value, words):
     assert words in msg and "\n" not in msg
 
 
+def test_groups_must_hold_the_top_k():
+    """Grouped routing picks top_k experts from the topk_group best groups: fewer experts there than top_k would
+    pick one expert twice."""
+    with pytest.raises(ConfigError, match="its 32 experts are fewer than num_experts_per_tok") as e:
+        ModelConfig.from_dict(load("deepseek-v3.json") | {"n_group": 8, "topk_group": 1, "num_experts_per_tok": 40})
+    assert "\n" not in str(e.value)
+
+
 def test_noaux_needs_sigmoid():
     with pytest.raises(ConfigError, match="scoring_func='softmax'"):
         ModelConfig.from_dict(load("deepseek-v3.json") | {"scoring_func": "softmax"})

@@ -125,6 +125,8 @@ def _check(router_logits: torch.Tensor, top_k: int, topk_method: str, scoring_fu
     if topk_method != "greedy":
         assert n_group > 0 and e % n_group == 0, f"E={e} must divide into n_group={n_group} groups"
         assert 0 < topk_group <= n_group, f"topk_group={topk_group} must be in [1, n_group={n_group}]"
+        assert topk_group * (e // n_group) >= top_k, \
+            f"topk_group={topk_group} groups of {e // n_group} experts hold fewer than top_k={top_k}"
     if e_score_correction_bias is not None:
         assert e_score_correction_bias.shape == (e,), f"e_score_correction_bias must be [{e}]"
 

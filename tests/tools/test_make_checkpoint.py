@@ -86,7 +86,7 @@ def test_full_width_v3_fp8_layout():
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("MLASERVE_SLOW") != "1", reason="writes ~7 GB; set MLASERVE_SLOW=1")
 def test_full_width_v3_fp8_written_with_fewer_experts(tmp_path):
-    src = json.loads((DATA / "deepseek-v3.json").read_text()) | {"n_routed_experts": 8, "n_group": 8, "topk_group": 4}
+    src = json.loads((DATA / "deepseek-v3.json").read_text()) | {"n_routed_experts": 8, "n_group": 8, "topk_group": 8}
     (tmp_path / "cfg.json").write_text(json.dumps(src))
     out = tmp_path / "v3full"
     assert cli(["make-checkpoint", "--config", str(tmp_path / "cfg.json"), "--out", str(out), "--num-layers", "4",
