@@ -13,8 +13,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from mlaserve.kernels.moe_topk import (moe_route, moe_route_norm, moe_route_norm_ref, moe_route_ref, moe_topk,
                                        moe_topk_ref)
 
-# weights: fp32 scores; exp / sigmoid / normalisation may differ by a few ulps between Triton and torch
-TOL = 1e-6
+# weights: fp32 scores; exp / sigmoid / normalisation may differ by a few ulps between Triton and torch, and
+# moe_route's logits are sums in another order than F.linear's (seed 607421245: 1.4e-6 on a weight of 0.26)
+TOL = 1e-5
 
 V2_GREEDY = dict(top_k=6, topk_method="greedy", scoring_func="softmax")
 V2_GROUPED = dict(top_k=6, topk_method="group_limited_greedy", scoring_func="softmax", n_group=4, topk_group=2,
