@@ -284,6 +284,9 @@ class ParallelConfig:
                                      "--nnodes > 1, default a free port on 127.0.0.1")
     dist_timeout: float | None = opt(None, "seconds a collective may wait for the other ranks before the server "
                                      "exits (default: 600)")
+    disable_custom_all_reduce: bool = opt(False, "run every tensor-parallel all-reduce on NCCL (default: rows "
+                                          "that fit the peer buffers, as decode's do, are summed over CUDA IPC in "
+                                          "one launch with the residual add and RMSNorm that follow)")
 
 
 @dataclass(frozen=True)

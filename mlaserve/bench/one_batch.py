@@ -304,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ep-size", type=int, nargs="+", default=[1],
                     help="expert-parallel sizes to run each TP size with (1, or equal to it; others are skipped)")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="every all-reduce on NCCL (default: decode's over peer buffers where the GPUs allow)")
     ap.add_argument("--enable-torch-compile", action="store_true", help="torch.compile the decode step (in graphs)")
     ap.add_argument("--speculative-algorithm", choices=("EAGLE", "NEXTN"), default=None,
                     help="decode with the checkpoint's MTP layer drafting (reports the accept length)")
@@ -338,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             got, cfg, startup[label] = bench_rank(None, run, path, ceil)
         else:
             device = "cuda" if torch.cuda.is_available() and args.device in ("auto", "cuda") else "cpu"
-            got, cfg, startup[label] = spawn_ranks(bench_rank, tp, run, path, ceil, device=device)[0]
+            got, cfg, startup[label] = spawn_ranks(bench_rank, tp, run, path, ceil, device=device,
+                                                   peer_all_reduce=False if args.disable_custom_all_reduce else None)[0]
         rows += got
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

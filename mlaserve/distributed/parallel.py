@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from mlaserve.distributed.dp_attention import DPAttention
+    from mlaserve.distributed.peer import PeerAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,10 @@ class TensorParallel:
     def __init__(self, rank: int = 0, size: int = 1, group: "dist.ProcessGroup | None" = None,
                  nccl: bool = False):
         self.rank, self.size, self.group, self.nccl = rank, size, group, nccl
+        self.peer: PeerAllReduce | None = None     # the one-shot all-reduce over peer buffers, where it runs
 
     def __repr__(self) -> str:
-        return f"TensorParallel(rank={self.rank}, size={self.size})"
+        return f"TensorParallel(rank={self.rank}, size={self.size}{', peer' if self.peer else ''})"
 
     def split(self, n: int, what: str) -> int:
         """n / size, the local share of a dimension of n (ValueError naming `what` when it does not divide)."""
@@ -106,10 +108,24 @@ class TensorParallel:
         return n // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over the ranks, in place (the partial outputs of row-parallel layers)."""
+        """Sum of `x` over the ranks, in place (the partial outputs of row-parallel layers): one launch over the
+        peer buffers when they take x, else NCCL (gloo on the CPU)."""
         if self.size > 1:
-            _all_reduce(x, self.group)
+            if self.peer is not None and self.peer.fits(x):
+                _peer_all_reduce(self.peer, x)
+            else:
+                _all_reduce(x, self.group)
         return x
+
+    def fuses_norm(self, x: torch.Tensor) -> bool:
+        """Whether `all_reduce_add_norm` runs x as one launch (else the caller reduces and norms apart)."""
+        return self.size > 1 and self.peer is not None and self.peer.fits(x)
+
+    def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(sum + residual) * weight, sum + residual) with the sum of x over the ranks, in one launch;
+        `residual` is updated in place. Only where `fuses_norm(x)`."""
+        return _peer_all_reduce_add_norm(self.peer, x, residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., size * n], rank r's part at columns r * n .. (r + 1) * n - 1."""
@@ -121,6 +137,17 @@ class TensorParallel:
 @torch.compiler.disable
 def _all_reduce(x: torch.Tensor, group) -> None:
     dist.all_reduce(x, group=group)
+
+
+@torch.compiler.disable
+def _peer_all_reduce(peer: "PeerAllReduce", x: torch.Tensor) -> None:
+    peer.all_reduce(x)
+
+
+@torch.compiler.disable
+def _peer_all_reduce_add_norm(peer: "PeerAllReduce", x: torch.Tensor, residual: torch.Tensor,
+                              weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return peer.all_reduce_add_norm(x, residual, weight, eps)
 
 
 @torch.compiler.disable
@@ -203,9 +230,13 @@ class RankGroup:
 
 
 def init_distributed(info: ParallelInfo, init_addr: str, timeout_s: float | None,
-                     device: torch.device) -> RankGroup:
+                     device: torch.device, peer_all_reduce: bool | None = None) -> RankGroup:
     """Join the server's ranks at `init_addr` (host:port of rank 0's store). Single-rank servers create no
-    process group. Raises CollectiveError (one line) when the ranks cannot meet."""
+    process group. Raises CollectiveError (one line) when the ranks cannot meet.
+
+    `peer_all_reduce`: the tensor-parallel group's small all-reduces over peer buffers: None = where it can run
+    (GPUs of one host with peer access), False = never (`--disable-custom-all-reduce`), True = always, CPU ranks
+    included (the Triton interpreter: tests), ValueError where it cannot."""
     if info.world_size == 1:
         return RankGroup(info, TensorParallel(), None)
     if info.tp_size % info.dp_size:
@@ -229,6 +260,8 @@ def init_distributed(info: ParallelInfo, init_addr: str, timeout_s: float | None
         # NOTE: the NCCL communicators are created by the first collective; do it now, before any graph capture
         world.all_reduce(torch.zeros(1, device=device))
         group.tp.all_reduce(torch.zeros(1, device=device))
+    if peer_all_reduce is not False:
+        _attach_peer(info, group.tp, cpu_group, device, required=bool(peer_all_reduce))
     logger.info("rank %d of %d joined (%s, node %d of %d)", info.rank, info.world_size, backend, info.node_rank,
                 info.nnodes)
     return group
@@ -251,15 +284,43 @@ def _dp_attention_group(info: ParallelInfo, world: TensorParallel, cpu_group, ba
     return RankGroup(info, attn, cpu_group, dp=dp, leader_cpu_group=attn_cpu)
 
 
+def _attach_peer(info: ParallelInfo, tp: TensorParallel, cpu_group, device: torch.device, required: bool) -> None:
+    """Give `tp` its peer all-reduce when every group of the world can have one (collective over the world)."""
+    from mlaserve.distributed.peer import PeerAllReduce, peer_members, why_not_peer
+
+    if tp.size == 1:
+        return
+    members = peer_members(info.rank, tp.rank, tp.size)
+    dev = torch.cuda.current_device() if device.type == "cuda" else -1
+    devices: list = [None] * info.world_size
+    dist.all_gather_object(devices, dev, group=cpu_group)
+    why = None
+    if device.type == "cuda" or not required:
+        why = why_not_peer(device, members, info.local_size, [devices[m] for m in members])
+    whys: list = [None] * info.world_size
+    dist.all_gather_object(whys, why, group=cpu_group)
+    why = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), None)
+    if why is not None:
+        if required:
+            raise ValueError(f"the peer all-reduce cannot run: {why}")
+        if device.type == "cuda" and info.rank == 0:
+            logger.info("small all-reduces run on NCCL (no peer buffers: %s)", why)
+        return
+    tp.peer = PeerAllReduce(tp.rank, members, cpu_group, device)
+    if info.rank == 0:
+        logger.info("small all-reduces (<= %d rows) run over peer buffers in one launch", tp.peer.peers.max_rows)
+
+
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 3600.0, dp_size: int = 1) -> list:
+def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 3600.0, dp_size: int = 1,
+                peer_all_reduce: bool | None = None) -> list:
     """fn(group, *args) on `world` freshly spawned ranks joined on a free loopback port (rank r on `cuda:r` when
-    `device` is "cuda"; `dp_size` DP-attention groups); returns each rank's result in rank order. `fn` must be
-    importable by name."""
+    `device` is "cuda"; `dp_size` DP-attention groups; `peer_all_reduce` as
+    `init_distributed` takes it); returns each rank's result in rank order. `fn` must be importable by name."""
     import multiprocessing as mp
     import socket
 
@@ -270,7 +331,8 @@ def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 360
     pipes, procs = [], []
     for rank in range(world):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, args=(fn, rank, world, addr, device, args, send, dp_size), daemon=True)
+        proc = ctx.Process(target=_rank_main, daemon=True,
+                           args=(fn, rank, world, addr, device, args, send, dp_size, peer_all_reduce))
         proc.start()
         send.close()
         pipes.append(recv)
@@ -292,7 +354,8 @@ def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 360
                 proc.kill()
 
 
-def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn, dp_size: int = 1) -> None:
+def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn, dp_size: int = 1,
+               peer_all_reduce: bool | None = None) -> None:
     import traceback
 
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
@@ -303,7 +366,7 @@ def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, c
     # NOTE: plain pickle, by value: multiprocessing's own pickler would send tensors as shared-memory handles that
     # the caller can no longer open once this rank has exited
     try:
-        group = init_distributed(ParallelInfo(world, rank, dp_size=dp_size), addr, 600, dev)
+        group = init_distributed(ParallelInfo(world, rank, dp_size=dp_size), addr, 600, dev, peer_all_reduce)
         conn.send_bytes(pickle.dumps(("ok", fn(group, *args))))
     except BaseException:  # noqa: BLE001 - reported to the caller
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))

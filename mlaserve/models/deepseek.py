@@ -53,26 +53,43 @@ class DecoderLayer(torch.nn.Module):
         """Pre-norm block with the residual carried separately: returns (mlp output, residual stream, False), their
         sum being the block's output (the add is fused into the next norm). `normed`: x is already this block's
         normed input (the previous block ran the norm). Given the norm that follows (`next_norm`: the next
-        block's input norm or the final one), a one-token MoE block may run it inside its experts' combine and
-        return (next_norm(output + residual), output + residual, True)."""
+        block's input norm or the final one), a one-token MoE block may run it inside its experts' combine, and a
+        tensor-parallel block inside its all-reduce (peer buffers), and return (next_norm(output + residual),
+        output + residual, True)."""
         if normed:
             h = x
         elif residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.tp.all_reduce(self.self_attn(positions, h, ctx))          # sum of the heads' shares
+        h = self.self_attn(positions, h, ctx)                              # this rank's share of the heads' sum
         t = x.shape[0]
         if self.dp is None and isinstance(self.mlp, MoE) and self.mlp.takes_norm(t):
+            h = self.tp.all_reduce(h)
             if next_norm is not None and self.tp.size == 1 and self.mlp.takes_next_norm(t):
                 h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm)
                 return h, residual, True
             h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm)  # norm in the router
-            return self.tp.all_reduce(h), residual, False
-        h, residual = self.post_attention_layernorm(h, residual)
+            return self.reduce_out(h, residual, next_norm)
+        h, residual = self.reduce_norm(h, residual, self.post_attention_layernorm)
         if self.dp is not None:
             return self.dp_moe(h, ctx.global_num_tokens), residual, False
-        return self.tp.all_reduce(self.mlp(h)), residual, False             # sum of the intermediate shares
+        return self.reduce_out(self.mlp(h), residual, next_norm)            # sum of the intermediate shares
+
+    def reduce_norm(self, h: torch.Tensor, residual: torch.Tensor,
+                    norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(all_reduce(h), residual): one launch where the peer all-reduce takes h."""
+        if self.tp.fuses_norm(h):
+            return self.tp.all_reduce_add_norm(h, residual, norm.weight, norm.eps)
+        return norm(self.tp.all_reduce(h), residual)
+
+    def reduce_out(self, h: torch.Tensor, residual: torch.Tensor,
+                   next_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The block's output from this rank's share h: (all_reduce(h), residual, False), or, where the peer
+        all-reduce takes h and the next norm, (next_norm(sum + residual), sum + residual, True)."""
+        if next_norm is not None and self.tp.fuses_norm(h):
+            return *self.tp.all_reduce_add_norm(h, residual, next_norm.weight, next_norm.eps), True
+        return self.tp.all_reduce(h), residual, False
 
     def dp_moe(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The MoE under DP attention: h [n, h] of this group -> all groups' [N, h] -> MoE -> this group's [n, h]."""

@@ -46,7 +46,8 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
             torch.cuda.set_device(device)
         elif info.world_size > 1:            # CPU ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_size))
-        group = init_distributed(info, server.parallel.dist_init_addr, server.parallel.dist_timeout, device)
+        group = init_distributed(info, server.parallel.dist_init_addr, server.parallel.dist_timeout, device,
+                                 peer_all_reduce=False if server.parallel.disable_custom_all_reduce else None)
         sched = Scheduler(server, model_path, group=group)
         warmup_s = None
         if not server.sched.skip_server_warmup:

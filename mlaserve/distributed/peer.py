@@ -1,0 +1,131 @@
+"""The fast small all-reduce of the decode path: every rank of a tensor-parallel group maps the others' staging
+buffers and signal pads, and one Triton launch sums a batch of rows (`kernels/allreduce.py`).
+
+GPUs of one host share memory through CUDA IPC handles (torch's own, as torch.multiprocessing sends CUDA
+tensors), exchanged once over the host (gloo) group. CPU ranks share POSIX shared memory, and the kernel runs
+under the Triton interpreter: that is how CI tests the protocol with two processes. NCCL stays the path for
+anything larger than the buffers, for groups that span nodes or lack peer access, and is the reference.
+NVLink multicast is never used.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+from multiprocessing import shared_memory
+
+import torch
+import torch.distributed as dist
+
+from mlaserve.kernels.allreduce import PeerPointers, buffer_bytes, peer_all_reduce, sig_pad_ints
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 128                  # rows (tokens) of one call: the decode batches the graphs capture
+HALF_BYTES = 1 << 20            # bytes of one call's rows: 64 x 7168 bf16 fits
+
+
+class PeerAllReduce:
+    """One rank's side: its own buffers, the addresses of every member's, and the launch.
+
+    `members`: the global ranks of the group in group-rank order; `cpu_group`: a gloo group holding at least
+    them (every rank of it must construct a PeerAllReduce at the same point, members or not).
+    """
+
+    def __init__(self, group_rank: int, members: list[int], cpu_group, device: torch.device,
+                 max_rows: int = MAX_ROWS, half_bytes: int = HALF_BYTES):
+        self.rank, self.world, self.device = group_rank, len(members), device
+        self._keep: list = []                        # mapped peer tensors and shared-memory segments
+        nbytes, nsig = buffer_bytes(half_bytes), sig_pad_ints(len(members), max_rows) * 4
+        if device.type == "cuda":
+            own_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            own_sig = torch.zeros(nsig, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize(device)
+            mine = (torch.cuda.current_device(), _cuda_handle(own_buf), _cuda_handle(own_sig))
+        else:
+            own = [shared_memory.SharedMemory(create=True, size=n) for n in (nbytes, nsig)]
+            self._keep += own
+            own_buf, own_sig = (_shm_tensor(s, n) for s, n in zip(own, (nbytes, nsig)))
+            own_sig.zero_()
+            mine = (-1, own[0].name, own[1].name)
+        self._keep += [own_buf, own_sig]
+        everyone: list = [None] * dist.get_world_size(cpu_group)
+        dist.all_gather_object(everyone, pickle.dumps(mine), group=cpu_group)
+        theirs = [pickle.loads(everyone[dist.get_group_rank(cpu_group, m)]) for m in members]
+        bufs, sigs = [], []
+        for i, (dev, b, s) in enumerate(theirs):
+            if i == group_rank:
+                bufs.append(own_buf.data_ptr())
+                sigs.append(own_sig.data_ptr())
+                continue
+            if device.type == "cuda":
+                pb, ps = _cuda_open(b), _cuda_open(s)
+            else:
+                segs = [shared_memory.SharedMemory(name=n) for n in (b, s)]
+                self._keep += segs
+                pb, ps = (_shm_tensor(seg, n) for seg, n in zip(segs, (nbytes, nsig)))
+            self._keep += [pb, ps]
+            bufs.append(pb.data_ptr())
+            sigs.append(ps.data_ptr())
+        dist.barrier(group=cpu_group)                # every rank has mapped every segment
+        if device.type != "cuda":
+            for seg in own:
+                seg.unlink()                         # the mappings stay; nothing is left behind at exit
+        self.peers = PeerPointers(
+            group_rank, self.world, torch.tensor(bufs, dtype=torch.int64, device=device),
+            torch.tensor(sigs, dtype=torch.int64, device=device),
+            torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
+
+    def __repr__(self) -> str:
+        return f"PeerAllReduce(rank={self.rank}, world={self.world}, {self.device.type})"
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether this call can take x [T, D] (else the caller uses NCCL / gloo)."""
+        return x.dim() == 2 and x.stride(1) == 1 and x.dtype in _DTYPES and self.peers.fits(x)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the group, in place."""
+        return peer_all_reduce(x, self.peers)
+
+    def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
+        return peer_all_reduce(x, self.peers, residual, weight, eps), residual
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _cuda_handle(t: torch.Tensor) -> bytes:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps(reduce_tensor(t)[1])
+
+
+def _cuda_open(handle: bytes) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(*pickle.loads(handle))
+
+
+def _shm_tensor(seg: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes)
+
+
+def peer_members(rank: int, group_rank: int, size: int) -> list[int]:
+    """Global ranks of a tensor-parallel group of consecutive ranks, in group-rank order."""
+    first = rank - group_rank
+    return list(range(first, first + size))
+
+
+def why_not_peer(device: torch.device, members: list[int], local_size: int, devices: list[int]) -> str | None:
+    """Why the group cannot use peer buffers (None: it can): ranks on several nodes, or GPUs without peer access.
+    `devices`: each member's CUDA device index."""
+    if device.type != "cuda":
+        return "the ranks run on the CPU (gloo)"
+    if len({m // local_size for m in members}) > 1:
+        return "the group spans nodes"
+    me = torch.cuda.current_device()
+    for d in devices:
+        if d != me and not torch.cuda.can_device_access_peer(me, d):
+            return f"cuda:{me} has no peer access to cuda:{d}"
+    return None

@@ -1,0 +1,141 @@
+"""One-shot all-reduce over peer buffers, optionally fused with the residual add and RMSNorm that follow it.
+
+Every rank of a group maps every other rank's staging buffer and signal pad (CUDA IPC between GPUs of one
+host; shared memory between CPU processes, where the kernel runs under the Triton interpreter). One launch
+per rank, one program per token row:
+
+    1. copy its row of x into its own staging buffer (half `epoch & 1` of it),
+    2. raise flag [rank, row] = epoch on every rank's signal pad (release, system scope),
+    3. wait until every rank's flag [p, row] on its own pad has reached epoch (acquire),
+    4. read the row from every rank's buffer, sum in fp32 in rank order (every rank gets the same bits),
+    5. write the sum (in place over x), or with a residual: residual += sum, out = rmsnorm(residual).
+
+`epoch` is a per-row counter kept on the device and advanced by the program itself, so a CUDA graph replays
+the launch as it is. All ranks issue the same sequence of launches with the same row counts (SPMD), so their
+counters agree. Two staging halves make reuse safe: a rank writes a half again two epochs later, by which time
+it has seen every peer's flag for the epoch in between, and a peer raises that flag only in a launch that
+starts after its read of the half has finished. Flags only grow (compared with wrap-around arithmetic), so a
+fast peer's next flag cannot be mistaken for a missing one.
+
+Shapes: `T` rows (<= max_rows), `D` hidden size; each half of a staging buffer holds T x D elements.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mlaserve.kernels.kv_store import num_warps_for
+from mlaserve.kernels.norm import fused_add_rmsnorm_ref
+
+
+@triton.jit
+def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, epoch_ptr, rank, D, half, eps,
+                            stride_x, stride_res, stride_out,
+                            WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                            NORM: tl.constexpr):
+    row = tl.program_id(0)
+    e = tl.load(epoch_ptr + row) + 1
+    tl.store(epoch_ptr + row, e)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
+    slot = (e & 1).to(tl.int64) * half + row.to(tl.int64) * D
+    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(x.dtype))
+    tl.store(mine + slot + offs, x, mask=mask)
+    tl.debug_barrier()                                   # every thread's store before the flag
+    for p in tl.static_range(WORLD):
+        pad = tl.load(sig_ptrs + p).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(pad + rank * MAX_ROWS + row, e, sem="release", scope="sys")
+    own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(WORLD):
+        seen = tl.atomic_add(own + p * MAX_ROWS + row, 0, sem="acquire", scope="sys")
+        while seen - e < 0:                              # wrap-around safe "seen < e"
+            seen = tl.atomic_add(own + p * MAX_ROWS + row, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in tl.static_range(WORLD):                     # rank order: the same sum on every rank
+        src = tl.load(buf_ptrs + p).to(tl.pointer_type(x.dtype))
+        acc += tl.load(src + slot + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+    y = acc.to(x.dtype)                                  # what the all-reduce alone returns
+    if NORM:
+        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(x.dtype)           # residual_out, rounded to x.dtype
+        tl.store(res_ptr + row.to(tl.int64) * stride_res + offs, y, mask=mask)
+        y32 = y.to(tl.float32)
+        var = tl.sum(y32 * y32, axis=0) / D
+        n = (y32 * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (w * n).to(x.dtype)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=mask)
+
+
+class PeerPointers:
+    """Device tensors a rank passes to the kernel: the int64 addresses (in this process) of every rank's staging
+    buffer and signal pad, this rank's epoch counters, and the sizes they were allocated for."""
+
+    def __init__(self, rank: int, world: int, buf_ptrs: torch.Tensor, sig_ptrs: torch.Tensor,
+                 epochs: torch.Tensor, max_rows: int, half_bytes: int):
+        assert buf_ptrs.shape == (world,) and sig_ptrs.shape == (world,), "one buffer and one pad per rank"
+        assert buf_ptrs.dtype == sig_ptrs.dtype == torch.int64 and epochs.dtype == torch.int32
+        assert epochs.shape == (max_rows,), f"epochs must be [{max_rows}], got {tuple(epochs.shape)}"
+        self.rank, self.world, self.max_rows, self.half_bytes = rank, world, max_rows, half_bytes
+        self.buf_ptrs, self.sig_ptrs, self.epochs = buf_ptrs, sig_ptrs, epochs
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether [T, D] x fits one half of the staging buffers and the flag rows."""
+        t, d = x.shape
+        return 0 < t <= self.max_rows and t * d * x.element_size() <= self.half_bytes
+
+
+def buffer_bytes(half_bytes: int) -> int:
+    """Bytes of one rank's staging buffer: two halves."""
+    return 2 * half_bytes
+
+
+def sig_pad_ints(world: int, max_rows: int) -> int:
+    """int32 flags in one rank's signal pad: one per (source rank, row)."""
+    return world * max_rows
+
+
+def peer_all_reduce(x: torch.Tensor, peers: PeerPointers, residual: torch.Tensor | None = None,
+                    weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Sum of x [T, D] over the ranks (every rank calls it with the same shape, in the same order).
+
+    Without `residual`: the sum, written over x (returned). With `residual` and `weight`: residual += sum (in
+    place) and returns rmsnorm(residual) * weight as a new tensor, x left as is.
+    """
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] with contiguous rows, got {tuple(x.shape)}"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x must be bf16/fp16/fp32, got {x.dtype}"
+    assert peers.fits(x), f"x {tuple(x.shape)} {x.dtype} exceeds the peer buffers ({peers.max_rows} rows, " \
+                          f"{peers.half_bytes} bytes)"
+    norm = residual is not None
+    if norm:
+        assert weight is not None and weight.shape == (x.shape[1],) and weight.is_contiguous(), \
+            f"weight must be [{x.shape[1]}] and contiguous"
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1, \
+            f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}"
+        out = torch.empty_like(x)
+    else:
+        out = x
+    t, d = x.shape
+    block = triton.next_power_of_2(d)
+    half = peers.half_bytes // x.element_size()
+    _peer_all_reduce_kernel[(t,)](
+        x, residual if norm else x, weight if norm else x, out, peers.buf_ptrs, peers.sig_ptrs, peers.epochs,
+        peers.rank, d, half, float(eps), x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
+        WORLD=peers.world, MAX_ROWS=peers.max_rows, BLOCK=block, NORM=norm, num_warps=num_warps_for(block))
+    return out
+
+
+def peer_all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = None,
+                        weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | tuple:
+    """Reference: the ranks' parts summed in fp32 in rank order, rounded to their dtype; with `residual`, returns
+    (rmsnorm(sum + residual) * weight, sum + residual) as new tensors."""
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    total = total.to(parts[0].dtype)
+    if residual is None:
+        return total
+    return fused_add_rmsnorm_ref(total, residual, weight, eps)

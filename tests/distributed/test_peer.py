@@ -1,0 +1,176 @@
+"""The one-shot all-reduce over peer buffers on two CPU ranks (shared memory, the Triton kernel under the
+interpreter): against gloo's all-reduce and the reference, call after call (both staging halves, row counts
+that change), and in the model against one process."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mlaserve.distributed import spawn_ranks
+from mlaserve.kernels.allreduce import peer_all_reduce_ref
+
+# (rows, hidden, dtype) of consecutive calls: repeats reuse both staging halves and row flags at several epochs;
+# the last does not fit the buffers' 128 rows and must take gloo. No bf16: the interpreter rounds it otherwise (the
+# GPU test covers it)
+CALLS = [(1, 64, torch.float32), (3, 96, torch.float16), (1, 64, torch.float32), (7, 200, torch.float16),
+         (2, 64, torch.float32), (1, 64, torch.float16), (5, 130, torch.float32), (3, 96, torch.float16),
+         (129, 8, torch.float32)]
+EPS = 1e-6
+
+
+def _calls_on_rank(group, seed: int) -> list[dict]:
+    tp, rank = group.tp, group.info.rank
+    assert tp.peer is not None and tp.peer.world == 2, tp
+    out = []
+    for i, (t, d, dtype) in enumerate(CALLS):
+        g = torch.Generator().manual_seed(seed + 1000 * i + rank)
+        x = torch.randn(t, d, generator=g).to(dtype)
+        residual = torch.randn(t, d, generator=torch.Generator().manual_seed(seed + 1000 * i + 7)).to(dtype)
+        weight = torch.rand(d, generator=torch.Generator().manual_seed(seed + 1000 * i + 8)).to(dtype) + 0.5
+        parts = [torch.empty_like(x) for _ in range(2)]
+        dist.all_gather(parts, x, group=tp.group)
+        summed = x.clone()
+        tp.all_reduce(summed)
+        gloo = x.clone()
+        dist.all_reduce(gloo, group=tp.group)
+        row = {"sum": summed, "gloo": gloo, "ref": peer_all_reduce_ref(parts), "fits": tp.peer.fits(x)}
+        if tp.fuses_norm(x):
+            res = residual.clone()
+            normed, res_out = tp.all_reduce_add_norm(x.clone(), res, weight, EPS)
+            want_n, want_r = peer_all_reduce_ref(parts, residual, weight, EPS)
+            row |= {"normed": normed, "res": res_out, "res_in_place": res_out is res, "want_n": want_n,
+                    "want_r": want_r}
+        out.append(row)
+    return out
+
+
+def test_peer_all_reduce_equals_gloo_call_after_call():
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    ranks = spawn_ranks(_calls_on_rank, 2, seed, peer_all_reduce=True, timeout=600)
+    for i, ((t, d, dtype), a, b) in enumerate(zip(CALLS, *ranks)):
+        assert a["fits"] == (t <= 128), (i, t)
+        assert torch.equal(a["sum"], b["sum"]), f"call {i}: the ranks' sums differ"
+        assert torch.equal(a["sum"], a["ref"]), f"call {i}: sum != fp32 sum in rank order"
+        # two terms: fp32 a + b rounded once is gloo's a + b in the tensor's own dtype
+        assert torch.equal(a["sum"], a["gloo"]), f"call {i}: sum != gloo's"
+        if not a["fits"]:
+            assert "normed" not in a
+            continue
+        assert a["res_in_place"]
+        assert torch.equal(a["res"], a["want_r"]) and torch.equal(a["res"], b["res"]), f"call {i}: residual"
+        assert torch.equal(a["normed"], b["normed"]), f"call {i}: the ranks' norms differ"
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(a["normed"].float(), a["want_n"].float(), rtol=tol, atol=tol)
+
+
+def _model_on_ranks(group, path: str, msgs: list) -> dict:
+    from test_tensor_parallel import _scheduler
+    from seq_runner import drive_scheduler
+
+    tp = group.tp
+    assert tp.peer is not None
+    fused, plain = [], []
+    tp.all_reduce_add_norm = _counted(tp.all_reduce_add_norm, fused)
+    tp.peer.all_reduce = _counted(tp.peer.all_reduce, plain)
+    sched = _scheduler(path, group, max_total_tokens=512)
+    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain)}
+
+
+def _counted(fn, calls: list):
+    def counted(*args):
+        calls.append(1)
+        return fn(*args)
+    return counted
+
+
+def test_tp2_over_peer_buffers_equals_one_process(tmp_path):
+    """The model's all-reduces over the peer buffers, with the norms after them fused in (V3 shape with a dense
+    first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's."""
+    from parallel_common import checkpoint_builder
+    from test_tensor_parallel import _msg, _scheduler
+    from seq_runner import drive_scheduler
+
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    msgs = [_msg(f"r{i}", [rng.randrange(5, 4000) for _ in range(rng.randint(3, 30))], 8) for i in range(3)]
+    path = checkpoint_builder(tmp_path)("v3")
+    one = drive_scheduler(_scheduler(path, max_total_tokens=512), msgs)
+    ranks = spawn_ranks(_model_on_ranks, 2, path, msgs, peer_all_reduce=True, timeout=900)
+    assert ranks[0] == ranks[1], "the two ranks disagree"
+    assert ranks[0]["fused"] > 0 and ranks[0]["plain"] > 0, ranks[0]
+    assert {r: o["ids"] for r, o in ranks[0]["out"].items()} == {r: o["ids"] for r, o in one.items()}
+
+
+# --- on one GPU: two processes over CUDA IPC (the GPU time-slices their spinning programs: correctness only) ---
+
+GPU_CALLS = [(1, 7168, torch.bfloat16), (16, 7168, torch.bfloat16), (1, 2048, torch.bfloat16),
+             (64, 7168, torch.bfloat16), (3, 2048, torch.float16), (5, 1000, torch.float32), (1, 7168, torch.bfloat16)]
+
+
+def _gpu_calls_on_rank(group, seed: int) -> list[dict]:
+    from mlaserve.distributed.peer import PeerAllReduce
+
+    rank, dev = group.info.rank, torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    peer = PeerAllReduce(rank, [0, 1], dist.group.WORLD, dev)
+
+    def inputs(i: int, t: int, d: int, dtype: torch.dtype, round_: int):
+        g = torch.Generator().manual_seed(seed + 1000 * i + 100 * round_ + rank)
+        x = torch.randn(t, d, generator=g).to(dtype)
+        res = torch.randn(t, d, generator=torch.Generator().manual_seed(seed + 1000 * i + 100 * round_ + 7))
+        w = torch.rand(d, generator=torch.Generator().manual_seed(seed + 1000 * i + 8)) + 0.5
+        parts = [torch.empty_like(x) for _ in range(2)]
+        dist.all_gather(parts, x)                                 # gloo, on the host
+        return x, res.to(dtype), w.to(dtype), parts
+
+    def check(x, res, w, parts, summed, normed, res_out) -> dict:
+        want = peer_all_reduce_ref(parts)
+        want_n, want_r = peer_all_reduce_ref(parts, res, w, EPS)
+        return {"sum_exact": torch.equal(summed.cpu(), want), "res_exact": torch.equal(res_out.cpu(), want_r),
+                "norm_err": (normed.cpu().float() - want_n.float()).abs().max().item(), "sum": summed.cpu()}
+
+    rows = []
+    for i, (t, d, dtype) in enumerate(GPU_CALLS):                # eager
+        x, res, w, parts = inputs(i, t, d, dtype, 0)
+        summed = peer.all_reduce(x.to(dev))
+        res_d = res.to(dev)
+        normed, res_out = peer.all_reduce_add_norm(x.to(dev), res_d, w.to(dev), EPS)
+        rows.append({"mode": "eager", "i": i} | check(x, res, w, parts, summed, normed, res_out))
+    # a CUDA graph of every call, replayed with new inputs: the epochs advance on the device
+    static = [[a.to(dev) for a in inputs(i, t, d, dtype, 0)[:3]] for i, (t, d, dtype) in enumerate(GPU_CALLS)]
+    sums = [torch.empty_like(x) for x, _, _ in static]
+    graph, outs = torch.cuda.CUDAGraph(), []
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for (x, res, w), s in zip(static, sums):
+            s.copy_(x)
+            peer.all_reduce(s)
+            outs.append(peer.all_reduce_add_norm(x, res, w, EPS)[0])
+    for round_ in (1, 2, 3):
+        fresh = [inputs(i, t, d, dtype, round_) for i, (t, d, dtype) in enumerate(GPU_CALLS)]
+        for (x, res, w), (fx, fres, _, _) in zip(static, fresh):
+            x.copy_(fx)
+            res.copy_(fres)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, ((x, res, w), f) in enumerate(zip(static, fresh)):
+            rows.append({"mode": f"graph {round_}", "i": i} | check(f[0], f[1], f[2], f[3], sums[i], outs[i], res))
+    return rows
+
+
+@pytest.mark.gpu
+def test_peer_all_reduce_on_one_gpu_over_cuda_ipc():
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    ranks = spawn_ranks(_gpu_calls_on_rank, 2, seed, peer_all_reduce=False, timeout=600)
+    for a, b in zip(*ranks):
+        where = f"{a['mode']} call {a['i']} {GPU_CALLS[a['i']]}"
+        assert a["sum_exact"] and a["res_exact"], where
+        assert torch.equal(a["sum"], b["sum"]), f"{where}: the ranks' sums differ"
+        tol = 1e-5 if GPU_CALLS[a["i"]][2] == torch.float32 else 2e-2
+        assert a["norm_err"] <= tol * 4, (where, a["norm_err"])
