@@ -1,8 +1,10 @@
-"""The decode path's small all-reduce alone: `TensorParallel.all_reduce` (NCCL through torch.distributed) on
-[tokens, hidden] bf16, 50 back to back inside a CUDA graph, per-call time by replaying the graph.
+"""The decode path's small all-reduce alone, [tokens, hidden] bf16, 50 back to back inside a CUDA graph, per-call
+time by replaying the graph: NCCL, the one-shot all-reduce over peer buffers (`distributed/peer.py`), and each
+followed by the residual add + RMSNorm (NCCL + the norm kernel vs the peer kernel with the norm fused in).
+Every rank checks its sums against the others' parts.
 
-    python benchmarks/allreduce.py --tp-size 2            # on a machine with >= 2 GPUs (NCCL)
-    python benchmarks/allreduce.py --tp-size 2 --cpu      # gloo on the CPU (correctness of the script only)
+    python benchmarks/allreduce.py --tp-size 2            # on a machine with >= 2 GPUs (NCCL, CUDA IPC)
+    python benchmarks/allreduce.py --tp-size 2 --cpu      # gloo + the interpreter (correctness of the script)
 """
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import argparse
 import time
 
 import torch
+import torch.distributed as dist
 
-from mlaserve.bench.timing import time_cuda
 from mlaserve.distributed import RankGroup, spawn_ranks
+from mlaserve.kernels.allreduce import peer_all_reduce_ref
+from mlaserve.kernels.norm import fused_add_rmsnorm
 
 SHAPES = [(1, 2048), (1, 7168), (16, 7168), (64, 7168)]
 CALLS = 50
@@ -20,23 +24,46 @@ CALLS = 50
 
 def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) -> list[dict]:
     tp, rows = group.tp, []
-    cuda = group.tp.nccl                                   # ranks on GPUs (spawn_ranks set each one's device)
+    peer, cuda = tp.peer, tp.nccl
+    assert peer is not None, "no peer all-reduce on this machine (see the rank log for why)"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float16
     for t, h in shapes:
-        x = torch.full((t, h), float(group.info.rank + 1), dtype=torch.bfloat16, device=device)
-        tp.all_reduce(x)
-        expect = sum(range(1, group.size + 1)) * 1.0
-        ok = bool((x.float() == expect).all())
-        if cuda:
-            us = time_cuda(lambda: [tp.all_reduce(x) for _ in range(calls)], warmup=3, iters=20,
-                           flush_l2=False) * 1e3 / calls
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                tp.all_reduce(x)
-            us = (time.perf_counter() - t0) * 1e6 / calls
-        rows.append({"tokens": t, "hidden": h, "bytes": t * h * 2, "us": us, "correct": ok})
+        g = torch.Generator().manual_seed(1000 * t + h + group.info.rank)
+        x = torch.randn(t, h, generator=g).to(dtype)
+        parts = [torch.empty_like(x) for _ in range(group.size)]
+        dist.all_gather(parts, x.to(device), group=tp.group)
+        x = x.to(device)
+        res, w = torch.randn(t, h, device=device).to(dtype), torch.ones(h, dtype=dtype, device=device)
+        want = peer_all_reduce_ref([p.cpu() for p in parts])
+        got = x.clone()
+        peer.all_reduce(got)
+        y = torch.zeros_like(x)                      # timed in place, call after call: stays finite
+        lib = "nccl" if cuda else "gloo"
+        ways = {
+            lib: lambda: dist.all_reduce(y, group=tp.group),
+            "peer": lambda: peer.all_reduce(y),
+            f"{lib} + norm": lambda: fused_add_rmsnorm(dist.all_reduce(y, group=tp.group) or y, res, w, 1e-6),
+            "peer + norm (one launch)": lambda: peer.all_reduce_add_norm(y, res, w, 1e-6),
+        }
+        row = {"tokens": t, "hidden": h, "bytes": t * h * x.element_size(),
+               "peer_equals_ref": bool(torch.equal(got.cpu(), want))}
+        for name, fn in ways.items():
+            row[name] = _time(lambda: [fn() for _ in range(calls)], cuda) * 1e6 / calls
+        rows.append(row)
     return rows
+
+
+def _time(fn, cuda: bool) -> float:
+    """Seconds of one fn() (CUDA graph replays on GPUs, wall time on the CPU)."""
+    if cuda:
+        from mlaserve.bench.timing import time_cuda
+
+        return time_cuda(fn, warmup=3, iters=20, flush_l2=False) / 1e3
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -45,12 +72,16 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true")
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda"
-    rows = spawn_ranks(time_allreduce, args.tp_size, SHAPES, CALLS, device=device)[0]
-    name = "cpu (gloo)" if args.cpu else f"{torch.cuda.get_device_name()} x {args.tp_size} (NCCL)"
-    print(f"### all-reduce alone, {name}, {CALLS} back to back{' in a CUDA graph' if not args.cpu else ''}\n")
-    print("| shape | bytes | us per call | sum correct |\n|---|---|---|---|")
+    shapes, calls = (SHAPES, CALLS) if not args.cpu else ([(1, 256), (4, 256)], 2)
+    rows = spawn_ranks(time_allreduce, args.tp_size, shapes, calls, device=device, peer_all_reduce=True)[0]
+    name = "cpu (gloo, interpreter)" if args.cpu else f"{torch.cuda.get_device_name()} x {args.tp_size}"
+    print(f"### all-reduce alone, {name}, {calls} back to back{' in a CUDA graph' if not args.cpu else ''}, "
+          f"us per call\n")
+    ways = [k for k in rows[0] if k not in ("tokens", "hidden", "bytes", "peer_equals_ref")]
+    print("| shape | bytes | " + " | ".join(ways) + " | peer sum exact |\n|---|---|" + "---|" * (len(ways) + 1))
     for r in rows:
-        print(f"| {r['tokens']} x {r['hidden']} | {r['bytes']} | {r['us']:.1f} | {r['correct']} |")
+        print(f"| {r['tokens']} x {r['hidden']} | {r['bytes']} | " + " | ".join(f"{r[k]:.1f}" for k in ways)
+              + f" | {r['peer_equals_ref']} |")
 
 
 if __name__ == "__main__":
