@@ -1,6 +1,7 @@
 """Kernel-level profile of one prefill (dummy weights, full width): where a long prompt's GPU time goes.
 
-Prints the kernels of one warm prefill of `--len` tokens (batch 1): launches, mean us, total us."""
+Prints the kernels of one warm prefill of `--len` tokens (batch 1): launches, mean us, total us; the GPU's idle gaps;
+with --cprofile, the host's Python functions over 5 more prefills (own and cumulative time)."""
 import argparse
 
 import torch
@@ -11,6 +12,7 @@ from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
 ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
 ap.add_argument("--len", type=int, default=4096)
+ap.add_argument("--cprofile", action="store_true")
 a = ap.parse_args()
 args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size", "1",
                                   "--input-len", str(a.len), "--output-len", "8", "--disable-cuda-graph"])
@@ -54,3 +56,18 @@ for g, a, b in sorted(gaps, key=lambda x: -x[0])[:12]:
     host = sorted((c for c in cpu if c.time_range.start <= mid <= c.time_range.end),
                   key=lambda c: c.time_range.end - c.time_range.start)
     print(f"  {g:8.1f} us after {a.name[:40]!r} before {b.name[:40]!r}; host in: {[c.name[:40] for c in host[:4]]}")
+
+if a.cprofile:
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        runner.forward(batch)
+    torch.cuda.synchronize()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        print(f"--- host, 5 prefills, by {key}")
+        pstats.Stats(prof).sort_stats(key).print_stats(28)
