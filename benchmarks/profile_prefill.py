@@ -13,7 +13,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
 ap.add_argument("--len", type=int, default=4096)
 ap.add_argument("--cprofile", action="store_true")
-a = ap.parse_args()
+cli = ap.parse_args()
+a = cli
 args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size", "1",
                                   "--input-len", str(a.len), "--output-len", "8", "--disable-cuda-graph"])
 runner, pool, alloc = build_runner(args, model_dir(args))
@@ -57,7 +58,7 @@ for g, a, b in sorted(gaps, key=lambda x: -x[0])[:12]:
                   key=lambda c: c.time_range.end - c.time_range.start)
     print(f"  {g:8.1f} us after {a.name[:40]!r} before {b.name[:40]!r}; host in: {[c.name[:40] for c in host[:4]]}")
 
-if a.cprofile:
+if cli.cprofile:
     import cProfile
     import pstats
 
