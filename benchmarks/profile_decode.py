@@ -25,6 +25,24 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) a
 rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
 rows.sort(key=lambda e: -e.device_time_total)
 n = runner.model.cfg.num_hidden_layers
+# one replay alone, launched from an idle GPU and waited for (as a synchronous step sees it), against its GPU time
+import time  # noqa: E402
+
+walls, gpus = [], []
+for _ in range(20):
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    g.replay()
+    end.record()
+    t1 = time.perf_counter()
+    end.synchronize()
+    walls.append((time.perf_counter() - t0, t1 - t0))
+    gpus.append(start.elapsed_time(end) / 1e3)
+walls.sort()
+print(f"one replay from idle: wall {walls[10][0] * 1e3:.3f} ms (of it the launch call {walls[10][1] * 1e3:.3f} ms), "
+      f"GPU (events) {sorted(gpus)[10] * 1e3:.3f} ms; medians of 20")
 total = sum(e.device_time_total for e in rows) / a.replays
 launches = sum(e.count for e in rows) / a.replays
 print(f"config {a.model_config} bs {a.bs}: {launches:.0f} kernels per step ({launches / n:.1f} per layer), "
