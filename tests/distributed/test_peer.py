@@ -21,42 +21,56 @@ CALLS = [(1, 64, torch.float32), (3, 96, torch.float16), (1, 64, torch.float32),
 EPS = 1e-6
 
 
-def _calls_on_rank(group, seed: int) -> list[dict]:
+def _calls_on_rank(group, seed: int, calls: list = CALLS) -> list[dict]:
     tp, rank = group.tp, group.info.rank
     assert tp.peer is not None and tp.peer.world == 2, tp
+    dev = torch.device("cuda", torch.cuda.current_device()) if tp.nccl else torch.device("cpu")
     out = []
-    for i, (t, d, dtype) in enumerate(CALLS):
+    for i, (t, d, dtype) in enumerate(calls):
         g = torch.Generator().manual_seed(seed + 1000 * i + rank)
-        x = torch.randn(t, d, generator=g).to(dtype)
-        residual = torch.randn(t, d, generator=torch.Generator().manual_seed(seed + 1000 * i + 7)).to(dtype)
-        weight = torch.rand(d, generator=torch.Generator().manual_seed(seed + 1000 * i + 8)).to(dtype) + 0.5
+        x = torch.randn(t, d, generator=g).to(dev, dtype)
+        residual = torch.randn(t, d, generator=torch.Generator().manual_seed(seed + 1000 * i + 7)).to(dev, dtype)
+        weight = torch.rand(d, generator=torch.Generator().manual_seed(seed + 1000 * i + 8)).to(dev, dtype) + 0.5
         parts = [torch.empty_like(x) for _ in range(2)]
         dist.all_gather(parts, x, group=tp.group)
         summed = x.clone()
         tp.all_reduce(summed)
-        gloo = x.clone()
-        dist.all_reduce(gloo, group=tp.group)
-        row = {"sum": summed, "gloo": gloo, "ref": peer_all_reduce_ref(parts), "fits": tp.peer.fits(x)}
+        lib = x.clone()
+        dist.all_reduce(lib, group=tp.group)                      # gloo, or NCCL on GPUs
+        row = {"sum": summed, "lib": lib, "ref": peer_all_reduce_ref(parts), "fits": tp.peer.fits(x)}
         if tp.fuses_norm(x):
             res = residual.clone()
             normed, res_out = tp.all_reduce_add_norm(x.clone(), res, weight, EPS)
             want_n, want_r = peer_all_reduce_ref(parts, residual, weight, EPS)
             row |= {"normed": normed, "res": res_out, "res_in_place": res_out is res, "want_n": want_n,
                     "want_r": want_r}
-        out.append(row)
+        out.append({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in row.items()})
     return out
 
 
 def test_peer_all_reduce_equals_gloo_call_after_call():
     seed = random.randrange(2**31)
     print(f"seed {seed}")
-    ranks = spawn_ranks(_calls_on_rank, 2, seed, peer_all_reduce=True, timeout=600)
-    for i, ((t, d, dtype), a, b) in enumerate(zip(CALLS, *ranks)):
-        assert a["fits"] == (t <= 128), (i, t)
+    _check_calls(CALLS, spawn_ranks(_calls_on_rank, 2, seed, peer_all_reduce=True, timeout=600))
+
+
+@pytest.mark.multi_gpu
+def test_peer_all_reduce_equals_nccl_on_two_gpus():
+    """Two GPUs over CUDA IPC: the same calls in bf16 at decode's shapes, against NCCL."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    calls = [(t, d, torch.bfloat16) for t, d, _ in CALLS[:-1]] + GPU_CALLS + [(200, 7168, torch.bfloat16)]
+    _check_calls(calls, spawn_ranks(_calls_on_rank, 2, seed, calls, device="cuda", peer_all_reduce=True,
+                                    timeout=600))
+
+
+def _check_calls(calls: list, ranks: list) -> None:
+    for i, ((t, d, dtype), a, b) in enumerate(zip(calls, *ranks)):
+        assert a["fits"] == (t <= 128 and t * d * a["sum"].element_size() <= 1 << 20), (i, t, d)
         assert torch.equal(a["sum"], b["sum"]), f"call {i}: the ranks' sums differ"
         assert torch.equal(a["sum"], a["ref"]), f"call {i}: sum != fp32 sum in rank order"
-        # two terms: fp32 a + b rounded once is gloo's a + b in the tensor's own dtype
-        assert torch.equal(a["sum"], a["gloo"]), f"call {i}: sum != gloo's"
+        # two terms: fp32 a + b rounded once is gloo's (NCCL's) a + b in the tensor's own dtype
+        assert torch.equal(a["sum"], a["lib"]), f"call {i}: sum != gloo's / NCCL's"
         if not a["fits"]:
             assert "normed" not in a
             continue
