@@ -1,14 +1,17 @@
 """The fast small all-reduce of the decode path: every rank of a tensor-parallel group maps the others' staging
 buffers and signal pads, and one Triton launch sums a batch of rows (`kernels/allreduce.py`).
 
-GPUs of one host share memory through CUDA IPC handles (torch's own, as torch.multiprocessing sends CUDA
-tensors), exchanged once over the host (gloo) group. CPU ranks share POSIX shared memory, and the kernel runs
+GPUs of one host share memory through CUDA IPC: the buffers are allocated with the driver API (`libcuda`, through
+ctypes) and each rank opens the others' handles in its own device's context, with peer access enabled lazily (no
+context on the other GPUs, whose memory that would cost); the handles are exchanged once over the host (gloo)
+group. CPU ranks share POSIX shared memory, and the kernel runs
 under the Triton interpreter: that is how CI tests the protocol with two processes. NCCL stays the path for
 anything larger than the buffers, for groups that span nodes or lack peer access, and is the reference.
 NVLink multicast is never used.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import pickle
 from multiprocessing import shared_memory
@@ -34,38 +37,38 @@ class PeerAllReduce:
     def __init__(self, group_rank: int, members: list[int], cpu_group, device: torch.device,
                  max_rows: int = MAX_ROWS, half_bytes: int = HALF_BYTES):
         self.rank, self.world, self.device = group_rank, len(members), device
-        self._keep: list = []                        # mapped peer tensors and shared-memory segments
+        self._keep: list = []                        # shared-memory segments and their tensors (CPU)
         nbytes, nsig = buffer_bytes(half_bytes), sig_pad_ints(len(members), max_rows) * 4
         if device.type == "cuda":
-            own_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-            own_sig = torch.zeros(nsig, dtype=torch.uint8, device=device)
-            torch.cuda.synchronize(device)
-            mine = (torch.cuda.current_device(), _cuda_handle(own_buf), _cuda_handle(own_sig))
+            self._cu = _Driver()
+            torch.cuda.synchronize(device)           # torch has made this device's primary context current
+            own_buf, own_sig = self._cu.alloc_zeroed(nbytes), self._cu.alloc_zeroed(nsig)
+            mine = (self._cu.ipc_handle(own_buf), self._cu.ipc_handle(own_sig))
         else:
             own = [shared_memory.SharedMemory(create=True, size=n) for n in (nbytes, nsig)]
             self._keep += own
-            own_buf, own_sig = (_shm_tensor(s, n) for s, n in zip(own, (nbytes, nsig)))
-            own_sig.zero_()
-            mine = (-1, own[0].name, own[1].name)
-        self._keep += [own_buf, own_sig]
+            tensors = [_shm_tensor(seg, n) for seg, n in zip(own, (nbytes, nsig))]
+            tensors[1].zero_()
+            self._keep += tensors
+            own_buf, own_sig = (t.data_ptr() for t in tensors)
+            mine = (own[0].name, own[1].name)
         everyone: list = [None] * dist.get_world_size(cpu_group)
         dist.all_gather_object(everyone, pickle.dumps(mine), group=cpu_group)
         theirs = [pickle.loads(everyone[dist.get_group_rank(cpu_group, m)]) for m in members]
         bufs, sigs = [], []
-        for i, (dev, b, s) in enumerate(theirs):
+        for i, (b, s) in enumerate(theirs):
             if i == group_rank:
-                bufs.append(own_buf.data_ptr())
-                sigs.append(own_sig.data_ptr())
-                continue
-            if device.type == "cuda":
-                pb, ps = _cuda_open(b), _cuda_open(s)
+                bufs.append(own_buf)
+                sigs.append(own_sig)
+            elif device.type == "cuda":
+                bufs.append(self._cu.ipc_open(b))
+                sigs.append(self._cu.ipc_open(s))
             else:
                 segs = [shared_memory.SharedMemory(name=n) for n in (b, s)]
-                self._keep += segs
-                pb, ps = (_shm_tensor(seg, n) for seg, n in zip(segs, (nbytes, nsig)))
-            self._keep += [pb, ps]
-            bufs.append(pb.data_ptr())
-            sigs.append(ps.data_ptr())
+                tensors = [_shm_tensor(seg, n) for seg, n in zip(segs, (nbytes, nsig))]
+                self._keep += segs + tensors
+                bufs.append(tensors[0].data_ptr())
+                sigs.append(tensors[1].data_ptr())
         dist.barrier(group=cpu_group)                # every rank has mapped every segment
         if device.type != "cuda":
             for seg in own:
@@ -95,16 +98,46 @@ class PeerAllReduce:
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _cuda_handle(t: torch.Tensor) -> bytes:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return pickle.dumps(reduce_tensor(t)[1])
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]    # CUipcMemHandle
 
 
-def _cuda_open(handle: bytes) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+class _Driver:
+    """The few CUDA driver calls the peer buffers need, in the calling thread's current context. The memory lives
+    as long as the process (a server's ranks keep their groups to the end)."""
 
-    return rebuild_cuda_tensor(*pickle.loads(handle))
+    LAZY_ENABLE_PEER_ACCESS = 1                        # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
+        self.lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
+        self.lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        self.lib.cuMemsetD8_v2.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]
+
+    def _check(self, err: int, what: str) -> None:
+        if err != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(err, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({err})")
+
+    def alloc_zeroed(self, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self._check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), nbytes), "cuMemAlloc")
+        self._check(self.lib.cuMemsetD8_v2(ptr.value, 0, nbytes), "cuMemsetD8")
+        self._check(self.lib.cuCtxSynchronize(), "cuCtxSynchronize")
+        return ptr.value
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        h = _IpcHandle()
+        self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(h), ptr), "cuIpcGetMemHandle")
+        return bytes(h.reserved)
+
+    def ipc_open(self, handle: bytes) -> int:
+        h, ptr = _IpcHandle.from_buffer_copy(handle), ctypes.c_uint64()
+        self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, self.LAZY_ENABLE_PEER_ACCESS),
+                    "cuIpcOpenMemHandle")
+        return ptr.value
 
 
 def _shm_tensor(seg: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
