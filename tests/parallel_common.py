@@ -1,5 +1,5 @@
 """What the parallel tests (tensor, expert, data-parallel attention) share: the small checkpoints with the real
-architecture switches, and reading an Engine output's prompt log-probs and its first near-tie."""
+architecture switches, reading an Engine output's prompt log-probs and its first near-tie, and block FP8's bounds."""
 from __future__ import annotations
 
 import json
@@ -24,6 +24,15 @@ VARIANTS = {
                {"qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64, "moe_intermediate_size": 256,
                 "intermediate_size": 512}),
 }
+# NOTE: with block FP8 every linear quantises its input per token per 128 channels (e4m3: 3 mantissa bits). A
+# parallel run's all-reduced sums differ from one process's GEMM in the last fp32 bit, and now and then that flips
+# one e4m3 rounding downstream, which moves everything after it a little. Measured on the v3-fp8 config at tp 2
+# over 245 prompt positions: |d log p| median 2e-6, mean 0.009, p90 0.025, max 0.21; another run had a median of
+# 0.017. FP8 is held to the project's bf16-vs-HF bounds (mean <= 0.2, p90 <= 0.35; tests/models) with mean <= 0.1,
+# p90 <= 0.3. Single positions move more (1.4 seen on a prompt position; a decode step's top-2 margin of 0.67
+# swapped under DP attention), so greedy tokens are held equal only before the first near-tie of either run.
+FP8_MEAN, FP8_P90 = 0.1, 0.3
+FP8_TIE_MARGIN = 0.5
 
 
 def checkpoint_builder(root: Path) -> Callable[[str], str]:
@@ -50,3 +59,25 @@ def clear_prefix(out: dict, margin: float) -> int:
         if first[0] - second[0] < margin:
             return i
     return len(out["output_ids"])
+
+
+def assert_fp8_logprobs_close(diffs: list[float]) -> None:
+    """|d log p| of a block-FP8 run against one process: mean <= FP8_MEAN, 90th percentile <= FP8_P90."""
+    d = sorted(diffs)
+    mean, p90 = sum(d) / len(d), d[int(0.9 * len(d))]
+    assert mean <= FP8_MEAN and p90 <= FP8_P90, (mean, p90, d[-1])
+
+
+def assert_fp8_outputs_close(ref: list[dict], got: list[dict]) -> None:
+    """Greedy Engine outputs (top_logprobs_num >= 2) of a block-FP8 checkpoint, one process (`ref`) against a
+    parallel run: prompt log-probs within FP8's bounds; output tokens equal before the first near-tie of either
+    run, and at that near-tie the parallel run's token is one of the single process's top two."""
+    assert_fp8_logprobs_close([abs(x - y) for a, b in zip(ref, got, strict=True)
+                               for x, y in zip(prompt_logprobs(a), prompt_logprobs(b), strict=True)])
+    for a, b in zip(ref, got):
+        want, ids = a["output_ids"], b["output_ids"]
+        n = min(clear_prefix(a, FP8_TIE_MARGIN), clear_prefix(b, FP8_TIE_MARGIN))
+        assert want[:n] == ids[:n], (want, ids, n)
+        if n < min(len(want), len(ids)):
+            top2 = [tok for _, tok, *_ in a["meta_info"]["output_top_logprobs"][n][:2]]
+            assert ids[n] in top2, (want, ids, n, a["meta_info"]["output_top_logprobs"][n])

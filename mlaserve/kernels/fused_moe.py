@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import quant
-from mlaserve.kernels.norm import fused_add_rmsnorm_ref
+from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 from mlaserve.kernels.precision import dot_precision
 from mlaserve.kernels.quant import quant_group_rows
 from mlaserve.kernels.reduce import bf16_rne, sum_dim1
@@ -467,10 +467,7 @@ def fused_moe_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     whole rows: `sync` needs one more entry than fused_moe's (int32 zeros [>= ceil(K / 32) + 1])."""
     t = x.shape[0]
     assert t <= COMBINE_MAX_TOKENS, f"fused_moe_norm takes at most {COMBINE_MAX_TOKENS} tokens, got {t}"
-    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1, \
-        f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}"
-    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous(), \
-        f"norm weight must be [{x.shape[1]}], contiguous"
+    check_norm_operands(x, norm_weight, residual)
     h, res_out = torch.empty_like(x), torch.empty_like(x)
     _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config, num_routed_experts,
                None, sync, (residual, norm_weight, eps, h, res_out))

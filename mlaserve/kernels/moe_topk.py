@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.norm import fused_add_rmsnorm_ref
+from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING = ("softmax", "sigmoid")
@@ -313,7 +313,10 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, topk_method:
     Returns:
         as `moe_topk`: (weights [T, k + n_shared] float32, ids [T, k + n_shared] int32).
     """
-    return _route(x, None, weight, top_k, sync, config, **_routing_args(locals()))[:2]
+    return _route(x, None, weight, top_k, sync, config, topk_method=topk_method, scoring_func=scoring_func,
+                  n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                  routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=e_score_correction_bias,
+                  n_shared=n_shared)[:2]
 
 
 def moe_route_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -326,19 +329,11 @@ def moe_route_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
 
     x, residual: [T, h], one dtype, rows contiguous; norm_weight [h]. Returns (weights, ids, h [T, h] in x.dtype,
     x + residual [T, h] in x.dtype): the last two are new tensors (residual is not modified)."""
-    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1, \
-        f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}"
-    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous(), \
-        f"norm weight must be [{x.shape[1]}], contiguous"
-    return _route(x, (residual, norm_weight, eps), weight, top_k, sync, config, **_routing_args(locals()))
-
-
-_ROUTING = ("topk_method", "scoring_func", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
-            "e_score_correction_bias", "n_shared")
-
-
-def _routing_args(scope: dict) -> dict:
-    return {k: scope[k] for k in _ROUTING}
+    check_norm_operands(x, norm_weight, residual)
+    return _route(x, (residual, norm_weight, eps), weight, top_k, sync, config, topk_method=topk_method,
+                  scoring_func=scoring_func, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                  routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=e_score_correction_bias,
+                  n_shared=n_shared)
 
 
 def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None, weight: torch.Tensor,

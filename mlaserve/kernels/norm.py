@@ -50,6 +50,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, name: str = "x") -> None:
     assert weight.device == x.device, f"weight on {weight.device}, {name} on {x.device}"
 
 
+def check_norm_operands(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    """The operands of a norm fused into another kernel: norm_weight a contiguous [D] on x's device (x [T, D]);
+    `residual`, when added before the norm, of x's shape and dtype with contiguous rows."""
+    d = x.shape[-1]
+    assert norm_weight.shape == (d,) and norm_weight.is_contiguous() and norm_weight.device == x.device, \
+        f"norm_weight must be a contiguous [{d}] tensor on {x.device}, got {tuple(norm_weight.shape)} on " \
+        f"{norm_weight.device}"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1, \
+            f"residual must be {tuple(x.shape)} {x.dtype} with contiguous rows like x, got {tuple(residual.shape)} " \
+            f"{residual.dtype} strides {residual.stride()}"
+
+
 def _launch(x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
             scale: torch.Tensor | None, eps: float, group: int) -> None:
     t, d = x.shape

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from mlaserve.kernels.kv_store import FP8_DTYPES, cache_values_ref, check_cache, fp8_consts, fp8_saturate, \
     scale_tensor
-from mlaserve.kernels.norm import rmsnorm_ref
+from mlaserve.kernels.norm import check_norm_operands, rmsnorm_ref
 
 _BLOCK_H = 16   # heads per program
 
@@ -153,8 +153,7 @@ def rope_launch_args(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor,
     assert kv_cache.dtype in (q_pe.dtype, *FP8_DTYPES), f"kv_cache dtype {kv_cache.dtype} must be {q_pe.dtype} or fp8"
     scale = scale_tensor(kv_scale, kv_cache)
     if norm_weight is not None:
-        assert norm_weight.shape == (l,) and norm_weight.is_contiguous() and norm_weight.device == kv_c.device, \
-            f"norm_weight must be a contiguous [{l}] tensor on {kv_c.device}"
+        check_norm_operands(kv_c, norm_weight)
     block_h = min(_BLOCK_H, triton.next_power_of_2(h))
     args = (q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache, out_slots, scale if scale is not None else kv_cache,
             norm_weight if norm_weight is not None else kv_c, float(eps), h, l, q_pe.stride(0), q_pe.stride(1),
