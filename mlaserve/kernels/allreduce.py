@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.kv_store import num_warps_for
-from mlaserve.kernels.norm import fused_add_rmsnorm_ref
+from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 
 
 @triton.jit
@@ -111,10 +111,8 @@ def peer_all_reduce(x: torch.Tensor, peers: PeerPointers, residual: torch.Tensor
                           f"{peers.half_bytes} bytes)"
     norm = residual is not None
     if norm:
-        assert weight is not None and weight.shape == (x.shape[1],) and weight.is_contiguous(), \
-            f"weight must be [{x.shape[1]}] and contiguous"
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1, \
-            f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}"
+        assert weight is not None, "a residual needs the norm weight"
+        check_norm_operands(x, weight, residual)
         out = torch.empty_like(x)
     else:
         out = x
