@@ -153,10 +153,10 @@ def peer_members(rank: int, group_rank: int, size: int) -> list[int]:
 def why_not_peer(device: torch.device, members: list[int], local_size: int, devices: list[int]) -> str | None:
     """Why the group cannot use peer buffers (None: it can): ranks on several nodes, or GPUs without peer access.
     `devices`: each member's CUDA device index."""
-    if device.type != "cuda":
-        return "the ranks run on the CPU (gloo)"
     if len({m // local_size for m in members}) > 1:
         return "the group spans nodes"
+    if device.type != "cuda":
+        return "the ranks run on the CPU (gloo)"
     me = torch.cuda.current_device()
     for d in devices:
         if d != me and not torch.cuda.can_device_access_peer(me, d):

@@ -188,3 +188,11 @@ def test_peer_all_reduce_on_one_gpu_over_cuda_ipc():
         assert torch.equal(a["sum"], b["sum"]), f"{where}: the ranks' sums differ"
         tol = 1e-5 if GPU_CALLS[a["i"]][2] == torch.float32 else 2e-2
         assert a["norm_err"] <= tol * 4, (where, a["norm_err"])
+
+
+def test_which_groups_can_use_peer_buffers():
+    from mlaserve.distributed.peer import peer_members, why_not_peer
+
+    assert peer_members(5, 1, 2) == [4, 5] and peer_members(0, 0, 4) == [0, 1, 2, 3]   # DP group 2 of 2-rank groups
+    assert why_not_peer(torch.device("cpu"), [0, 1], 1, [-1, -1]) == "the group spans nodes"  # 2 nodes x 1 rank
+    assert why_not_peer(torch.device("cpu"), [0, 1], 2, [-1, -1]) == "the ranks run on the CPU (gloo)"
