@@ -64,9 +64,10 @@ class SeqRunner:
 
 def drive_scheduler(sched, msgs: list, arrivals: dict[str, int] | None = None,
         aborts: dict[str, int] | None = None, max_steps: int = 5000) -> dict[str, dict]:
-    """Drive the loop; a message joins at step arrivals[rid] (default 0); returns rid -> {ids, finished, ...}."""
+    """Drive the loop; a message joins at step arrivals[rid] (default 0); returns rid -> {ids, finished, cached,
+    top (each output token's top log-probs, if the message asked for them)}."""
     arrivals, aborts = arrivals or {}, aborts or {}
-    results = {x.rid: {"ids": [], "finished": None, "cached": 0} for x in msgs}
+    results = {x.rid: {"ids": [], "finished": None, "cached": 0, "top": []} for x in msgs}
     pending = sorted(msgs, key=lambda x: arrivals.get(x.rid, 0))
     for step in range(max_steps):
         while pending and arrivals.get(pending[0].rid, 0) <= step:
@@ -77,6 +78,7 @@ def drive_scheduler(sched, msgs: list, arrivals: dict[str, int] | None = None,
         for out in sched.step():
             r = results[out.rid]
             r["ids"] += out.new_ids
+            r["top"] += out.new_top_logprobs              # (log p, id) pairs where the request asked for them
             r["cached"] = out.cached_tokens
             if out.finished:
                 r["finished"] = out.finished

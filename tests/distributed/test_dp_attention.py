@@ -3,6 +3,7 @@ against the single process: the model through the Engine API (V2-Lite and V3 sha
 side by side (one idle while the other decodes, aborts, radix hits, retraction on one group)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -12,7 +13,8 @@ from mlaserve.config import ServerConfig
 from mlaserve.core import ForwardMode, SamplingParams
 from mlaserve.distributed import spawn_ranks
 from mlaserve.ipc.messages import GenerateReqMsg
-from parallel_common import VARIANTS as ALL_VARIANTS, assert_fp8_outputs_close, checkpoint_builder, prompt_logprobs
+from parallel_common import (VARIANTS as ALL_VARIANTS, assert_fp8_outputs_close, assert_greedy_equal_before_ties,
+                             checkpoint_builder, prompt_logprobs)
 from seq_runner import drive_scheduler
 
 DP = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
@@ -28,7 +30,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _seeded() -> random.Random:
-    seed = random.randrange(2**31)
+    seed = int(os.environ.get("TEST_SEED") or random.randrange(2**31))     # TEST_SEED=N replays a printed seed
     print(f"seed {seed}")
     return random.Random(seed)
 
@@ -80,7 +82,9 @@ def test_dp_attention_equals_tp1_through_the_engine(checkpoint, case):
 # --- the groups' schedulers side by side (each group its own messages, every rank stepping together) ----------
 
 def _msg(rid: str, ids: list[int], max_new: int) -> GenerateReqMsg:
-    return GenerateReqMsg(rid, ids, SamplingParams(max_new_tokens=max_new, temperature=0.0), seed=1234)
+    # the top two log-probs of each output token: the comparison stops at a near-tie (parallel_common)
+    return GenerateReqMsg(rid, ids, SamplingParams(max_new_tokens=max_new, temperature=0.0), seed=1234,
+                          return_logprob=True, top_logprobs_num=2)
 
 
 def _scheduler(path: str, group=None, **flags):
@@ -117,7 +121,7 @@ def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]],
     if graph_sizes:
         _padded_graphs(sched, graph_sizes)
     msgs, arrivals, aborts = work[group.info.dp_rank]
-    results = {x.rid: {"ids": [], "finished": None, "cached": 0} for x in msgs}
+    results = {x.rid: {"ids": [], "finished": None, "cached": 0, "top": []} for x in msgs}
     pending = sorted(msgs, key=lambda x: arrivals.get(x.rid, 0))
     modes, idle_steps, retracted_at, graph_steps = [], 0, [], []
     for step in range(3000):
@@ -130,6 +134,7 @@ def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]],
         for out in sched.step():
             r = results[out.rid]
             r["ids"] += out.new_ids
+            r["top"] += out.new_top_logprobs
             r["cached"] = out.cached_tokens
             if out.finished:
                 r["finished"] = out.finished
@@ -192,8 +197,7 @@ def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, g
     assert ranks[0]["results"]["a-abort"]["finished"].kind == "abort"
     for rank, ref in zip(ranks, alone):
         for rid, want in ref.items():
-            got = rank["results"][rid]
-            assert (got["ids"], got["finished"]) == (want["ids"], want["finished"]), rid
+            assert_greedy_equal_before_ties(want, rank["results"][rid], rid)
 
 
 # --- speculative decoding under DP attention (every group runs every forward of the step: drafts, target, draft
@@ -269,5 +273,4 @@ def test_speculative_groups_in_different_modes_equal_one_process(tree, graphs):
     assert all(r["clean"] for r in ranks)
     for rank, ref in zip(ranks, alone):
         for rid, want in ref.items():
-            got = rank["results"][rid]
-            assert (got["ids"], got["finished"]) == (want["ids"], want["finished"]), rid
+            assert_greedy_equal_before_ties(want, rank["results"][rid], rid)
