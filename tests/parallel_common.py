@@ -54,11 +54,29 @@ def prompt_logprobs(out: dict) -> list[float]:
 
 
 def clear_prefix(out: dict, margin: float) -> int:
-    """Output tokens before the first greedy choice within `margin` nats of the runner-up."""
-    for i, (first, second) in enumerate(out["meta_info"]["output_top_logprobs"]):
-        if first[0] - second[0] < margin:
+    """Output tokens of an Engine output before the first greedy choice within `margin` nats of the runner-up."""
+    return first_tie(out["meta_info"]["output_top_logprobs"], margin)
+
+
+def first_tie(top: list, margin: float) -> int:
+    """Index of the first output token whose top-2 log-probs ((log p, id, ...) pairs, best first) are within
+    `margin` of each other; len(top) when none is."""
+    for i, pair in enumerate(top):
+        if len(pair) > 1 and pair[0][0] - pair[1][0] < margin:
             return i
-    return len(out["output_ids"])
+    return len(top)
+
+
+def assert_same_before_ties(want_ids: list[int], want_top: list, got_ids: list[int], got_top: list,
+                            margin: float, what: object = None) -> int:
+    """Greedy tokens of a reference (`want`) and another run, with each token's top-2 log-probs: equal before the
+    first near-tie of either run, and at it the other run's token among the reference's top two. Returns that
+    index (the length of the top lists when there is no near-tie)."""
+    n = min(first_tie(want_top, margin), first_tie(got_top, margin))
+    assert got_ids[:n] == want_ids[:n], (what, n, want_ids, got_ids)
+    if n < min(len(want_ids), len(got_ids)):
+        assert got_ids[n] in [tok for _, tok, *_ in want_top[n][:2]], (what, n, want_top[n], got_ids[n])
+    return n
 
 
 def assert_fp8_logprobs_close(diffs: list[float]) -> None:
@@ -75,12 +93,8 @@ def assert_fp8_outputs_close(ref: list[dict], got: list[dict]) -> None:
     assert_fp8_logprobs_close([abs(x - y) for a, b in zip(ref, got, strict=True)
                                for x, y in zip(prompt_logprobs(a), prompt_logprobs(b), strict=True)])
     for a, b in zip(ref, got):
-        want, ids = a["output_ids"], b["output_ids"]
-        n = min(clear_prefix(a, FP8_TIE_MARGIN), clear_prefix(b, FP8_TIE_MARGIN))
-        assert want[:n] == ids[:n], (want, ids, n)
-        if n < min(len(want), len(ids)):
-            top2 = [tok for _, tok, *_ in a["meta_info"]["output_top_logprobs"][n][:2]]
-            assert ids[n] in top2, (want, ids, n, a["meta_info"]["output_top_logprobs"][n])
+        assert_same_before_ties(a["output_ids"], a["meta_info"]["output_top_logprobs"], b["output_ids"],
+                                b["meta_info"]["output_top_logprobs"], FP8_TIE_MARGIN)
 
 
 # fp32: a parallel run's logits differ from one process's in the last bits (all-reduced partial sums), about 1e-6
@@ -89,25 +103,14 @@ def assert_fp8_outputs_close(ref: list[dict], got: list[dict]) -> None:
 FP32_TIE_MARGIN = 1e-4
 
 
-def first_tie(top: list, margin: float) -> int:
-    """Index of the first output token whose top-2 log-probs (seq_runner's "top") are within `margin`."""
-    for i, pair in enumerate(top):
-        if len(pair) > 1 and pair[0][0] - pair[1][0] < margin:
-            return i
-    return len(top)
-
-
 def assert_greedy_equal_before_ties(want: dict, got: dict, rid: str, margin: float = FP32_TIE_MARGIN,
                                     finished: bool = True) -> None:
     """Greedy seq_runner results (messages with top_logprobs_num >= 2), a reference run against another: the same
     tokens before the first near-tie of either run, and at it `got`'s token among `want`'s top two; with no
     near-tie, the same tokens throughout (and, with `finished`, the same finish)."""
     assert want["top"] and got["top"] or not (want["ids"] or got["ids"]), f"{rid}: no log-probs to compare ties"
-    n = min(first_tie(want["top"], margin), first_tie(got["top"], margin))
+    n = assert_same_before_ties(want["ids"], want["top"], got["ids"], got["top"], margin, rid)
     if n >= min(len(want["ids"]), len(got["ids"])):
         assert got["ids"] == want["ids"], rid
         if finished:
             assert got["finished"] == want["finished"], rid
-        return
-    assert got["ids"][:n] == want["ids"][:n], (rid, n, want["ids"], got["ids"])
-    assert got["ids"][n] in [tok for _, tok, *_ in want["top"][n][:2]], (rid, n, want["top"][n], got["ids"][n])

@@ -56,6 +56,7 @@ import mlaserve
 from mlaserve.demo import DEMO_DIR
 from mlaserve.tokenizer import load_tokenizer
 from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
+from parallel_common import clear_prefix
 
 CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 SEED = 20261124
@@ -265,14 +266,6 @@ GPU_ROWS = {"graphs": ({}, 1),
             "dp2-ep2-graphs-compile": (LAYOUTS["dp2-ep2"] | {"enable_torch_compile": True}, 2),
             "dp2-ep2-graphs-spec-fp8kv": (LAYOUTS["dp2-ep2"] | {"speculative_algorithm": "EAGLE",
                                                                 "kv_cache_dtype": "fp8_e4m3"}, 2)}
-
-
-def clear_prefix(out: dict, margin: float) -> int:
-    """Output tokens before the first greedy choice within `margin` nats of the runner-up."""
-    for i, (first, second) in enumerate(out["meta_info"]["output_top_logprobs"]):
-        if first[0] - second[0] < margin:
-            return i
-    return len(out["output_ids"])
 
 
 def _gpu_params() -> list:

@@ -110,22 +110,22 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place (the partial outputs of row-parallel layers): one launch over the
         peer buffers when they take x, else NCCL (gloo on the CPU)."""
-        if self.size > 1:
-            if self.peer is not None and self.peer.fits(x):
-                _peer_all_reduce(self.peer, x)
-            else:
-                _all_reduce(x, self.group)
+        if self.fuses_norm(x):
+            self.peer.all_reduce(x)
+        elif self.size > 1:
+            _all_reduce(x, self.group)
         return x
 
     def fuses_norm(self, x: torch.Tensor) -> bool:
-        """Whether `all_reduce_add_norm` runs x as one launch (else the caller reduces and norms apart)."""
+        """Whether x goes over the peer buffers, so that `all_reduce_add_norm` runs it as one launch (else the
+        caller reduces and norms apart)."""
         return self.size > 1 and self.peer is not None and self.peer.fits(x)
 
     def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual) with the sum of x over the ranks, in one launch;
         `residual` is updated in place. Only where `fuses_norm(x)`."""
-        return _peer_all_reduce_add_norm(self.peer, x, residual, weight, eps)
+        return self.peer.all_reduce_add_norm(x, residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., size * n], rank r's part at columns r * n .. (r + 1) * n - 1."""
@@ -137,17 +137,6 @@ class TensorParallel:
 @torch.compiler.disable
 def _all_reduce(x: torch.Tensor, group) -> None:
     dist.all_reduce(x, group=group)
-
-
-@torch.compiler.disable
-def _peer_all_reduce(peer: "PeerAllReduce", x: torch.Tensor) -> None:
-    peer.all_reduce(x)
-
-
-@torch.compiler.disable
-def _peer_all_reduce_add_norm(peer: "PeerAllReduce", x: torch.Tensor, residual: torch.Tensor,
-                              weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return peer.all_reduce_add_norm(x, residual, weight, eps)
 
 
 @torch.compiler.disable
@@ -294,9 +283,7 @@ def _attach_peer(info: ParallelInfo, tp: TensorParallel, cpu_group, device: torc
     dev = torch.cuda.current_device() if device.type == "cuda" else -1
     devices: list = [None] * info.world_size
     dist.all_gather_object(devices, dev, group=cpu_group)
-    why = why_not_peer(device, members, info.local_size, [devices[m] for m in members])
-    if why is not None and device.type != "cuda" and required and info.nnodes == 1:
-        why = None                                   # CPU ranks of one host: shared memory (tests)
+    why = why_not_peer(device, members, info.local_size, [devices[m] for m in members], cpu=required)
     whys: list = [None] * info.world_size
     dist.all_gather_object(whys, why, group=cpu_group)
     why = next((f"rank {r}: {w}" for r, w in enumerate(whys) if w), None)

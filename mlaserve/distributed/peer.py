@@ -4,8 +4,8 @@ buffers and signal pads, and one Triton launch sums a batch of rows (`kernels/al
 GPUs of one host share memory through CUDA IPC: the buffers are allocated with the driver API (`libcuda`, through
 ctypes) and each rank opens the others' handles in its own device's context, with peer access enabled lazily (no
 context on the other GPUs, whose memory that would cost); the handles are exchanged once over the host (gloo)
-group. CPU ranks share POSIX shared memory, and the kernel runs
-under the Triton interpreter: that is how CI tests the protocol with two processes. NCCL stays the path for
+group. CPU ranks share POSIX shared memory, and the kernel runs under the Triton interpreter: that is how CI
+tests the protocol with two processes. NCCL stays the path for
 anything larger than the buffers, for groups that span nodes or lack peer access, and is the reference.
 NVLink multicast is never used.
 """
@@ -85,10 +85,13 @@ class PeerAllReduce:
         """Whether this call can take x [T, D] (else the caller uses NCCL / gloo)."""
         return x.dim() == 2 and x.stride(1) == 1 and x.dtype in _DTYPES and self.peers.fits(x)
 
+    # NOTE: Triton launches stay opaque to torch.compile, as the model's kernels do (layers/ops.py)
+    @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the group, in place."""
         return peer_all_reduce(x, self.peers)
 
+    @torch.compiler.disable
     def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
@@ -150,13 +153,14 @@ def peer_members(rank: int, group_rank: int, size: int) -> list[int]:
     return list(range(first, first + size))
 
 
-def why_not_peer(device: torch.device, members: list[int], local_size: int, devices: list[int]) -> str | None:
-    """Why the group cannot use peer buffers (None: it can): ranks on several nodes, or GPUs without peer access.
-    `devices`: each member's CUDA device index."""
+def why_not_peer(device: torch.device, members: list[int], local_size: int, devices: list[int],
+                 cpu: bool = False) -> str | None:
+    """Why the group cannot use peer buffers (None: it can): ranks on several nodes, GPUs without peer access, or
+    CPU ranks unless `cpu` (shared memory and the interpreter: tests). `devices`: each member's CUDA device index."""
     if len({m // local_size for m in members}) > 1:
         return "the group spans nodes"
     if device.type != "cuda":
-        return "the ranks run on the CPU (gloo)"
+        return None if cpu else "the ranks run on the CPU (gloo)"
     me = torch.cuda.current_device()
     for d in devices:
         if d != me and not torch.cuda.can_device_access_peer(me, d):
