@@ -317,6 +317,12 @@ class SchedConfig:
                                         "(default: 160, at most --max-running-requests)")
     cuda_graph_bs: list[int] | None = opt(None, "decode batch sizes to capture (default: a ladder up to "
                                           "--cuda-graph-max-bs)", nargs="+")
+    enable_piecewise_cuda_graph: bool = opt(False, "run extend (prefill) batches of up to "
+                                            "--piecewise-cuda-graph-max-tokens tokens as CUDA graphs captured "
+                                            "between their attention calls (attention runs eagerly between the "
+                                            "pieces; a batch is padded to the next captured token count)")
+    piecewise_cuda_graph_max_tokens: int | None = opt(None, "largest extend batch, in tokens, run through piecewise "
+                                                      "CUDA graphs (default: 4096)")
     enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs)")
     torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)")
     watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")

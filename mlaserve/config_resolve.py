@@ -19,6 +19,7 @@ CPU_DEFAULT_TOKENS = 32768                 # KV-pool size on the CPU (no device 
 DEFAULT_MEM_FRACTION = 0.85
 DEFAULT_CUDA_GRAPH_MAX_BS = 160
 DEFAULT_TORCH_COMPILE_MAX_BS = 32
+DEFAULT_PIECEWISE_MAX_TOKENS = 4096
 DEFAULT_DIST_TIMEOUT = 600.0              # seconds a collective waits for the other ranks
 FP8_E4M3_MIN_CAPABILITY = (8, 9)           # Triton's e4m3 (fp8e4nv) needs Ada / Hopper or newer
 FP8_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2")
@@ -76,6 +77,9 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
     sched = _resolve_spec(_resolve_sched(server.sched, load, device), model, load)
+    if sched.piecewise_cuda_graph_max_tokens and parallel.enable_dp_attention:
+        _reject("--enable-piecewise-cuda-graph with --enable-dp-attention: the MoE's gather across DP groups takes "
+                "a different token count each step, which piecewise graphs do not capture yet; drop one")
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 
@@ -315,10 +319,13 @@ def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> Sche
         # NOTE: 0 / [] are the resolved "no graphs" values, so resolving twice accepts them
         given = [_flag(n) for n, v in (("cuda_graph_bs", s.cuda_graph_bs), ("cuda_graph_max_bs", s.cuda_graph_max_bs),
                                        ("enable_torch_compile", s.enable_torch_compile),
-                                       ("torch_compile_max_bs", s.torch_compile_max_bs)) if v]
+                                       ("torch_compile_max_bs", s.torch_compile_max_bs),
+                                       ("enable_piecewise_cuda_graph", s.enable_piecewise_cuda_graph),
+                                       ("piecewise_cuda_graph_max_tokens", s.piecewise_cuda_graph_max_tokens)) if v]
         if given:
-            _reject(f"{' '.join(given)}: these act on decode CUDA graphs, which are off with {why_off}")
-        return replace(s, disable_cuda_graph=True, cuda_graph_max_bs=0, cuda_graph_bs=[], torch_compile_max_bs=0)
+            _reject(f"{' '.join(given)}: these act on CUDA graphs, which are off with {why_off}")
+        return replace(s, disable_cuda_graph=True, cuda_graph_max_bs=0, cuda_graph_bs=[], torch_compile_max_bs=0,
+                       piecewise_cuda_graph_max_tokens=0)
     sizes, max_bs = _graph_sizes(s)
     if s.enable_torch_compile:
         compile_bs = s.torch_compile_max_bs or min(DEFAULT_TORCH_COMPILE_MAX_BS, max_bs)
@@ -328,7 +335,21 @@ def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> Sche
         _reject("--torch-compile-max-bs: acts only with --enable-torch-compile")
     else:
         compile_bs = 0
-    return replace(s, cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, torch_compile_max_bs=compile_bs)
+    return replace(s, cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, torch_compile_max_bs=compile_bs,
+                   piecewise_cuda_graph_max_tokens=_piecewise_max_tokens(s))
+
+
+def _piecewise_max_tokens(s: SchedConfig) -> int:
+    """The largest extend batch run through piecewise graphs: 0 when they are off (the resolved "off" value)."""
+    if not s.enable_piecewise_cuda_graph:
+        if s.piecewise_cuda_graph_max_tokens:
+            _reject("--piecewise-cuda-graph-max-tokens: acts only with --enable-piecewise-cuda-graph")
+        return 0
+    n = s.piecewise_cuda_graph_max_tokens if s.piecewise_cuda_graph_max_tokens is not None else \
+        DEFAULT_PIECEWISE_MAX_TOKENS
+    if n < 1:
+        _reject(f"--piecewise-cuda-graph-max-tokens {n}: must be >= 1")
+    return n
 
 
 SPEC_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 
 from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo,
@@ -51,6 +51,9 @@ class ForwardContext:
     num_decode: int = 0              # EXTEND mode: the last num_decode requests are one-token decodes (mixed batch)
     parts: "tuple[ForwardContext, ForwardContext] | None" = None   # a mixed batch's `split_mixed()`, made once
     tree_mask: torch.Tensor | None = None    # [T] int64, DECODE: bit i = sees new token i of its request (None: causal)
+    # EXTEND under piecewise CUDA graphs (engine/piecewise.py): called as splitter(attn, q, kv_c, k_pe) in place of
+    # attn.attend_extend, it runs the attention between two captured pieces and returns its output [T, H, Dv]
+    splitter: "Callable | None" = None
 
     @property
     def batch_size(self) -> int:

@@ -261,6 +261,12 @@ GPU_ROWS = {"graphs": ({}, 1),
             "graphs-noradix-nooverlap-chunk": ({"disable_radix_cache": True, "disable_overlap_schedule": True,
                                                 "chunked_prefill_size": 8}, 1),
             "graphs-mixed-chunk": ({"enable_mixed_chunk": True, "chunked_prefill_size": 8}, 1),
+            "piecewise": ({"enable_piecewise_cuda_graph": True}, 1),
+            "piecewise-mixed-chunk-fp8kv": ({"enable_piecewise_cuda_graph": True, "enable_mixed_chunk": True,
+                                             "chunked_prefill_size": 8, "kv_cache_dtype": "fp8_e4m3"}, 1),
+            "piecewise-compile-spec": ({"enable_piecewise_cuda_graph": True, "enable_torch_compile": True,
+                                        "speculative_algorithm": "EAGLE"}, 1),
+            "tp2-ep2-piecewise": ({"tp_size": 2, "ep_size": 2, "enable_piecewise_cuda_graph": True}, 2),
             "tp2-ep2-graphs-compile-spec": ({"tp_size": 2, "ep_size": 2, "enable_torch_compile": True,
                                              "speculative_algorithm": "EAGLE"}, 2),
             "dp2-ep2-graphs-compile": (LAYOUTS["dp2-ep2"] | {"enable_torch_compile": True}, 2),
@@ -295,6 +301,8 @@ def test_gpu_graphs_and_compile(name: str):
     base, _, _ = go(disable_cuda_graph=True, **fp8)
     first, second, info = go(**flags)
     assert info["disable_cuda_graph"] is False
+    if flags.get("enable_piecewise_cuda_graph"):         # the prompts' extends (both passes) fit the pieces
+        assert info["piecewise_graph_steps"] >= 2, info
     for a, b in zip(base, first, strict=True):
         n = clear_prefix(a, GPU_TIE_MARGIN)
         assert b["output_ids"][:n] == a["output_ids"][:n]

@@ -114,7 +114,7 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (CPU, V2_LITE, dict(load_balance_method="round_robin"), "--load-balance-method round_robin"),
     (CPU, V2_LITE, dict(load_balance_method="random"), "--load-balance-method random: choose one of"),
     (H100, V3_FP8, dict(tp_size=2, dp_size=2, enable_dp_attention=True, cuda_graph_max_bs=8,
-                        disable_cuda_graph=True), "--cuda-graph-max-bs: these act on decode CUDA graphs, which are off "
+                        disable_cuda_graph=True), "--cuda-graph-max-bs: these act on CUDA graphs, which are off "
                                               "with --disable-cuda-graph"),
     (H100, V2_LITE, dict(tp_size=0), "--tp-size 0"),
     (CPU, V2_LITE, dict(enable_torch_compile=True), "--enable-torch-compile"),
@@ -327,3 +327,29 @@ def test_speculative_token_map_resolves_and_fails_in_one_line(tmp_path):
     txt.write_text("1 2 3")
     with pytest.raises(ConfigError, match=re.escape("expected a .pt or .json file of token ids")):
         resolve(CPU, V3_FP8, speculative_algorithm="EAGLE", speculative_token_map=str(txt))
+
+
+def test_piecewise_cuda_graphs_resolve():
+    assert resolve(H100).sched.piecewise_cuda_graph_max_tokens == 0                        # off unless asked
+    r = resolve(H100, V3_FP8, enable_piecewise_cuda_graph=True, tp_size=8, ep_size=8, enable_mixed_chunk=True,
+                enable_torch_compile=True)
+    assert r.sched.piecewise_cuda_graph_max_tokens == 4096 and r == resolve_config(r, V3_FP8, H100)
+    r = resolve(H100, V3_FP8, enable_piecewise_cuda_graph=True, speculative_algorithm="EAGLE",
+                piecewise_cuda_graph_max_tokens=1000)
+    assert r.sched.piecewise_cuda_graph_max_tokens == 1000 and r == resolve_config(r, V3_FP8, H100)
+
+
+@pytest.mark.parametrize("device,flags,words", [
+    (CPU, dict(enable_piecewise_cuda_graph=True), "--enable-piecewise-cuda-graph: these act on CUDA graphs, which "
+     "are off with --device cpu"),
+    (H100, dict(enable_piecewise_cuda_graph=True, disable_cuda_graph=True), "off with --disable-cuda-graph"),
+    (H100, dict(piecewise_cuda_graph_max_tokens=512), "--piecewise-cuda-graph-max-tokens: acts only with "
+     "--enable-piecewise-cuda-graph"),
+    (H100, dict(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=0), "must be >= 1"),
+    (H100, dict(enable_piecewise_cuda_graph=True, tp_size=2, dp_size=2, enable_dp_attention=True),
+     "--enable-piecewise-cuda-graph with --enable-dp-attention"),
+])
+def test_piecewise_flags_fail_in_one_line(device, flags, words):
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        resolve(device, V3_FP8, **flags)
+    assert "\n" not in str(e.value)

@@ -62,6 +62,8 @@ def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = 
                                     attention_backend=args.attention_backend,
                                     context_length=args.input_len + args.output_len + 8,
                                     enable_torch_compile=args.enable_torch_compile,
+                                    enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
+                                    piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
                                     speculative_algorithm=args.speculative_algorithm,
                                     speculative_num_steps=args.speculative_num_steps,
                                     speculative_eagle_topk=args.speculative_eagle_topk,
@@ -307,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="every all-reduce on NCCL (default: decode's over peer buffers where the GPUs allow)")
     ap.add_argument("--enable-torch-compile", action="store_true", help="torch.compile the decode step (in graphs)")
+    ap.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                    help="run prefills of up to --piecewise-cuda-graph-max-tokens tokens as piecewise CUDA graphs")
+    ap.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                    help="largest prefill (tokens) run through piecewise graphs (default 4096)")
     ap.add_argument("--speculative-algorithm", choices=("EAGLE", "NEXTN"), default=None,
                     help="decode with the checkpoint's MTP layer drafting (reports the accept length)")
     ap.add_argument("--speculative-num-steps", type=int, default=None, help="draft steps per verify (default 3)")

@@ -126,6 +126,7 @@ class ModelRunner:
         self.req_to_token: torch.Tensor | None = None      # set by attach() (the scheduler's table)
         self.token_buf: torch.Tensor | None = None
         self.graphs = None
+        self.pieces = None                                 # piecewise extend graphs (init_cuda_graphs)
         self.spec = SpecDecoder(self, spec_steps, sched.speculative_eagle_topk or 1,
                                 sched.speculative_num_draft_tokens) if spec_steps else None
         logger.info("KV pool: %d token slots (%.1f MiB, %s)", self.num_slots,
@@ -165,6 +166,12 @@ class ModelRunner:
         sched = self.server.sched
         if sched.disable_cuda_graph:
             return
+        if sched.piecewise_cuda_graph_max_tokens:
+            from mlaserve.engine.piecewise import PiecewiseGraphRunner, default_token_sizes
+
+            self.pieces = PiecewiseGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
+                                               default_token_sizes(sched.piecewise_cuda_graph_max_tokens),
+                                               self.device)
         if self.spec is not None:                 # every decode step is a speculative one
             from mlaserve.engine.graph import SpecGraphRunner
 
@@ -310,7 +317,13 @@ class ModelRunner:
                                                      max(dec.seq_lens_cpu))
         ctx.logits_indices = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         ctx.global_num_tokens = batch.global_num_tokens
-        return self.model(ids, ctx.positions, ctx).logits                    # [len(rows), V] fp32
+        return self._forward_model(ids, ctx).logits                          # [len(rows), V] fp32
+
+    def _forward_model(self, ids: torch.Tensor, ctx):
+        """The model's forward, through the piecewise extend graphs where they take the batch."""
+        if self.pieces is not None and self.pieces.can_run(ctx):
+            return self.pieces.run(ids, ctx)
+        return self.model(ids, ctx.positions, ctx)
 
     def _spec_extend_logits(self, batch: Batch, rows: list[int]) -> torch.Tensor:
         """An extend under speculative decoding: the target over the widened batch (`spec.widen`), then the
@@ -326,7 +339,7 @@ class ModelRunner:
         if slots is not None:
             self.spec.idle(slots[: self.spec.steps])                            # other groups' drafts
             ctx.global_num_tokens = slots[self.spec.steps]
-        out = self.model(ids, ctx.positions, ctx)
+        out = self._forward_model(ids, ctx)
         self.spec.after_extend(batch, wide, out.hidden, slots[-1] if slots is not None else None)
         return out.logits
 

@@ -99,13 +99,21 @@ class MLAAttention(torch.nn.Module):
             return self.o_proj(self._decode_absorbed(q_lat, q, ctx).reshape(t, self.h * self.dv))
         self.ops.mla_rope_kv_store(*rope, **rope_kw)
         k_pe = latent[:, self.l:]                                             # [T, R] (roped)
-        if ctx.parts is not None and self.absorb:       # a mixed batch: its prompts non-absorbed, its decodes absorbed
-            n = t - ctx.num_decode
-            (ext, dec), a, b = ctx.parts, slice(None, n), slice(n, None)
-            o = torch.cat([self._attend(q[a], kv_c[a], k_pe[a], ext), self._attend(q[b], kv_c[b], k_pe[b], dec)])
+        if ctx.splitter is not None:                    # piecewise graphs: the attention runs between two pieces
+            o = ctx.splitter(self, q, kv_c, k_pe)
         else:
-            o = self._attend(q, kv_c, k_pe, ctx)
+            o = self.attend_extend(q, kv_c, k_pe, ctx)
         return self.o_proj(o.reshape(t, self.h * self.dv))
+
+    def attend_extend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                      ctx: ForwardContext) -> torch.Tensor:
+        """The attention of a batch that is not a plain decode: q [T, H, Dn + R] (q_pe roped), kv_c [T, L] (normed),
+        k_pe [T, R] (roped), their latent rows already in the cache -> o [T, H, Dv]."""
+        if ctx.parts is not None and self.absorb:       # a mixed batch: its prompts non-absorbed, its decodes absorbed
+            n = q.shape[0] - ctx.num_decode
+            (ext, dec), a, b = ctx.parts, slice(None, n), slice(n, None)
+            return torch.cat([self._attend(q[a], kv_c[a], k_pe[a], ext), self._attend(q[b], kv_c[b], k_pe[b], dec)])
+        return self._attend(q, kv_c, k_pe, ctx)
 
     def _attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # q: [T, H, Dn + R] (q_pe roped), kv_c: [T, L], k_pe: [T, R] -> o: [T, H, Dv]

@@ -202,7 +202,10 @@ class DeepseekForCausalLM(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
-        hidden = self.model(input_ids, positions, ctx)
+        return self.head(self.model(input_ids, positions, ctx), ctx)
+
+    def head(self, hidden: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
+        """The logits of the final-normed hidden states [T, h] at ctx.logits_indices (all rows when None)."""
         rows = hidden if ctx.logits_indices is None else hidden[ctx.logits_indices]
         return ModelOutput(self.lm_head(rows), hidden)
 

@@ -378,4 +378,5 @@ class Scheduler:
                 "num_retracted": self.num_retracted, "grammar_states": len(self.grammar.states),
                 "grammar_waiting": len(self.grammar.waiting), **self.stats,
                 "avg_spec_accept_length": self.stats["spec_tokens"] / max(self.stats["spec_verify_steps"], 1),
+                "piecewise_graph_steps": self.runner.pieces.runs if self.runner.pieces is not None else 0,
                 **({"dp_rank": self.runner.group.info.dp_rank} if self.dp_sync is not None else {})}

@@ -21,6 +21,8 @@ COUNTERS = (
     ("generation_tokens", "generation_tokens", "tokens generated"),
     ("num_retracted", "num_retracted_reqs", "requests retracted to free KV-cache room"),
     ("mixed_steps", "mixed_steps", "steps whose running decodes rode in a prefill batch (--enable-mixed-chunk)"),
+    ("piecewise_graph_steps", "piecewise_graph_steps",
+     "extend batches run through piecewise CUDA graphs (--enable-piecewise-cuda-graph)"),
 )
 GAUGES = (
     ("num_running_reqs", "num_running_reqs", "requests in the running batch"),
