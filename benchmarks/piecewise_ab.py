@@ -25,12 +25,14 @@ ap.add_argument("--ragged", type=int, nargs="*", default=[700, 1300, 90, 1],
                 help="also one batch of requests of these lengths (a 1-token request: a decode-sized extend)")
 cli = ap.parse_args()
 most = max(cli.len + [sum(cli.ragged)])
-args = build_parser().parse_args(["--load-format", "dummy", "--model-config", cli.model_config, "--batch-size", "1",
+args = build_parser().parse_args(["--load-format", "dummy", "--model-config", cli.model_config, "--batch-size",
+                                  str(max(1, len(cli.ragged))),
                                   "--input-len", str(most), "--output-len", "8", "--enable-piecewise-cuda-graph",
                                   "--piecewise-cuda-graph-max-tokens", str(most)])
 t0 = time.monotonic()
 runner, pool, alloc = build_runner(args, model_dir(args))
-print(f"runner with piecewise graphs up to {most} tokens built in {time.monotonic() - t0:.1f} s; "
+print(f"runner with piecewise graphs up to {most} tokens built in {time.monotonic() - t0:.1f} s (their capture "
+      f"{runner.pieces.capture_s:.1f} s, their pool {runner.pieces.pool_bytes / 2**30:.2f} GiB); "
       f"GPU memory allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB, "
       f"reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB")
 pieces = runner.pieces

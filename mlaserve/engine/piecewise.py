@@ -79,6 +79,7 @@ class PiecewiseGraphRunner:
         self.hidden: dict[int, torch.Tensor] = {}
         self.pool = None
         self.runs = 0                                     # batches run (the scheduler's piecewise_graph_steps)
+        self.capture_s, self.pool_bytes = 0.0, 0         # capture time; memory reserved during it (pool, warm-up)
         if capture:
             self._capture()
 
@@ -101,7 +102,8 @@ class PiecewiseGraphRunner:
     # --- capture -----------------------------------------------------------------------------
     @torch.no_grad()
     def _capture(self) -> None:
-        t0 = time.monotonic()
+        t0, reserved = time.monotonic(), torch.cuda.memory_reserved()
+        self.pool = torch.cuda.graph_pool_handle()        # one memory pool for every piece of every size
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -109,9 +111,10 @@ class PiecewiseGraphRunner:
                 self._capture_size(tb)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured piecewise extend CUDA graphs for %d token counts (%d..%d, %d pieces each) in %.1f s",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], len(self.graphs[self.sizes[-1]]),
-                    time.monotonic() - t0)
+        self.capture_s, self.pool_bytes = time.monotonic() - t0, torch.cuda.memory_reserved() - reserved
+        logger.info("captured piecewise extend CUDA graphs for %d token counts (%d..%d, %d pieces each) in %.1f s, "
+                    "%.2f GiB", len(self.sizes), self.sizes[0], self.sizes[-1], len(self.graphs[self.sizes[-1]]),
+                    self.capture_s, self.pool_bytes / 2**30)
 
     def _capture_size(self, tb: int) -> None:
         ctx = self.ctxs[tb]
@@ -124,8 +127,6 @@ class PiecewiseGraphRunner:
         def begin() -> None:
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=self.pool)
-            if self.pool is None:
-                self.pool = graphs[-1].pool()
 
         def split(attn, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
             graphs[-1].capture_end()

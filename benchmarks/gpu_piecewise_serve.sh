@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Serving with piecewise prefill graphs: `mlaserve serve` V2-Lite (full width, dummy weights) plain, with
+# --enable-piecewise-cuda-graph, and with it plus --enable-mixed-chunk; `bench serving --backend mlaserve`, prompts
+# of 128-256 tokens (--random-range-ratio 0.5: lengths vary as in real traffic) at concurrency 1 (24 prompts, 16 new
+# tokens: TTFT) and 64 (192 prompts, 128 new tokens: TPOT, ITL per token). Carry .whl.
+set -uo pipefail
+[ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
+python3 -m mlaserve.tools.tokenizer $M > /dev/null
+i=0
+for flags in "" "--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --enable-mixed-chunk"; do
+  i=$((i + 1)); name=${flags:-plain}; name=${name//--enable-/}; name=${name// /+}
+  t0=$(date +%s.%N)
+  python3 -m mlaserve.cli serve --model-path $M --load-format dummy --port 30000 --log-level info $flags \
+    > "$OUT/serve_$i.log" 2>&1 &
+  for k in $(seq 1 300); do
+    curl -sf -m 60 http://127.0.0.1:30000/generate -H 'Content-Type: application/json' \
+      -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 1}}' > /dev/null 2>&1 && break
+    sleep 0.5
+  done
+  echo "### $name: first served token $(python3 -c "import time; print(round(time.time() - $t0, 1))") s after launch"
+  for spec in "1 24 16" "64 192 128"; do
+    set -- $spec
+    timeout 170 python3 -m mlaserve.cli bench serving --backend mlaserve --num-prompts $2 \
+      --random-input-len 256 --random-output-len $3 --random-range-ratio 0.5 --request-rate inf --max-concurrency $1 \
+      --tokenizer $M --disable-tqdm --output-file "$OUT/serving_$i.jsonl" > /dev/null 2>&1
+    python3 benchmarks/serving_summary.py --last "$OUT/serving_$i.jsonl" "$name"
+  done
+  curl -s http://127.0.0.1:30000/metrics | grep -E "^mlaserve[:_](piecewise_graph_steps|mixed_steps)" | head -4
+  pkill -TERM -f "mlaserve.cli serve"; sleep 4
+done
+grep -h "captured piecewise" "$OUT"/serve_*.log | cut -c1-200
