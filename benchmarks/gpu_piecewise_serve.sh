@@ -2,7 +2,8 @@
 # Serving with piecewise prefill graphs: `mlaserve serve` V2-Lite (full width, dummy weights) plain, with
 # --enable-piecewise-cuda-graph, and with it plus --enable-mixed-chunk; `bench serving --backend mlaserve`, prompts
 # of 128-256 tokens (--random-range-ratio 0.5: lengths vary as in real traffic) at concurrency 1 (24 prompts, 16 new
-# tokens: TTFT) and 64 (192 prompts, 128 new tokens: TPOT, ITL per token). Carry .whl.
+# tokens: TTFT) and 64 (192 prompts, 128 new tokens: TPOT, ITL per token). Carry .whl. `reverse`: piecewise first,
+# then plain (the first server on a fresh machine compiles the Triton kernels the later ones find cached).
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
@@ -10,7 +11,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
 python3 -m mlaserve.tools.tokenizer $M > /dev/null
 i=0
-for flags in "" "--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --enable-mixed-chunk"; do
+CONFIGS=("" "--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --enable-mixed-chunk")
+[ "${1:-}" = reverse ] && CONFIGS=("--enable-piecewise-cuda-graph" "")    # the other order (Triton cache cold first)
+for flags in "${CONFIGS[@]}"; do
   i=$((i + 1)); name=${flags:-plain}; name=${name//--enable-/}; name=${name// /+}
   t0=$(date +%s.%N)
   python3 -m mlaserve.cli serve --model-path $M --load-format dummy --port 30000 --log-level info $flags \

@@ -14,7 +14,7 @@ import torch
 
 from mlaserve.bench.floor import prefill_flops
 from mlaserve.bench.one_batch import build_parser, build_runner, model_dir
-from mlaserve.bench.timing import Ceilings
+from mlaserve.bench.timing import Ceilings, wall_and_gpu_s
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
 from mlaserve.engine.forward_batch import build_context
 
@@ -80,19 +80,9 @@ for lens in cases:
     for rnd in range(8):
         for name in times:
             runner.pieces = pieces if name == "piecewise" else None
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            runner.forward(batch)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(400_000_000)            # ~200 ms: the host queues the whole prefill meanwhile
-            start.record()
-            runner.forward(batch)
-            end.record()
-            end.synchronize()
-            if rnd:
-                times[name].append((wall, start.elapsed_time(end) / 1e3))
+            wall_gpu = wall_and_gpu_s(lambda: runner.forward(batch))
+            if rnd:                                   # the first round warms both
+                times[name].append(wall_gpu)
     runner.pieces = pieces
     print(f"prefill {'+'.join(map(str, lens))} = {tokens} tokens (padded to {pieces._size(tokens)}): piecewise vs "
           f"eager logits max |diff| {diff:.3g}, same argmax on {same:.0%} of rows")

@@ -7,12 +7,12 @@ and its GPU time alone (events around it, queued behind a 150 ms GPU sleep so th
 """
 import argparse
 import statistics
-import time
 
 import torch
 
 import mlaserve.layers.moe as moe
 from mlaserve.bench.one_batch import build_parser, build_runner, model_dir
+from mlaserve.bench.timing import wall_and_gpu_s
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
 
 ap = argparse.ArgumentParser()
@@ -34,19 +34,9 @@ for n in cli.len:
     for rnd in range(8):
         for limit in times:
             moe.FUSE_SHARED_MAX_TOKENS = limit
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner.forward(batch)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(300_000_000)            # ~150 ms: the host queues the whole prefill meanwhile
-            start.record()
-            runner.forward(batch)
-            end.record()
-            end.synchronize()
+            wall_gpu = wall_and_gpu_s(lambda: runner.forward(batch), 300_000_000)
             if rnd:                                   # the first round compiles and warms each setting
-                times[limit].append((wall, start.elapsed_time(end) / 1e3))
+                times[limit].append(wall_gpu)
     for limit, ts in times.items():
         wall = statistics.median(t for t, _ in ts) * 1e3
         gpu = statistics.median(g for _, g in ts) * 1e3

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -105,3 +106,20 @@ class Ceilings(dict):
     def measure(cls) -> "Ceilings":
         return cls(copy_bps=measure_copy_bandwidth(), bf16_flops=measure_matmul_rate(torch.bfloat16),
                    fp8_flops=measure_matmul_rate(torch.float8_e4m3fn))
+
+
+def wall_and_gpu_s(fn: Callable[[], object], sleep_cycles: int = 400_000_000) -> tuple[float, float]:
+    """(wall seconds of one synchronised call, GPU seconds of another queued behind a GPU sleep of `sleep_cycles`
+    (~200 ms at 4e8), so the host has issued all of it before the GPU starts: its time without host stalls)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(sleep_cycles)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return wall, start.elapsed_time(end) / 1e3
