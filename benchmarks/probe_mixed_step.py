@@ -9,7 +9,7 @@ waves show what repeats once the shapes were seen. With --profile, the first ste
 torch profiler and its top operators by host time are printed; with --cprofile, the extend steps of the last
 wave run under cProfile (Python functions by cumulative and own time).
 
-    PYTHONPATH=$PWD python benchmarks/probe_mixed_step.py --model-path DIR [--mixed] [--chunk N] [--profile]
+    PYTHONPATH=$PWD python benchmarks/probe_mixed_step.py --model-path DIR [--mixed] [--piecewise] [--chunk N] [--profile]
 """
 from __future__ import annotations
 
@@ -26,11 +26,28 @@ from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.scheduler.scheduler import Scheduler
 
 
+def compiled_kernels() -> dict[str, int]:
+    """Compiled variants of each of our Triton kernels so far (a step that compiles one shows it)."""
+    import importlib
+    import pkgutil
+
+    import mlaserve.kernels
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for mod in pkgutil.iter_modules(mlaserve.kernels.__path__):
+        for name, fn in vars(importlib.import_module(f"mlaserve.kernels.{mod.name}")).items():
+            if isinstance(fn, JITFunction):
+                counts[name] = sum(len(c[0]) for c in fn.device_caches.values())
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--piecewise", action="store_true", help="--enable-piecewise-cuda-graph")
     ap.add_argument("--running", type=int, default=64)
     ap.add_argument("--arrive", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=256)
@@ -40,7 +57,8 @@ def main() -> None:
     args = ap.parse_args()
     sched = Scheduler(ServerConfig.from_flat(
         model_path=args.model_path, load_format="dummy", log_level="warning", disable_overlap_schedule=True,
-        enable_mixed_chunk=args.mixed, chunked_prefill_size=args.chunk), args.model_path)
+        enable_mixed_chunk=args.mixed, chunked_prefill_size=args.chunk,
+        enable_piecewise_cuda_graph=args.piecewise), args.model_path)
     rng = random.Random(0)
     vocab = sched.runner.cfg.vocab_size
     batches: list[tuple[str, int, int]] = []
@@ -58,6 +76,7 @@ def main() -> None:
                                                                   ignore_eos=True), seed=1))
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    compiled = compiled_kernels()
 
     def step() -> tuple[float, tuple]:
         n = len(batches)
@@ -94,13 +113,16 @@ def main() -> None:
                 prof_py.disable()
             else:
                 ms, b = step()
-            rows.append(f"{b[0][0]}{b[1]}+{b[2]}:{ms:.1f}")
+            now = compiled_kernels()
+            new = sorted({name for name, n in now.items() if n > compiled.get(name, 0)})
+            compiled.update(now)
+            rows.append(f"{b[0][0]}{b[1]}+{b[2]}:{ms:.1f}" + (f"[compiled {','.join(new)}]" if new else ""))
         waves.append(" ".join(rows))
     if prof_py is not None:
         import pstats
         for key in ("cumulative", "tottime"):
             pstats.Stats(prof_py).sort_stats(key).print_stats(28)
-    print(json.dumps({"mixed": args.mixed, "chunk": args.chunk, "running": args.running, "arrive": args.arrive,
+    print(json.dumps({"mixed": args.mixed, "piecewise": args.piecewise, "chunk": args.chunk, "running": args.running, "arrive": args.arrive,
                       "prompt": args.prompt, "decode_step_ms": round(decode_ms, 2), "waves": waves}))
 
 

@@ -226,3 +226,23 @@ def test_non_absorbed_decode_in_mixed_batches(ckpt):
     sched = make(ckpt, disable_mla=True, enable_mixed_chunk=True, chunked_prefill_size=8)
     assert_same(run(sched, msgs, arrivals), plain)
     assert sched.stats["mixed_steps"] > 0
+
+
+def test_mixed_decode_warm_up_runs_every_count_and_changes_nothing(ckpt):
+    """`ModelRunner.warm_mixed_decode` (run at GPU startup with --enable-mixed-chunk): every decode count up to the
+    running limit and its split counts, on the padding row; the tokens served afterwards are the plain ones."""
+    msgs, arrivals = staggered(4, seed=3)
+    kw = dict(enable_mixed_chunk=True, chunked_prefill_size=8, max_running_requests=6)
+    plain = run(make(ckpt, **kw), msgs, arrivals)
+    sched = make(ckpt, **kw)
+    calls, inner = [], sched.runner.attn_backend.decode
+
+    def counted(layer, q, q_pe, ctx):
+        calls.append((q.shape[0], ctx.num_kv_splits))
+        return inner(layer, q, q_pe, ctx)
+
+    sched.runner.attn_backend.decode = counted
+    sched.runner.warm_mixed_decode(sched.kv.req_to_token, sched.kv.req_pool.alloc())
+    sched.runner.attn_backend.decode = inner
+    assert sorted({n for n, _ in calls}) == list(range(1, 7)) and (1, 1) in calls and (1, 2) in calls, calls
+    assert_same(run(sched, msgs, arrivals), plain)
