@@ -3,7 +3,8 @@
 # --enable-piecewise-cuda-graph, and with it plus --enable-mixed-chunk; `bench serving --backend mlaserve`, prompts
 # of 128-256 tokens (--random-range-ratio 0.5: lengths vary as in real traffic) at concurrency 1 (24 prompts, 16 new
 # tokens: TTFT) and 64 (192 prompts, 128 new tokens: TPOT, ITL per token). Carry .whl. `reverse`: piecewise first,
-# then plain (the first server on a fresh machine compiles the Triton kernels the later ones find cached).
+# then plain (the first server on a fresh machine compiles the Triton kernels the later ones find cached). `mixed`:
+# piecewise, then piecewise + mixed chunk.
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
@@ -13,6 +14,7 @@ python3 -m mlaserve.tools.tokenizer $M > /dev/null
 i=0
 CONFIGS=("" "--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --enable-mixed-chunk")
 [ "${1:-}" = reverse ] && CONFIGS=("--enable-piecewise-cuda-graph" "")    # the other order (Triton cache cold first)
+[ "${1:-}" = mixed ] && CONFIGS=("--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --enable-mixed-chunk")
 for flags in "${CONFIGS[@]}"; do
   i=$((i + 1)); name=${flags:-plain}; name=${name//--enable-/}; name=${name// /+}
   t0=$(date +%s.%N)

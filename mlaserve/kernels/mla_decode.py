@@ -87,7 +87,9 @@ def _store_cols(ptrs, x, rows_ok, offs, D: tl.constexpr, BLOCK_D: tl.constexpr):
         tl.store(ptrs, x, mask=rows_ok[:, None] & (offs < D)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# NOTE: ReqPoolIdx / SeqLens are not specialized on 16-byte alignment: a mixed batch passes its decodes' part as a
+# slice at any offset, and each alignment would be one more compile on first use (a 1.5 s serving stall)
+@triton.jit(do_not_specialize=["num_splits", "ReqPoolIdx", "SeqLens"])
 def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, MidO, MidLse, Out,
                        qk_scale, v_scale, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_rtt,
                        stride_ot, stride_oh, H, num_q, num_splits,
