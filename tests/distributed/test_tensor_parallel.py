@@ -115,6 +115,40 @@ def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
             assert_greedy_equal_before_ties(big[m.rid], got, m.rid, finished=False)
 
 
+def _pieces_on_ranks(group, path: str, flags: dict, msgs: list, arrivals: dict) -> dict:
+    """drive_on_ranks with piecewise "graphs" (the padded split forward, run eagerly: no CUDA here) on the rank."""
+    from mlaserve.engine.piecewise import PiecewiseGraphRunner
+
+    sched = _scheduler(path, group, **flags)
+    r = sched.runner
+    r.pieces = PiecewiseGraphRunner(r.model, r.pool, r.attn_backend, sched.kv.req_to_token, 0, [8, 24, 48], r.device,
+                                    capture=False)
+    out = drive_scheduler(sched, msgs, arrivals)
+    return {"results": out, "runs": r.pieces.runs, "mixed": sched.stats["mixed_steps"]}
+
+
+def test_piecewise_extends_under_tp2_equal_one_process(checkpoint):
+    """The pieces' padded rows go through the all-reduces (and the MoE) with the real ones: the same greedy tokens
+    as one process without pieces (V3 shape, mixed chunks, a radix hit)."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, 4000) for _ in range(20)]
+    prompts = [shared + [rng.randrange(5, 4000) for _ in range(rng.randint(1, 20))] for _ in range(3)]
+    prompts += [[rng.randrange(5, 4000) for _ in range(rng.randint(4, 40))] for _ in range(3)]
+    msgs = [_msg(f"p{i}", p, rng.randint(4, 12)) for i, p in enumerate(prompts)]
+    arrivals = {m.rid: 0 if i == 0 else 14 + 2 * i for i, m in enumerate(msgs)}
+    path = checkpoint("v3")
+    flags = dict(max_total_tokens=1024, chunked_prefill_size=16, enable_mixed_chunk=True)
+    one = drive_scheduler(_scheduler(path, **flags), msgs, arrivals)
+    ranks = spawn_ranks(_pieces_on_ranks, 2, path, flags, msgs, arrivals, timeout=300)
+    assert ranks[0] == ranks[1], "the two ranks disagree"
+    assert ranks[0]["runs"] > 0 and ranks[0]["mixed"] > 0, ranks[0]
+    assert any(r["cached"] for r in ranks[0]["results"].values()), "no radix hit"
+    for m in msgs:
+        assert_greedy_equal_before_ties(one[m.rid], ranks[0]["results"][m.rid], m.rid)
+
+
 def test_speculative_decoding_under_tp2_equals_one_process_without_it(tmp_path):
     """The demo model (its MTP head drafts well) through the Engine at tp 2 with speculation and a draft token
     map (the 2048 most frequent tokens of some held-out text: the two vocabulary shards hold different numbers of
