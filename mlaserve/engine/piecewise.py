@@ -144,9 +144,9 @@ class PiecewiseGraphRunner:
         finally:
             ctx.splitter = None
         self.graphs[tb], self.splits[tb], self.hidden[tb] = graphs, splits, hidden
-        # NOTE: a graph's first launch uploads it to the device, which made each token count's first prefill in
-        # serving slower (TTFT at concurrency 1: 30 ms on a server's first pass against 23 ms on its second, H100);
-        # launch each piece once here instead (the capture inputs: token 0 writing the padding slot)
+        # NOTE: a graph's first launch also uploads it to the device: do that here, not in a request's prefill (the
+        # capture inputs: token 0 writing the padding slot). On the H100 no TTFT change showed beyond run-to-run
+        # spread (benchmarks/results/piecewise-h100.md)
         for g in graphs:
             g.replay()
 
