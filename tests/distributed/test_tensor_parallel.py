@@ -85,13 +85,21 @@ def drive_on_ranks(group, path: str, flags: dict, msgs: list, arrivals: dict, ab
     return {"results": out, "retracted": sched.num_retracted, "idle": idle}
 
 
-def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
+def seeded_prompts(shared_len: int, with_prefix: tuple[int, int], alone: tuple[int, int, int]):
+    """(rng, prompts) with a fresh, printed seed: with_prefix = (count, most extra tokens) prompts of one shared
+    prefix of shared_len tokens, then alone = (count, fewest, most tokens) prompts of their own."""
     seed = random.randrange(2**31)
     print(f"seed {seed}")
     rng = random.Random(seed)
-    shared = [rng.randrange(5, 4000) for _ in range(48)]
-    prompts = [shared + [rng.randrange(5, 4000) for _ in range(rng.randint(1, 30))] for _ in range(5)]
-    prompts += [[rng.randrange(5, 4000) for _ in range(rng.randint(4, 90))] for _ in range(8)]
+    shared = [rng.randrange(5, 4000) for _ in range(shared_len)]
+    prompts = [shared + [rng.randrange(5, 4000) for _ in range(rng.randint(1, with_prefix[1]))]
+               for _ in range(with_prefix[0])]
+    prompts += [[rng.randrange(5, 4000) for _ in range(rng.randint(alone[1], alone[2]))] for _ in range(alone[0])]
+    return rng, prompts
+
+
+def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
+    rng, prompts = seeded_prompts(48, (5, 30), (8, 4, 90))
     msgs = [_msg(f"s{i}", p, 1 if i == 0 else rng.randint(1, 30) if i < 5 else rng.randint(15, 30))
             for i, p in enumerate(prompts)]
     # s0 finishes first and leaves the shared prefix in the radix tree; s1..s4 arrive together right after it (a
@@ -130,12 +138,7 @@ def _pieces_on_ranks(group, path: str, flags: dict, msgs: list, arrivals: dict) 
 def test_piecewise_extends_under_tp2_equal_one_process(checkpoint):
     """The pieces' padded rows go through the all-reduces (and the MoE) with the real ones: the same greedy tokens
     as one process without pieces (V3 shape, mixed chunks, a radix hit)."""
-    seed = random.randrange(2**31)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
-    shared = [rng.randrange(5, 4000) for _ in range(20)]
-    prompts = [shared + [rng.randrange(5, 4000) for _ in range(rng.randint(1, 20))] for _ in range(3)]
-    prompts += [[rng.randrange(5, 4000) for _ in range(rng.randint(4, 40))] for _ in range(3)]
+    rng, prompts = seeded_prompts(20, (3, 20), (3, 4, 40))
     msgs = [_msg(f"p{i}", p, rng.randint(4, 12)) for i, p in enumerate(prompts)]
     arrivals = {m.rid: 0 if i == 0 else 14 + 2 * i for i, m in enumerate(msgs)}
     path = checkpoint("v3")
