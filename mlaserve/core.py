@@ -51,8 +51,8 @@ class ForwardContext:
     num_decode: int = 0              # EXTEND mode: the last num_decode requests are one-token decodes (mixed batch)
     parts: "tuple[ForwardContext, ForwardContext] | None" = None   # a mixed batch's `split_mixed()`, made once
     tree_mask: torch.Tensor | None = None    # [T] int64, DECODE: bit i = sees new token i of its request (None: causal)
-    # EXTEND under piecewise CUDA graphs (engine/piecewise.py): called as splitter(attn, q, kv_c, k_pe) in place of
-    # attn.attend_extend, it runs the attention between two captured pieces and returns its output [T, H, Dv]
+    # EXTEND under piecewise CUDA graphs (engine/piecewise.py): called as splitter(attn, q, kv_c, k_pe, kv_new) in
+    # place of attn.attend_extend, it runs the attention between two captured pieces and returns its output [T, H, Dv]
     splitter: "Callable | None" = None
 
     @property

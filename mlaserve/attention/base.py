@@ -10,6 +10,7 @@ from mlaserve.core import ForwardContext
 
 # expand_kv(latent [n, L]) -> (k_nope [n, H, Dn], v [n, H, Dv]): applies kv_b_proj
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+KVNew = tuple[torch.Tensor, torch.Tensor]    # the new tokens' (k_nope [T, H, Dn], v [T, H, Dv]), expanded by the caller
 
 
 class BaseAttnBackend(ABC):
@@ -22,14 +23,18 @@ class BaseAttnBackend(ABC):
     # True when decode reads the host sequence lengths (`ctx.seq_lens_cpu`): the PyTorch reference does; a kernel
     # reads `ctx.seq_lens` on the device (speculative steps then need not bring their lengths to the host)
     host_seq_lens = False
+    # True when extend takes the new tokens' k_nope / v expanded by the caller (`kv_new`): the model then runs
+    # kv_b_proj before the attention call, inside a piecewise graph's piece rather than in the eager attention
+    takes_new_kv = False
 
     def __init__(self, sm_scale: float, kv_lora_rank: int, rope_dim: int):
         self.sm_scale, self.kv_lora_rank, self.rope_dim = sm_scale, kv_lora_rank, rope_dim
 
     @abstractmethod
     def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-               ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
-        """Non-absorbed MLA. q: [T, H, Dn + R], kv_c: [T, L], k_pe: [T, R] (the new tokens) -> [T, H, Dv]."""
+               ctx: ForwardContext, expand_kv: ExpandKV, kv_new: KVNew | None = None) -> torch.Tensor:
+        """Non-absorbed MLA. q: [T, H, Dn + R], kv_c: [T, L], k_pe: [T, R] (the new tokens) -> [T, H, Dv].
+        kv_new: expand_kv(kv_c), given by the caller when the backend `takes_new_kv` (else None)."""
 
     @abstractmethod
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

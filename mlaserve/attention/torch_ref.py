@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaserve.attention.base import BaseAttnBackend, ExpandKV
+from mlaserve.attention.base import BaseAttnBackend, ExpandKV, KVNew
 from mlaserve.core import ForwardContext
 from mlaserve.kernels.mla_decode import tree_visible
 
@@ -22,7 +22,8 @@ class TorchMLABackend(BaseAttnBackend):
             start += n
 
     def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-               ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
+               ctx: ForwardContext, expand_kv: ExpandKV, kv_new: KVNew | None = None) -> torch.Tensor:
+        assert kv_new is None, "the reference expands every row it reads from the cache (takes_new_kv is False)"
         outs = []
         for b, start, n in self._spans(ctx):
             rows = self._request_rows(layer, ctx, b, q.dtype)               # [S, L + R]

@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import torch
 
-from mlaserve.attention.base import BaseAttnBackend, ExpandKV
+from mlaserve.attention.base import BaseAttnBackend, ExpandKV, KVNew
 from mlaserve.core import ForwardContext
 from mlaserve.kernels.mla_decode import mla_decode
 from mlaserve.kernels.mla_prefill import mla_prefill
 
 
 class TritonMLABackend(BaseAttnBackend):
+    takes_new_kv = True
+
     def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-               ctx: ForwardContext, expand_kv: ExpandKV) -> torch.Tensor:
-        k_nope, v = expand_kv(kv_c)                                           # [T, H, Dn], [T, H, Dv]
+               ctx: ForwardContext, expand_kv: ExpandKV, kv_new: KVNew | None = None) -> torch.Tensor:
+        k_nope, v = expand_kv(kv_c) if kv_new is None else kv_new            # [T, H, Dn], [T, H, Dv]
         k_pe = k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)               # [T, H, R], one row per token
         return mla_prefill(q, k_nope, v, torch.tensor(ctx.extend_lens_cpu), torch.tensor(ctx.prefix_lens_cpu),
                            ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, expand_kv,

@@ -13,9 +13,9 @@ A batch of T tokens runs in the graphs of the smallest captured count Tb >= T. I
 token 0 at position 0 writing its latent row to the padding slot 0 (as the decode graphs' padding rows); every
 piece treats rows independently, attention runs on the first T rows only, so padding changes nothing real.
 
-The attention's inputs (q, kv_c, k_pe) live in the graphs' memory pool at the addresses they had when captured;
-the runner keeps non-owning views of them (`_alias`), because owning them would keep every layer's q and expanded
-keys alive at once. The memory they view is free again after the attention reads it, exactly as in the eager
+The attention's inputs (q, kv_c, k_pe, and the new tokens' k_nope / v: kv_b_proj runs inside the piece) live in the
+graphs' memory pool at the addresses they had when captured; the runner keeps non-owning views of them (`_alias`),
+because owning them would keep every layer's q and expanded keys alive at once. The memory they view is free again after the attention reads it, exactly as in the eager
 forward the capture recorded. Its output is copied into one static buffer the next piece reads.
 `capture=False` runs the same padded, split forward eagerly (the CPU tests of that layout: no CUDA there).
 """
@@ -51,13 +51,14 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 class _Split:
     """One attention call between two pieces: the layer and its inputs at their captured addresses."""
 
-    __slots__ = ("attn", "q", "kv_c", "k_pe")
+    __slots__ = ("attn", "q", "kv_c", "k_pe", "kv_new")
 
-    def __init__(self, attn, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor):
-        self.attn, self.q, self.kv_c, self.k_pe = attn, q, kv_c, k_pe
+    def __init__(self, attn, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_new):
+        self.attn, self.q, self.kv_c, self.k_pe, self.kv_new = attn, q, kv_c, k_pe, kv_new
 
     def run(self, t: int, ctx: ForwardContext) -> torch.Tensor:
-        return self.attn.attend_extend(self.q[:t], self.kv_c[:t], self.k_pe[:t], ctx)
+        kv_new = None if self.kv_new is None else (self.kv_new[0][:t], self.kv_new[1][:t])
+        return self.attn.attend_extend(self.q[:t], self.kv_c[:t], self.k_pe[:t], kv_new, ctx)
 
 
 class PiecewiseGraphRunner:
@@ -128,11 +129,12 @@ class PiecewiseGraphRunner:
             graphs.append(torch.cuda.CUDAGraph())
             graphs[-1].capture_begin(pool=self.pool)
 
-        def split(attn, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        def split(attn, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_new) -> torch.Tensor:
             graphs[-1].capture_end()
-            splits.append(_Split(attn, _alias(q), _alias(kv_c), _alias(k_pe)))
+            kv_alias = None if kv_new is None else (_alias(kv_new[0]), _alias(kv_new[1]))
+            splits.append(_Split(attn, _alias(q), _alias(kv_c), _alias(k_pe), kv_alias))
             out = self.attn_out[:tb]
-            out.copy_(attn.attend_extend(q, kv_c, k_pe, ctx))     # eager: the next piece is captured on real values
+            out.copy_(attn.attend_extend(q, kv_c, k_pe, kv_new, ctx))   # eager: the next piece sees real values
             begin()
             return out
 
@@ -177,8 +179,8 @@ class PiecewiseGraphRunner:
         """The padded forward of the graphs, split the same way, run eagerly (capture=False)."""
         pad = self.ctxs[tb]
 
-        def split(attn, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-            self.attn_out[:t].copy_(_Split(attn, q, kv_c, k_pe).run(t, ctx))
+        def split(attn, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_new) -> torch.Tensor:
+            self.attn_out[:t].copy_(_Split(attn, q, kv_c, k_pe, kv_new).run(t, ctx))
             return self.attn_out[:tb]
 
         pad.splitter = split

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mlaserve.config import ModelConfig
+from mlaserve.attention.base import KVNew
 from mlaserve.core import ForwardContext, ForwardMode
 from mlaserve.distributed import TensorParallel
 from mlaserve.kernels.quant import block_dequant_ref
@@ -99,29 +100,35 @@ class MLAAttention(torch.nn.Module):
             return self.o_proj(self._decode_absorbed(q_lat, q, ctx).reshape(t, self.h * self.dv))
         self.ops.mla_rope_kv_store(*rope, **rope_kw)
         k_pe = latent[:, self.l:]                                             # [T, R] (roped)
+        # the new tokens' k_nope / v (kv_b_proj) here where the backend takes them: inside a piecewise graph's piece
+        kv_new = self.expand_kv(kv_c) if ctx.attn_backend.takes_new_kv and ctx.mode is ForwardMode.EXTEND else None
         if ctx.splitter is not None:                    # piecewise graphs: the attention runs between two pieces
-            o = ctx.splitter(self, q, kv_c, k_pe)
+            o = ctx.splitter(self, q, kv_c, k_pe, kv_new)
         else:
-            o = self.attend_extend(q, kv_c, k_pe, ctx)
+            o = self.attend_extend(q, kv_c, k_pe, kv_new, ctx)
         return self.o_proj(o.reshape(t, self.h * self.dv))
 
-    def attend_extend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+    def attend_extend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_new: KVNew | None,
                       ctx: ForwardContext) -> torch.Tensor:
         """The attention of a batch that is not a plain decode: q [T, H, Dn + R] (q_pe roped), kv_c [T, L] (normed),
-        k_pe [T, R] (roped), their latent rows already in the cache -> o [T, H, Dv]."""
+        k_pe [T, R] (roped), their latent rows already in the cache; kv_new: their (k_nope [T, H, Dn], v [T, H, Dv])
+        or None (the backend expands kv_c) -> o [T, H, Dv]."""
         if ctx.parts is not None and self.absorb:       # a mixed batch: its prompts non-absorbed, its decodes absorbed
             n = q.shape[0] - ctx.num_decode
             (ext, dec), a, b = ctx.parts, slice(None, n), slice(n, None)
-            return torch.cat([self._attend(q[a], kv_c[a], k_pe[a], ext), self._attend(q[b], kv_c[b], k_pe[b], dec)])
-        return self._attend(q, kv_c, k_pe, ctx)
+            kv_a = None if kv_new is None else (kv_new[0][a], kv_new[1][a])
+            return torch.cat([self._attend(q[a], kv_c[a], k_pe[a], ext, kv_a),
+                              self._attend(q[b], kv_c[b], k_pe[b], dec)])
+        return self._attend(q, kv_c, k_pe, ctx, kv_new)
 
-    def _attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext,
+                kv_new: KVNew | None = None) -> torch.Tensor:
         # q: [T, H, Dn + R] (q_pe roped), kv_c: [T, L], k_pe: [T, R] -> o: [T, H, Dv]
         backend = ctx.attn_backend
         if ctx.mode is ForwardMode.DECODE and self.absorb:
             q_lat = self.ops.head_gemm(q[..., : self.dn], self.w_kc)           # absorb W_UK: [T, H, L]
             return self._decode_absorbed(q_lat, q, ctx)
-        return _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv)   # [T, H, Dv]
+        return _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv, kv_new)   # [T, H, Dv]
 
     def _decode_absorbed(self, q_lat: torch.Tensor, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # q_lat: [T, H, L] (W_UK absorbed), q: [T, H, Dn + R] (q_pe roped) -> o: [T, H, Dv]
@@ -135,5 +142,5 @@ def _decode(backend, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: Forwa
 
 
 @torch.compiler.disable
-def _extend(backend, layer: int, q, kv_c, k_pe, ctx: ForwardContext, expand_kv) -> torch.Tensor:
-    return backend.extend(layer, q, kv_c, k_pe, ctx, expand_kv)
+def _extend(backend, layer: int, q, kv_c, k_pe, ctx: ForwardContext, expand_kv, kv_new) -> torch.Tensor:
+    return backend.extend(layer, q, kv_c, k_pe, ctx, expand_kv, kv_new)

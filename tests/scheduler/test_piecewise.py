@@ -110,3 +110,19 @@ def test_speculative_extends_run_through_the_pieces(ckpt):
     assert_same(plain, got)
     assert runs
     assert_no_leak(sched)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU runs the Triton kernels under the interpreter; on a GPU "
+                    "tests/test_combinations.py's piecewise rows cover them")
+def test_triton_backend_takes_the_new_keys_from_the_pieces(ckpt):
+    """--attention-backend triton (TRITON_INTERPRET=1 here): kv_b_proj runs in the piece before the attention, which
+    gets the new tokens' k_nope / v (`takes_new_kv`), in plain and mixed batches; the plain run's tokens."""
+    msgs = [msg("k0", [5, 6, 7, 8, 9], max_new=4), msg("k1", list(range(20, 33)), max_new=3)]
+    arrivals = {"k0": 0, "k1": 1}
+    kw = dict(attention_backend="triton", chunked_prefill_size=8, enable_mixed_chunk=True)
+    plain = run(make(ckpt, **kw), msgs, arrivals)
+    sched = make(ckpt, **kw)
+    runs = attach(sched, [4, 12])
+    got = run(sched, msgs, arrivals)
+    assert {r: o["ids"] for r, o in got.items()} == {r: o["ids"] for r, o in plain.items()}
+    assert runs and sched.stats["mixed_steps"] > 0, (runs, sched.stats)
