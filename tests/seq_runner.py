@@ -85,3 +85,14 @@ def drive_scheduler(sched, msgs: list, arrivals: dict[str, int] | None = None,
         if not pending and not sched.has_work:
             return results
     raise AssertionError("scheduler did not finish")
+
+
+def eager_pieces(sched, sizes: list[int]):
+    """Piecewise "graphs" on the scheduler's runner at these token counts: the padded forward, split at every
+    attention call, run eagerly (capture=False: the layout the GPU captures; no CUDA here). Returns the runner."""
+    from mlaserve.engine.piecewise import PiecewiseGraphRunner
+
+    r = sched.runner
+    r.pieces = PiecewiseGraphRunner(r.model, r.pool, r.attn_backend, sched.kv.req_to_token, 0, sizes, r.device,
+                                    capture=False)
+    return r.pieces

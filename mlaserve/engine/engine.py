@@ -13,7 +13,7 @@ import torch
 from mlaserve.attention import create_attn_backend
 from mlaserve.config import ModelConfig, ServerConfig
 from mlaserve.config_resolve import describe_changes, probe_device, require_resolved, resolve_config
-from mlaserve.core import Batch, ForwardContext, ForwardMode
+from mlaserve.core import Batch, ForwardMode
 from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
 from mlaserve.distributed.expert import expert_parallel
 from mlaserve.draft_checkpoint import draft_checkpoint
@@ -193,22 +193,22 @@ class ModelRunner:
         """Compile, before the first request, every variant of the kernels that a mixed batch's decodes run eagerly
         (--enable-mixed-chunk): the absorbed attention at each decode count up to --max-running-requests and each
         split count the host may choose for it. Compiled on first use instead, a variant stalled a serving step by
-        0.2-1 s (benchmarks/results/piecewise-h100.md). The dummy request reads and writes the padding slot."""
+        0.2-1.5 s (benchmarks/results/piecewise-h100.md). The dummy request reads and writes the padding slot."""
         attn = self.model.model.layers[0].self_attn
         if not attn.absorb:                         # --disable-mla: the decodes run the extend form, nothing apart
             return
-        t0, h, dev = time.monotonic(), self.model.num_local_heads, self.device
+        t0, h = time.monotonic(), self.model.num_local_heads
         req_to_token[dummy_req, 0] = 0
         for n in range(1, self.server.sched.max_running_requests + 1):
+            ctx = build_context(ForwardMode.DECODE, req_pool_idx=[dummy_req] * n, prefix_lens=[0] * n,
+                                extend_lens=[1] * n, out_slots=torch.zeros(n, dtype=torch.int64),
+                                req_to_token=req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
+                                device=self.device, last_token_logits=False)
+            q = torch.zeros(n, h, attn.dn + attn.r, dtype=self.dtype, device=self.device)
             most = choose_num_kv_splits(decode_programs(n, h), 1 << 30)
             for splits in sorted({most} | {1 << i for i in range(most.bit_length())}):
-                ctx = ForwardContext(mode=ForwardMode.DECODE, positions=torch.zeros(n, dtype=torch.int64, device=dev),
-                                     out_slots=torch.zeros(n, dtype=torch.int64, device=dev),
-                                     req_pool_idx=torch.full((n,), dummy_req, dtype=torch.int64, device=dev),
-                                     seq_lens=torch.ones(n, dtype=torch.int32, device=dev), seq_lens_cpu=[1] * n,
-                                     extend_lens_cpu=[1] * n, req_to_token=req_to_token, kv_pool=self.pool,
-                                     attn_backend=self.attn_backend, num_kv_splits=splits)
-                attn._attend(torch.zeros(n, h, attn.dn + attn.r, dtype=self.dtype, device=dev), None, None, ctx)
+                ctx.num_kv_splits = splits
+                attn.attend_absorbed(q, ctx)
         logger.info("mixed-batch decode kernels warmed for 1..%d decodes in %.1f s",
                     self.server.sched.max_running_requests, time.monotonic() - t0)
 

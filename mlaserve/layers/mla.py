@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from mlaserve.config import ModelConfig
 from mlaserve.attention.base import KVNew
+from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode
 from mlaserve.distributed import TensorParallel
 from mlaserve.kernels.quant import block_dequant_ref
@@ -124,11 +124,14 @@ class MLAAttention(torch.nn.Module):
     def _attend(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext,
                 kv_new: KVNew | None = None) -> torch.Tensor:
         # q: [T, H, Dn + R] (q_pe roped), kv_c: [T, L], k_pe: [T, R] -> o: [T, H, Dv]
-        backend = ctx.attn_backend
         if ctx.mode is ForwardMode.DECODE and self.absorb:
-            q_lat = self.ops.head_gemm(q[..., : self.dn], self.w_kc)           # absorb W_UK: [T, H, L]
-            return self._decode_absorbed(q_lat, q, ctx)
-        return _extend(backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv, kv_new)   # [T, H, Dv]
+            return self.attend_absorbed(q, ctx)
+        return _extend(ctx.attn_backend, self.layer_id, q, kv_c, k_pe, ctx, self.expand_kv, kv_new)   # [T, H, Dv]
+
+    def attend_absorbed(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Absorbed attention of decode queries q [T, H, Dn + R] (q_pe roped), W_UK applied here -> o [T, H, Dv]."""
+        q_lat = self.ops.head_gemm(q[..., : self.dn], self.w_kc)               # absorb W_UK: [T, H, L]
+        return self._decode_absorbed(q_lat, q, ctx)
 
     def _decode_absorbed(self, q_lat: torch.Tensor, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # q_lat: [T, H, L] (W_UK absorbed), q: [T, H, Dn + R] (q_pe roped) -> o: [T, H, Dv]

@@ -14,7 +14,7 @@ from mlaserve.distributed import spawn_ranks
 from mlaserve.ipc.messages import GenerateReqMsg
 from parallel_common import (VARIANTS as ALL_VARIANTS, assert_fp8_outputs_close, assert_greedy_equal_before_ties,
                              checkpoint_builder, prompt_logprobs)
-from seq_runner import drive_scheduler
+from seq_runner import drive_scheduler, eager_pieces
 
 VARIANTS = ALL_VARIANTS          # tests/parallel_common.py: v2-lite, v2, v3, v3-fp8; FP8's bounds are there too
 
@@ -125,15 +125,11 @@ def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
 
 
 def _pieces_on_ranks(group, path: str, flags: dict, msgs: list, arrivals: dict) -> dict:
-    """drive_on_ranks with piecewise "graphs" (the padded split forward, run eagerly: no CUDA here) on the rank."""
-    from mlaserve.engine.piecewise import PiecewiseGraphRunner
-
+    """drive_on_ranks with piecewise "graphs" (`seq_runner.eager_pieces`) on the rank."""
     sched = _scheduler(path, group, **flags)
-    r = sched.runner
-    r.pieces = PiecewiseGraphRunner(r.model, r.pool, r.attn_backend, sched.kv.req_to_token, 0, [8, 24, 48], r.device,
-                                    capture=False)
+    pieces = eager_pieces(sched, [8, 24, 48])
     out = drive_scheduler(sched, msgs, arrivals)
-    return {"results": out, "runs": r.pieces.runs, "mixed": sched.stats["mixed_steps"]}
+    return {"results": out, "runs": pieces.runs, "mixed": sched.stats["mixed_steps"]}
 
 
 def test_piecewise_extends_under_tp2_equal_one_process(checkpoint):

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from mlaserve.engine.piecewise import PiecewiseGraphRunner, default_token_sizes
+from mlaserve.engine.piecewise import default_token_sizes
 from parallel_common import assert_greedy_equal_before_ties
-from seq_runner import drive_scheduler as run
+from seq_runner import drive_scheduler as run, eager_pieces
 from test_scheduler import assert_no_leak, make, msg, prompts
 
 
@@ -32,16 +32,14 @@ def test_default_sizes_cover_every_count_with_little_padding():
 
 def attach(sched, sizes: list[int]) -> list[tuple[int, int]]:
     """Piecewise "graphs" (run eagerly) on the scheduler's runner; returns the (tokens, padded size) of each run."""
-    r = sched.runner
-    r.pieces = PiecewiseGraphRunner(r.model, r.pool, r.attn_backend, sched.kv.req_to_token, 0, sizes, r.device,
-                                    capture=False)
-    runs, inner = [], r.pieces.run
+    pieces = eager_pieces(sched, sizes)
+    runs, inner = [], pieces.run
 
     def counted(ids, ctx):
-        runs.append((ids.shape[0], r.pieces._size(ids.shape[0])))
+        runs.append((ids.shape[0], pieces._size(ids.shape[0])))
         return inner(ids, ctx)
 
-    r.pieces.run = counted
+    pieces.run = counted
     return runs
 
 
