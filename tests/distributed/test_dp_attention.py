@@ -81,10 +81,10 @@ def test_dp_attention_equals_tp1_through_the_engine(checkpoint, case):
 
 # --- the groups' schedulers side by side (each group its own messages, every rank stepping together) ----------
 
-def _msg(rid: str, ids: list[int], max_new: int) -> GenerateReqMsg:
+def _msg(rid: str, ids: list[int], max_new: int, ignore_eos: bool = False) -> GenerateReqMsg:
     # the top two log-probs of each output token: the comparison stops at a near-tie (parallel_common)
-    return GenerateReqMsg(rid, ids, SamplingParams(max_new_tokens=max_new, temperature=0.0), seed=1234,
-                          return_logprob=True, top_logprobs_num=2)
+    return GenerateReqMsg(rid, ids, SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos),
+                          seed=1234, return_logprob=True, top_logprobs_num=2)
 
 
 def _scheduler(path: str, group=None, **flags):
@@ -162,7 +162,7 @@ def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, g
     rng = _seeded()
     tok = lambda n: [rng.randrange(5, 4000) for _ in range(n)]   # noqa: E731
     shared0, shared1 = tok(40), tok(40)
-    g0 = [_msg("a-long", tok(12), 60), _msg("a-pre", shared0 + tok(5), 1), _msg("a-hit", shared0 + tok(7), 6),
+    g0 = [_msg("a-long", tok(12), 60, ignore_eos=True), _msg("a-pre", shared0 + tok(5), 1), _msg("a-hit", shared0 + tok(7), 6),
           _msg("a-abort", tok(20), 40)]
     g1 = [_msg("b-pre", shared1 + tok(3), 1), _msg("b-hit", shared1 + tok(9), 5)]
     g1 += [_msg(f"b{i}", tok(rng.randint(20, 60)), rng.randint(20, 30)) for i in range(8)]
