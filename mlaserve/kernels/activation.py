@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.kv_store import fp8_consts, num_warps_for, store_row_maybe_fp8
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 from mlaserve.kernels.quant import FP8_MIN_SCALE, per_token_group_quant_fp8_ref
 
 _TILE = 128          # channels per tile row when not quantising
@@ -19,7 +20,9 @@ _MAX_BLOCK = 2048    # channels per program; wider rows use several programs
 def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, I, stride_x, stride_out, stride_scale,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, QUANT: tl.constexpr,
                          IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                         MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr, MIN_SCALE: tl.constexpr):
+                         MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr, MIN_SCALE: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_enter(PDL)
     # Program (t, b) covers channels [b * BLOCK_G * GROUP, (b + 1) * BLOCK_G * GROUP) of row t.
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)                    # [BG] group ids
@@ -51,7 +54,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None, grou
         x, out, scale if scale is not None else out, i, x.stride(0), out.stride(0),
         scale.stride(0) if scale is not None else 0,
         GROUP=group, BLOCK_G=block_g, QUANT=scale is not None, **fp8_consts(out.dtype, out.device),
-        MIN_SCALE=FP8_MIN_SCALE, num_warps=num_warps_for(block_g * group))
+        MIN_SCALE=FP8_MIN_SCALE, **pdl_meta(x.device), num_warps=num_warps_for(block_g * group))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.quant import (block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref,
                                     quant_group_rows)
 from mlaserve.kernels.reduce import sum_dim1
@@ -41,7 +42,7 @@ def _fp8_gemm_kernel(
     stride_am, stride_bn, stride_cs, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    QUANT_A: tl.constexpr, INTERPRET: tl.constexpr,
+    QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     # Grid: (tiles of C, SPLIT_K). GROUP_M swizzle: consecutive programs walk GROUP_M row-tiles of one
     # column of C, so the B tiles they share are still in L2. QUANT_A: a is the unquantised activation and
@@ -75,6 +76,7 @@ def _fp8_gemm_kernel(
         bs_ptrs = bs_ptr + (rn // SCALE_N) * stride_bsn                                # [BN]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    pdl_enter(PDL)
     for kt in range(k_start, k_end):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -96,6 +98,7 @@ def _fp8_gemm_kernel(
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    pdl_release(PDL)
 
     c_ptrs = c_ptr + pid_k * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -138,7 +141,7 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale_i
         a_scale.stride(0), a_scale.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         SCALE_N=block[0], SCALE_K=block[1], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg.get("GROUP_M", 1), SPLIT_K=split,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, QUANT_A=quant_a, INTERPRET=not a.is_cuda,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, QUANT_A=quant_a, INTERPRET=not a.is_cuda, **pdl_meta(a.device),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split > 1:

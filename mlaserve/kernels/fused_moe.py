@@ -17,6 +17,7 @@ import triton.language as tl
 
 from mlaserve.kernels import quant
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
 from mlaserve.kernels.quant import quant_group_rows
 from mlaserve.kernels.reduce import bf16_rne, sum_dim1
@@ -86,8 +87,9 @@ def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                       num_slots, num_blocks, num_experts,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     # One program, the slots in one chunk: count, label, scatter.
+    pdl_enter(PDL)
     offs, onehot = _chunk_onehot(topk_ids_ptr, 0, num_slots, num_experts, BLOCK_E, CHUNK)
     starts = _label_blocks(tl.sum(onehot, axis=1), expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr,
                            num_slots, num_blocks, num_experts, BLOCK_M, BLOCK_E, CHUNK)
@@ -96,8 +98,9 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _moe_count_kernel(topk_ids_ptr, partial_ptr, num_slots, num_experts, BLOCK_E: tl.constexpr,
-                      CHUNK: tl.constexpr):
+                      CHUNK: tl.constexpr, PDL: tl.constexpr):
     # partial [chunks, BE]: slots of each expert in this chunk
+    pdl_enter(PDL)
     chunk = tl.program_id(0)
     _, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E, CHUNK)
     tl.store(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(onehot, axis=1))
@@ -106,9 +109,10 @@ def _moe_count_kernel(topk_ids_ptr, partial_ptr, num_slots, num_experts, BLOCK_E
 @triton.jit(do_not_specialize=["num_slots", "num_blocks", "num_chunks"])
 def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
                      num_chunks, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_P: tl.constexpr):
+                     BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     # One program: totals per expert, block labels, then partial[c, e] := first sorted position of chunk c's
     # slots of expert e (in place).
+    pdl_enter(PDL)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, num_chunks, BLOCK_P):
@@ -127,7 +131,8 @@ def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_p
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _moe_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, num_slots, num_experts,
-                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     chunk = tl.program_id(0)
     offs, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E, CHUNK)
     base = tl.load(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E))
@@ -155,6 +160,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     s = topk_ids.numel()
     num_blocks = triton.cdiv(s + min(num_experts + 1, s) * (block_m - 1), block_m)
     dev = topk_ids.device
+    pdl = pdl_meta(dev)
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
@@ -165,14 +171,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     if num_chunks <= 1:               # decode: one short program (its dependent steps are the latency)
         chunk = max(16, triton.next_power_of_2(max(s, num_blocks)))
         _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_experts,
-                                BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+                                BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, **pdl, num_warps=4)
         return sorted_ids, expert_ids, num_post_pad
     partial = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)       # [chunks, BE]
-    _moe_count_kernel[(num_chunks,)](ids, partial, s, num_experts, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+    _moe_count_kernel[(num_chunks,)](ids, partial, s, num_experts, BLOCK_E=block_e, CHUNK=chunk, **pdl, num_warps=4)
     _moe_scan_kernel[(1,)](partial, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks, num_experts,
                            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, BLOCK_P=max(1, 8192 // block_e),
-                           num_warps=8)
-    _moe_scatter_kernel[(num_chunks,)](ids, partial, sorted_ids, s, num_experts, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+                           **pdl, num_warps=8)
+    _moe_scatter_kernel[(num_chunks,)](ids, partial, sorted_ids, s, num_experts, BLOCK_E=block_e, CHUNK=chunk,
+                                       **pdl, num_warps=4)
     return sorted_ids, expert_ids, num_post_pad
 
 
@@ -270,12 +277,13 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, SLOT_BLOCKS: tl.constexpr,
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-                      GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr):
+                      GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
     # SLOT_BLOCKS (`_slot_blocks`): row block b is slot b alone, its other rows padding, and expert_ids_ptr is the
     # flat topk_ids [S]; sorted_ids_ptr and num_post_pad_ptr are not read.
+    pdl_enter(PDL)                        # (the experts' weights to read are the router's output)
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(num_padded, BLOCK_SIZE_M), tl.cdiv(N, TILE_N),
                                 GROUP_SIZE_M)
     if SLOT_BLOCKS:                       # the grid has exactly num_slots row blocks: every one is used
@@ -320,6 +328,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
         if GATED:
             acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8, INTERPRET,
                           DOT_PREC)
+    pdl_release(PDL)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up                                  # silu(gate) * up
     if MUL_WEIGHT:
@@ -379,7 +388,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         TOP_K=c.shape[0] // out.shape[0], BLOCK_T=8,
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
-        NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16,
+        NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

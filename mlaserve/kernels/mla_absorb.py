@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
 from mlaserve.kernels.rope import mla_rope_kv_store_ref, rope_kv_store_program, rope_launch_args
 
@@ -25,29 +26,36 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 @triton.jit(do_not_specialize=["T"])
 def _head_gemm_kernel(A, W, Out, T, stride_at, stride_ah, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh,
                       K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                      BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """One (head, N block, T block): out[t, h, n] = sum_k a[t, h, k] * W[h, k, n], fp32 accumulation."""
     _head_gemm_program(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), A, W, Out, T, stride_at,
                        stride_ah, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, K, N, BLOCK_T, BLOCK_N,
-                       BLOCK_K, DOT_DTYPE, DOT_PREC)
+                       BLOCK_K, DOT_DTYPE, DOT_PREC, PDL)
 
 
 @triton.jit
 def _head_gemm_program(h, nb, tb, A, W, Out, T, stride_at, stride_ah, stride_wh, stride_wk, stride_wn, stride_ot,
                        stride_oh, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                       BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok, n_ok = offs_t < T, offs_n < N
     a_rows = A + offs_t.to(tl.int64)[:, None] * stride_at + h * stride_ah
     w_base = W + h * stride_wh + offs_n[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first K block of W is read before the wait for the previous kernel (PDL: W is no kernel's output)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
+    pdl_enter(PDL)
+    a = tl.load(a_rows + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)              # [BT, BK]
+    acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PREC, out_dtype=tl.float32)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)      # [BT, BK]
         w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PREC)
+    pdl_release(PDL)
     out = Out + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_n[None, :]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
 
@@ -61,15 +69,16 @@ def _rope_head_gemm_kernel(A, W, Out, T, stride_at, stride_ah, stride_wh, stride
                            DOT_PREC: tl.constexpr, R_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
                            IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                           MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                           MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
     # The first gemm_programs programs are head_gemm's (h, N block, T block), the rest rope_kv_store's (t, head
     # block): two independent launches' work in one (the GEMM reads q's nope part, the rope rewrites its rope part).
     pid = tl.program_id(0)
     if pid < gemm_programs:
         _head_gemm_program((pid // (gemm_nb * gemm_tb)).to(tl.int64), (pid // gemm_tb) % gemm_nb, pid % gemm_tb, A, W,
                            Out, T, stride_at, stride_ah, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, K, N,
-                           BLOCK_T, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PREC)
+                           BLOCK_T, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PREC, PDL)
     else:
+        pdl_enter(PDL)
         r = pid - gemm_programs
         rope_kv_store_program((r // rope_hb).to(tl.int64), r % rope_hb, q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr,
                               cache_ptr, slot_ptr, scale_ptr, nw_ptr, eps, H, L, stride_qt, stride_qh, stride_kt,
@@ -104,7 +113,7 @@ def head_gemm(a: torch.Tensor, w: torch.Tensor, *, trans: bool = False, out: tor
     if t == 0:
         return out
     args, meta, grid = _gemm_launch_args(a, w, out, trans)
-    _head_gemm_kernel[grid](*args, **meta, num_warps=4)
+    _head_gemm_kernel[grid](*args, **meta, **pdl_meta(a.device), num_warps=4)
     return out
 
 
@@ -134,7 +143,8 @@ def rope_head_gemm(q_nope: torch.Tensor, w_kc: torch.Tensor, q_pe: torch.Tensor,
     args, meta, (gh, gnb, gtb) = _gemm_launch_args(q_nope, w_kc, out, False)
     gemm_programs = gh * gnb * gtb
     _rope_head_gemm_kernel[(gemm_programs + t * rope_hb,)](
-        *args, *rope_args, gnb, gtb, gemm_programs, rope_hb, **meta, **rope_meta, num_warps=4)
+        *args, *rope_args, gnb, gtb, gemm_programs, rope_hb, **meta, **rope_meta, **pdl_meta(q_nope.device),
+        num_warps=4)
     return out
 
 

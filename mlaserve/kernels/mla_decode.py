@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
 
 LOG2E = 1.4426950408889634
@@ -95,13 +96,14 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
                        stride_ot, stride_oh, H, num_q, num_splits,
                        L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp.
     L / R that are not powers of two >= 16 run padded to BLOCK_L / BLOCK_R (zero columns add nothing).
 
         MidO None (one split)  | the partial is the output: written to Out
         MidO given             | partials to MidO / MidLse, merged by _mla_decode_reduce_kernel
     """
+    pdl_enter(PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,6 +160,7 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_nope, input_precision=DOT_PREC)
         m_i = m_new
 
+    pdl_release(PDL)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
@@ -177,9 +180,10 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_reduce_kernel(MidO, MidLse, Out, stride_ot, stride_oh, H, num_splits,
-                              L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
+                              L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
     """Stage 2: merge the S partial outputs of one (token, head) by their log-sum-exp, one L chunk each
     (L need not be a multiple of BLOCK_L: the last chunk is masked)."""
+    pdl_enter(PDL)
     th = tl.program_id(0).to(tl.int64)               # t * H + h
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     l_ok = offs_l < L
@@ -290,7 +294,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
         q_pe.stride(1), kv_cache.stride(0), req_to_token.stride(0), out.stride(0), out.stride(1),
         h, num_q, splits, L=big_l, R=d - big_l, BLOCK_L=_padded(big_l), BLOCK_R=_padded(d - big_l),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype),
+        DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **pdl_meta(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _reduce(mid_o, mid_lse, out, splits)
@@ -304,7 +308,7 @@ def _reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, split
     block_l = max(16, min(_padded(big_l), REDUCE_TILE // block_s))
     _mla_decode_reduce_kernel[(t * h, triton.cdiv(big_l, block_l))](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), h, splits,
-        L=big_l, BLOCK_S=block_s, BLOCK_L=block_l, num_warps=4)
+        L=big_l, BLOCK_S=block_s, BLOCK_L=block_l, **pdl_meta(out.device), num_warps=4)
 
 
 def tree_visible(bits: torch.Tensor, num_q: int) -> torch.Tensor:

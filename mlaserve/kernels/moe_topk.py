@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING = ("softmax", "sigmoid")
@@ -105,8 +106,10 @@ def _select_row(logits, bias_ptr, weights_ptr, ids_ptr, per_group, n_group, rout
 def _moe_topk_kernel(logits_ptr, stride_l, bias_ptr, weights_ptr, ids_ptr, per_group, n_group,
                      routed_scaling_factor, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
                      METHOD: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr):
+                     N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
     # One program per token.
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     _, _, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
     logits = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32)
@@ -148,7 +151,7 @@ def _launch_select(kernel, grid: tuple[int, ...], args: tuple, t: int, e: int, t
                  SIGMOID=scoring_func == "sigmoid", NORM=bool(norm_topk_prob), HAS_BIAS=bias is not None,
                  N_SHARED=n_shared, BLOCK_G=triton.next_power_of_2(groups),
                  BLOCK_PG=triton.next_power_of_2(e // groups), BLOCK_K=triton.next_power_of_2(top_k + n_shared),
-                 **meta)
+                 **pdl_meta(device), **meta)
     return weights, ids
 
 
@@ -228,7 +231,7 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
                       TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
                       NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                      NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr):
+                      NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr):
     # ONE_TILE: hidden <= BLOCK_H. NORM_IN: the gate reads rmsnorm(x + res) (weight nw); the slice-0 program of each token also writes that
     # normed row (the experts' input) and x + res (the residual stream) to their own buffers.
     t = tl.program_id(1).to(tl.int64)
@@ -238,6 +241,7 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
         h_ok = offs_h < hidden
         w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + offs_h[None, :],
                     mask=(e < n_experts)[:, None] & h_ok[None, :], other=0.0)                      # [BE, BH]
+        pdl_enter(PDL)                                # (PDL: the gate slice is read before the wait)
         x = tl.load(x_ptr + t * stride_x + offs_h, mask=h_ok, other=0.0)
         if NORM_IN:
             ty = x.dtype
@@ -254,6 +258,7 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
             x = normed
         acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     else:
+        pdl_enter(PDL)
         rstd = 0.0
         if NORM_IN:             # every program reads the token's row once more for its mean square
             ss = tl.zeros([BLOCK_H], dtype=tl.float32)

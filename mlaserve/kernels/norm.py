@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.kv_store import fp8_consts, num_warps_for, store_row_maybe_fp8
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 from mlaserve.kernels.quant import FP8_MIN_SCALE, per_token_group_quant_fp8_ref
 
 _TILE = 128   # channels per tile row when not quantising (any power of two works)
@@ -19,8 +20,9 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, D, eps,
                     stride_x, stride_res, stride_out, stride_scale,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
                     IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
-                    SOFT_ROUND: tl.constexpr, MIN_SCALE: tl.constexpr):
+                    SOFT_ROUND: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
     # The row is one [BLOCK_G, GROUP] tile; channel = g * GROUP + c.
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]                  # [BG, GROUP]
@@ -74,7 +76,8 @@ def _launch(x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, out
         x.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
         scale.stride(0) if scale is not None else 0,
         GROUP=group, BLOCK_G=block_g, HAS_RESIDUAL=res is not None, QUANT=scale is not None,
-        **fp8_consts(out.dtype, out.device), MIN_SCALE=FP8_MIN_SCALE, num_warps=num_warps_for(block_g * group))
+        **fp8_consts(out.dtype, out.device), MIN_SCALE=FP8_MIN_SCALE, **pdl_meta(x.device),
+        num_warps=num_warps_for(block_g * group))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

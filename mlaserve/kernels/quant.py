@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
 FP8_E4M3_MAX = 448.0
 FP8_E5M2_MAX = 57344.0
@@ -99,9 +100,10 @@ def _per_token_group_quant_fp8_kernel(
     x_ptr, xq_ptr, scale_ptr, M, K, G, stride_xm, stride_xk,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program: BLOCK_M rows x GROUPS_PER_PROG groups; each group is a [BLOCK_M, BLOCK_G] tile.
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_G)
     row_ok = rows < M
@@ -155,6 +157,6 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128,
         x, x_q, scale, m, k, g, x.stride(0), x.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog,
         FP8_MAX=fp8_max(dtype), MIN_SCALE=FP8_MIN_SCALE, MANT=mant, MIN_EXP=min_exp,
-        INTERPRETED=not x.is_cuda, num_warps=4,
+        INTERPRETED=not x.is_cuda, **pdl_meta(x.device), num_warps=4,
     )
     return x_q, scale

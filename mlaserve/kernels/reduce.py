@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
 
 @triton.jit
@@ -19,8 +20,9 @@ def bf16_rne(v):
 
 @triton.jit
 def _sum_dim1_kernel(x_ptr, out_ptr, B, C, stride_xa, stride_xb, stride_oa, ROUND_BF16: tl.constexpr,
-                     BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+                     BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     # Grid (A, C / BLOCK_C): one [B, BLOCK_C] tile summed down its rows.
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     offs_b = tl.arange(0, BLOCK_B)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -50,7 +52,8 @@ def sum_dim1(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     block_c = max(64, min(1024, 4096 // block_b, triton.next_power_of_2(c)))
     _sum_dim1_kernel[(a, triton.cdiv(c, block_c))](
         x, out, b, c, x.stride(0), x.stride(1), out.stride(0),
-        ROUND_BF16=not x.is_cuda and out.dtype == torch.bfloat16, BLOCK_B=block_b, BLOCK_C=block_c, num_warps=4)
+        ROUND_BF16=not x.is_cuda and out.dtype == torch.bfloat16, BLOCK_B=block_b, BLOCK_C=block_c,
+        **pdl_meta(x.device), num_warps=4)
     return out
 
 

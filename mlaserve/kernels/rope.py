@@ -13,6 +13,7 @@ import triton.language as tl
 from mlaserve.kernels.kv_store import FP8_DTYPES, cache_values_ref, check_cache, fp8_consts, fp8_saturate, \
     scale_tensor
 from mlaserve.kernels.norm import check_norm_operands, rmsnorm_ref
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
 _BLOCK_H = 16   # heads per program
 
@@ -44,7 +45,9 @@ def _mla_rope_kv_store_kernel(q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr,
                               stride_slot, R_HALF: tl.constexpr, BLOCK_RH: tl.constexpr, BLOCK_H: tl.constexpr,
                               BLOCK_L: tl.constexpr, NORM: tl.constexpr,
                               HAS_SCALE: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                              MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                              MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                              PDL: tl.constexpr):
+    pdl_enter(PDL)
     rope_kv_store_program(tl.program_id(0).to(tl.int64), tl.program_id(1), q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr,
                           cache_ptr, slot_ptr, scale_ptr, nw_ptr, eps, H, L, stride_qt, stride_qh, stride_kt,
                           stride_ct, stride_pos, stride_cache, stride_slot, R_HALF, BLOCK_RH, BLOCK_H, BLOCK_L, NORM,
@@ -137,7 +140,7 @@ def mla_rope_kv_store(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor
     args, meta, grid = rope_launch_args(q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache, out_slots,
                                         kv_scale=kv_scale, norm_weight=norm_weight, eps=eps)
     if q_pe.shape[0]:
-        _mla_rope_kv_store_kernel[grid](*args, **meta, num_warps=4)
+        _mla_rope_kv_store_kernel[grid](*args, **meta, **pdl_meta(q_pe.device), num_warps=4)
 
 
 def rope_launch_args(q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor, positions: torch.Tensor,
