@@ -320,7 +320,8 @@ class SchedConfig:
     enable_piecewise_cuda_graph: bool = opt(False, "run extend (prefill) batches of up to "
                                             "--piecewise-cuda-graph-max-tokens tokens as CUDA graphs captured "
                                             "between their attention calls (attention runs eagerly between the "
-                                            "pieces; a batch is padded to the next captured token count)")
+                                            "pieces; a batch is padded to the next captured token count; under "
+                                            "DP attention every group pads to the one holding the largest group's)")
     piecewise_cuda_graph_max_tokens: int | None = opt(None, "largest extend batch, in tokens, run through piecewise "
                                                       "CUDA graphs (default: 4096)")
     enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs)")

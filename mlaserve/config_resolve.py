@@ -77,9 +77,6 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
     sched = _resolve_spec(_resolve_sched(server.sched, load, device), model, load)
-    if sched.piecewise_cuda_graph_max_tokens and parallel.enable_dp_attention:
-        _reject("--enable-piecewise-cuda-graph with --enable-dp-attention: the MoE's gather across DP groups takes "
-                "a different token count each step, which piecewise graphs do not capture yet; drop one")
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 

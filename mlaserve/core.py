@@ -363,6 +363,8 @@ class Batch:
     num_decode: int = 0
     # DP attention: the decode CUDA graph size every rank replays this step (agreed; None: eager)
     graph_bs: int | None = None
+    # DP attention: the token count of the piecewise extend graphs every rank runs this step (agreed; None: eager)
+    piece_tokens: int | None = None
 
     @property
     def size(self) -> int:

@@ -67,7 +67,7 @@ def drive_scheduler(sched, msgs: list, arrivals: dict[str, int] | None = None,
     """Drive the loop; a message joins at step arrivals[rid] (default 0); returns rid -> {ids, finished, cached,
     top (each output token's top log-probs, if the message asked for them)}."""
     arrivals, aborts = arrivals or {}, aborts or {}
-    results = {x.rid: {"ids": [], "finished": None, "cached": 0, "top": []} for x in msgs}
+    results = {x.rid: {"ids": [], "finished": None, "cached": 0, "top": [], "prompt": []} for x in msgs}
     pending = sorted(msgs, key=lambda x: arrivals.get(x.rid, 0))
     for step in range(max_steps):
         while pending and arrivals.get(pending[0].rid, 0) <= step:
@@ -80,6 +80,7 @@ def drive_scheduler(sched, msgs: list, arrivals: dict[str, int] | None = None,
             r["ids"] += out.new_ids
             r["top"] += out.new_top_logprobs              # (log p, id) pairs where the request asked for them
             r["cached"] = out.cached_tokens
+            r["prompt"] += [lp for lp, _ in out.input_logprobs or []]    # where the request asked for them
             if out.finished:
                 r["finished"] = out.finished
         if not pending and not sched.has_work:
@@ -89,10 +90,13 @@ def drive_scheduler(sched, msgs: list, arrivals: dict[str, int] | None = None,
 
 def eager_pieces(sched, sizes: list[int]):
     """Piecewise "graphs" on the scheduler's runner at these token counts: the padded forward, split at every
-    attention call, run eagerly (capture=False: the layout the GPU captures; no CUDA here). Returns the runner."""
+    attention call, run eagerly (capture=False: the layout the GPU captures; no CUDA here). Under DP attention
+    the ranks then agree each step on the count to run (`Batch.piece_tokens`). Returns the runner."""
     from mlaserve.engine.piecewise import PiecewiseGraphRunner
 
     r = sched.runner
     r.pieces = PiecewiseGraphRunner(r.model, r.pool, r.attn_backend, sched.kv.req_to_token, 0, sizes, r.device,
-                                    capture=False)
+                                    capture=False, dp_size=r.dp_size)
+    if sched.dp_sync is not None:
+        sched.dp_sync.piece_sizes = sorted(sizes)
     return r.pieces

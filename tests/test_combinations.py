@@ -270,6 +270,8 @@ GPU_ROWS = {"graphs": ({}, 1),
             "tp2-ep2-graphs-compile-spec": ({"tp_size": 2, "ep_size": 2, "enable_torch_compile": True,
                                              "speculative_algorithm": "EAGLE"}, 2),
             "dp2-ep2-graphs-compile": (LAYOUTS["dp2-ep2"] | {"enable_torch_compile": True}, 2),
+            "dp2-ep2-piecewise-mixed-chunk": (LAYOUTS["dp2-ep2"] | {"enable_piecewise_cuda_graph": True,
+                                                                    "enable_mixed_chunk": True}, 2),
             "dp2-ep2-graphs-spec-fp8kv": (LAYOUTS["dp2-ep2"] | {"speculative_algorithm": "EAGLE",
                                                                 "kv_cache_dtype": "fp8_e4m3"}, 2)}
 

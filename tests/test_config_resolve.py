@@ -337,6 +337,12 @@ def test_piecewise_cuda_graphs_resolve():
     r = resolve(H100, V3_FP8, enable_piecewise_cuda_graph=True, speculative_algorithm="EAGLE",
                 piecewise_cuda_graph_max_tokens=1000)
     assert r.sched.piecewise_cuda_graph_max_tokens == 1000 and r == resolve_config(r, V3_FP8, H100)
+    # with DP attention the ranks agree each step on the pieces' size (tests/distributed/test_dp_attention.py)
+    for extra in (dict(enable_mixed_chunk=True), dict(speculative_algorithm="EAGLE", ep_size=2)):
+        r = resolve(H100, V3_FP8, enable_piecewise_cuda_graph=True, tp_size=2, dp_size=2, enable_dp_attention=True,
+                    **extra)
+        assert r.sched.piecewise_cuda_graph_max_tokens == 4096 and r.parallel.enable_dp_attention
+        assert r == resolve_config(r, V3_FP8, H100)
 
 
 @pytest.mark.parametrize("device,flags,words", [
@@ -346,8 +352,6 @@ def test_piecewise_cuda_graphs_resolve():
     (H100, dict(piecewise_cuda_graph_max_tokens=512), "--piecewise-cuda-graph-max-tokens: acts only with "
      "--enable-piecewise-cuda-graph"),
     (H100, dict(enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=0), "must be >= 1"),
-    (H100, dict(enable_piecewise_cuda_graph=True, tp_size=2, dp_size=2, enable_dp_attention=True),
-     "--enable-piecewise-cuda-graph with --enable-dp-attention"),
 ])
 def test_piecewise_flags_fail_in_one_line(device, flags, words):
     with pytest.raises(ConfigError, match=re.escape(words)) as e:

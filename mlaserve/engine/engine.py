@@ -174,19 +174,23 @@ class ModelRunner:
 
             self.pieces = PiecewiseGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                                default_token_sizes(sched.piecewise_cuda_graph_max_tokens),
-                                               self.device)
+                                               self.device, dp_size=self.dp_size)
         if self.spec is not None:                 # every decode step is a speculative one
             from mlaserve.engine.graph import SpecGraphRunner
 
             self.spec.graphs = SpecGraphRunner(self.spec, req_to_token, dummy_req, sched.cuda_graph_bs,
                                                min(self.context_len, self.num_slots), self.device,
-                                               compile_max_bs=sched.torch_compile_max_bs,
-                                               dp_size=self.group.dp.dp_size if self.group.dp is not None else None)
+                                               compile_max_bs=sched.torch_compile_max_bs, dp_size=self.dp_size)
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
                                         sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,
                                         self.token_buf, compile_max_bs=sched.torch_compile_max_bs,
-                                        dp_size=self.group.dp.dp_size if self.group.dp is not None else None)
+                                        dp_size=self.dp_size)
+
+    @property
+    def dp_size(self) -> int | None:
+        """DP attention's group count (the graphs capture every group's rows in each MoE gather), else None."""
+        return self.group.dp.dp_size if self.group.dp is not None else None
 
     @torch.no_grad()
     def warm_mixed_decode(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
@@ -321,10 +325,13 @@ class ModelRunner:
 
     def _logits(self, batch: Batch, rows: list[int], rows_dev: torch.Tensor) -> torch.Tensor:
         if batch.mode is ForwardMode.IDLE:                                     # DP attention: no tokens here
+            # the other groups extend through the pieces (agreed): this group's padding rows in their gathers
+            target = self.model.forward_idle if batch.piece_tokens is None else \
+                lambda _counts: self.pieces.run_idle(batch.piece_tokens)
             if self.spec is not None:
-                self.spec.idle(batch.slot_tokens)
+                self.spec.idle(batch.slot_tokens, target)
             else:
-                self.model.forward_idle(batch.global_num_tokens)
+                target(batch.global_num_tokens)
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
         if batch.mode is ForwardMode.DECODE:
             ids = self.token_buf[rows_dev]                                     # [B] last sampled tokens
@@ -344,10 +351,13 @@ class ModelRunner:
                                                      max(dec.seq_lens_cpu))
         ctx.logits_indices = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         ctx.global_num_tokens = batch.global_num_tokens
-        return self._forward_model(ids, ctx).logits                          # [len(rows), V] fp32
+        return self._forward_model(ids, ctx, batch.piece_tokens).logits     # [len(rows), V] fp32
 
-    def _forward_model(self, ids: torch.Tensor, ctx):
-        """The model's forward, through the piecewise extend graphs where they take the batch."""
+    def _forward_model(self, ids: torch.Tensor, ctx, piece_tokens: int | None = None):
+        """The model's forward, through the piecewise extend graphs where they take the batch: under DP attention
+        those of `piece_tokens` tokens when the ranks agreed on them (`Batch.piece_tokens`), else eagerly."""
+        if piece_tokens is not None:
+            return self.pieces.run(ids, ctx, pad_to=piece_tokens)
         if self.pieces is not None and self.pieces.can_run(ctx):
             return self.pieces.run(ids, ctx)
         return self.model(ids, ctx.positions, ctx)
@@ -366,7 +376,7 @@ class ModelRunner:
         if slots is not None:
             self.spec.idle(slots[: self.spec.steps])                            # other groups' drafts
             ctx.global_num_tokens = slots[self.spec.steps]
-        out = self._forward_model(ids, ctx)
+        out = self._forward_model(ids, ctx, batch.piece_tokens)
         self.spec.after_extend(batch, wide, out.hidden, slots[-1] if slots is not None else None)
         return out.logits
 

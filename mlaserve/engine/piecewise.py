@@ -18,6 +18,11 @@ graphs' memory pool at the addresses they had when captured; the runner keeps no
 because owning them would keep every layer's q and expanded keys alive at once. The memory they view is free again after the attention reads it, exactly as in the eager
 forward the capture recorded. Its output is copied into one static buffer the next piece reads.
 `capture=False` runs the same padded, split forward eagerly (the CPU tests of that layout: no CUDA there).
+
+Under DP attention (`dp_size`) the pieces of size Tb are captured with every group giving Tb rows to each MoE's
+gather (counts [Tb] * D, as the decode graphs). All ranks run the pieces of the size they agreed on for the step
+(`scheduler/dp_sync.DPStepSync`: the smallest captured count that holds the largest group's extend); a group
+without tokens runs them on padding rows only, with no attention in between (`run_idle`), so the gathers line up.
 """
 from __future__ import annotations
 
@@ -66,8 +71,8 @@ class PiecewiseGraphRunner:
     returns the ModelOutput of a real extend batch of at most max(token_sizes) tokens."""
 
     def __init__(self, model: torch.nn.Module, kv_pool, attn_backend, req_to_token: torch.Tensor, dummy_req: int,
-                 token_sizes: list[int], device: torch.device, capture: bool = True):
-        self.model, self.sizes, self.captured = model, sorted(token_sizes), capture
+                 token_sizes: list[int], device: torch.device, capture: bool = True, dp_size: int | None = None):
+        self.model, self.sizes, self.captured, self.dp_size = model, sorted(token_sizes), capture, dp_size
         assert self.sizes and self.sizes[0] >= 1, f"token sizes must be >= 1, got {token_sizes}"
         cfg = model.cfg
         n = self.sizes[-1]
@@ -91,9 +96,11 @@ class PiecewiseGraphRunner:
             mode=ForwardMode.EXTEND, positions=self.inputs[1, :tb], out_slots=self.inputs[2, :tb],
             req_pool_idx=torch.tensor([dummy_req], dtype=torch.int64, device=device),
             seq_lens=torch.tensor([tb], dtype=torch.int32, device=device), seq_lens_cpu=[tb], extend_lens_cpu=[tb],
-            req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, logits_indices=None)
+            req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, logits_indices=None,
+            global_num_tokens=[tb] * self.dp_size if self.dp_size else None)
 
     def can_run(self, ctx: ForwardContext) -> bool:
+        """Whether a batch without DP attention fits the pieces (under it the ranks agree: `run(..., pad_to)`)."""
         t = ctx.positions.shape[0]
         return ctx.mode is ForwardMode.EXTEND and 0 < t <= self.sizes[-1] and ctx.global_num_tokens is None
 
@@ -154,33 +161,48 @@ class PiecewiseGraphRunner:
 
     # --- run ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, ctx: ForwardContext):
-        """The ModelOutput of an extend batch (`can_run`): input_ids [T] on the device, ctx its context."""
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext, pad_to: int | None = None):
+        """The ModelOutput of an extend batch (`can_run`): input_ids [T] on the device, ctx its context. `pad_to`:
+        the captured count to run (DP attention: the one every rank agreed on), else the smallest that holds T."""
         t = input_ids.shape[0]
-        tb = self._size(t)
+        tb = self._size(t) if pad_to is None else pad_to
+        assert 0 < t <= tb and tb in self.ctxs, f"{t} tokens in the pieces of {tb}"
         self.runs += 1
         self.inputs[0, :t].copy_(input_ids)
         self.inputs[1, :t].copy_(ctx.positions)
         self.inputs[2, :t].copy_(ctx.out_slots)
+        return self.model.head(self._forward(t, tb, ctx), ctx)
+
+    @torch.no_grad()
+    def run_idle(self, tb: int) -> None:
+        """DP attention: this group's part in a step whose other groups extend through the pieces of tb tokens
+        (agreed): tb padding rows through every piece, their rows in each MoE's gather; no attention, no logits."""
+        assert tb in self.ctxs and self.dp_size, f"idle pieces of {tb} tokens (dp_size {self.dp_size})"
+        self._forward(0, tb, None)
+
+    def _forward(self, t: int, tb: int, ctx: ForwardContext | None) -> torch.Tensor:
+        """The final hidden states [t, h] of the first t rows of `inputs` (set by the caller), padded to tb; the
+        attention between pieces runs on those t rows with ctx (none when t is 0: the padding rows' attention
+        outputs are whatever `attn_out` holds, finite, and nothing reads the rows they make)."""
         if tb > t:
             self.inputs[:, t:tb].zero_()                  # padding rows: token 0, position 0, the padding slot 0
         if not self.captured:
-            hidden = self._run_eager(t, tb, ctx)
-        else:
-            graphs = self.graphs[tb]
-            graphs[0].replay()
-            for s, g in zip(self.splits[tb], graphs[1:]):
+            return self._run_eager(t, tb, ctx)
+        graphs = self.graphs[tb]
+        graphs[0].replay()
+        for s, g in zip(self.splits[tb], graphs[1:]):
+            if t:
                 self.attn_out[:t].copy_(s.run(t, ctx))
-                g.replay()
-            hidden = self.hidden[tb][:t]
-        return self.model.head(hidden, ctx)
+            g.replay()
+        return self.hidden[tb][:t]
 
-    def _run_eager(self, t: int, tb: int, ctx: ForwardContext) -> torch.Tensor:
+    def _run_eager(self, t: int, tb: int, ctx: ForwardContext | None) -> torch.Tensor:
         """The padded forward of the graphs, split the same way, run eagerly (capture=False)."""
         pad = self.ctxs[tb]
 
         def split(attn, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_new) -> torch.Tensor:
-            self.attn_out[:t].copy_(_Split(attn, q, kv_c, k_pe, kv_new).run(t, ctx))
+            if t:
+                self.attn_out[:t].copy_(_Split(attn, q, kv_c, k_pe, kv_new).run(t, ctx))
             return self.attn_out[:tb]
 
         pad.splitter = split

@@ -141,12 +141,18 @@ class SpecDecoder:
                              num_q=num_q, last_token_logits=False)
 
     # --- prefill --------------------------------------------------------------------------------
-    def idle(self, slots: list[list[int]]) -> None:
+    def idle(self, slots: list[list[int]], target=None) -> None:
         """DP attention: this group's part in the forwards of a step it has no tokens in (slots [forward][group]:
-        the S drafts, the target, the draft layer; a forward no group has tokens in is skipped by every group)."""
+        the S drafts, the target, the draft layer; a forward no group has tokens in is skipped by every group).
+        `target(counts)`: its part in the target's forward (default: the model's IDLE forward; the runner passes
+        the piecewise graphs' padding-only run when the ranks agreed on them)."""
         for i, counts in enumerate(slots):
-            if any(counts):
-                (self.model.forward_idle if i == self.steps else self.model.mtp.forward_idle)(counts)
+            if not any(counts):
+                continue
+            if i == self.steps:
+                (target or self.model.forward_idle)(counts)
+            else:
+                self.model.mtp.forward_idle(counts)
 
     def after_extend(self, batch: Batch, wide: Widened, hidden: torch.Tensor, counts: list[int] | None = None) -> None:
         """The NextN layer over an extend batch the target just ran (`hidden` [T', h] of the widened batch):

@@ -28,11 +28,20 @@ class DPStepSync:
 
     `graph_sizes` (the captured decode graph sizes, None without graphs): when every group decodes or has nothing,
     and the largest group's batch fits a graph, every rank replays the graph of the smallest captured size that
-    holds it (`Batch.graph_bs`); a prefill anywhere makes the step eager on every rank."""
+    holds it (`Batch.graph_bs`); a prefill anywhere makes the step eager on every rank.
 
-    def __init__(self, group: RankGroup, slots=None, graph_sizes: list[int] | None = None):
+    `piece_sizes` (the captured piecewise extend token counts, None without them): when every group extends (a
+    mixed batch too) or has nothing, and the largest group's model forward (forward `extend_slot` of the step: the
+    target's under speculative decoding) fits them, every rank runs the pieces of the smallest captured count that
+    holds it (`Batch.piece_tokens`; a group with nothing runs them on padding rows); a decode anywhere makes the
+    step eager on every rank."""
+
+    def __init__(self, group: RankGroup, slots=None, graph_sizes: list[int] | None = None,
+                 piece_sizes: list[int] | None = None, extend_slot: int = 0):
         self.group, self.busy = group, False
         self.graph_sizes = sorted(graph_sizes) if graph_sizes else None
+        self.piece_sizes = sorted(piece_sizes) if piece_sizes else None
+        self.extend_slot = extend_slot
         self.slots = slots or (lambda batch: [sum(batch.extend_lens)])
         self.modes: list[ForwardMode | None] = []      # each group's mode at the last agreement (None: nothing)
 
@@ -55,6 +64,7 @@ class DPStepSync:
         batch.slot_tokens = per_slot
         batch.global_num_tokens = per_slot[0] if len(per_slot) == 1 else None
         batch.graph_bs = self._graph_size(per_slot)
+        batch.piece_tokens = self._piece_size(per_slot)
         return batch
 
     def _graph_size(self, per_slot: list[list[int]]) -> int | None:
@@ -64,3 +74,9 @@ class DPStepSync:
         if not set(self.modes) <= {ForwardMode.DECODE, None} or max(per_slot[0]) > self.graph_sizes[-1]:
             return None
         return next(s for s in self.graph_sizes if s >= max(per_slot[0]))
+
+    def _piece_size(self, per_slot: list[list[int]]) -> int | None:
+        if self.piece_sizes is None or not set(self.modes) <= {ForwardMode.EXTEND, None}:
+            return None
+        most = max(per_slot[self.extend_slot])
+        return next((s for s in self.piece_sizes if s >= most), None)

@@ -69,13 +69,16 @@ class Scheduler:
                       "spec_verify_steps": 0, "spec_tokens": 0, "mixed_steps": 0}
         self.arrivals = 0                         # arrival order (the same on every rank, unlike a clock)
         # DP attention: every plan is agreed with all ranks (an IDLE batch when only other groups have work)
-        slots = None
+        slots, extend_slot = None, 0
         if self.spec_tokens > 1:                  # every group runs the drafts, the target and the draft layer
             c = self.cfg
             slots = lambda batch: slot_counts(batch, c.speculative_num_steps, c.speculative_eagle_topk,  # noqa: E731
                                               c.speculative_num_draft_tokens)
+            extend_slot = c.speculative_num_steps
         graphs = self.runner.spec.graphs if self.runner.spec is not None else self.runner.graphs
-        self.dp_sync = DPStepSync(self.runner.group, slots, graphs.batch_sizes if graphs is not None else None) \
+        pieces = self.runner.pieces
+        self.dp_sync = DPStepSync(self.runner.group, slots, graphs.batch_sizes if graphs is not None else None,
+                                  pieces.sizes if pieces is not None else None, extend_slot) \
             if self.runner.group.dp is not None else None
 
     # --- start-up -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from mlaserve.distributed import spawn_ranks
 from mlaserve.ipc.messages import GenerateReqMsg
 from parallel_common import (VARIANTS as ALL_VARIANTS, assert_fp8_outputs_close, assert_greedy_equal_before_ties,
                              checkpoint_builder, prompt_logprobs)
-from seq_runner import drive_scheduler
+from seq_runner import drive_scheduler, eager_pieces
 
 DP = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
 # name -> (source config, overrides, fp8, widths set after shrinking): V2-Lite (no q_lora, softmax greedy routing,
@@ -113,17 +113,20 @@ def _padded_graphs(sched, sizes: list[int]) -> None:
 
 
 def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]],
-             graph_sizes: list[int] | None = None) -> dict:
+             graph_sizes: list[int] | None = None, piece_sizes: list[int] | None = None) -> dict:
     """One rank of tp 2 dp 2: its group's scheduler adds work[dp_rank]'s messages at their steps and every rank
     steps every iteration (as the scheduler processes do) until no group has anything left. `graph_sizes`: decode
-    steps replay padded "graphs" (`_padded_graphs`) whenever the ranks agree on one."""
+    steps replay padded "graphs" (`_padded_graphs`) whenever the ranks agree on one; `piece_sizes`: extend steps
+    run padded piecewise "graphs" (`seq_runner.eager_pieces`) whenever the ranks agree on a size."""
     sched = _scheduler(path, group, **flags)
     if graph_sizes:
         _padded_graphs(sched, graph_sizes)
+    if piece_sizes:
+        eager_pieces(sched, piece_sizes)
     msgs, arrivals, aborts = work[group.info.dp_rank]
-    results = {x.rid: {"ids": [], "finished": None, "cached": 0, "top": []} for x in msgs}
+    results = {x.rid: {"ids": [], "finished": None, "cached": 0, "top": [], "prompt": []} for x in msgs}
     pending = sorted(msgs, key=lambda x: arrivals.get(x.rid, 0))
-    modes, idle_steps, retracted_at, graph_steps = [], 0, [], []
+    modes, idle_steps, retracted_at, graph_steps, piece_steps = [], 0, [], [], []
     for step in range(3000):
         before = sched.num_retracted
         while pending and arrivals.get(pending[0].rid, 0) <= step:
@@ -136,6 +139,7 @@ def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]],
             r["ids"] += out.new_ids
             r["top"] += out.new_top_logprobs
             r["cached"] = out.cached_tokens
+            r["prompt"] += [lp for lp, _ in out.input_logprobs or []]
             if out.finished:
                 r["finished"] = out.finished
         modes.append(tuple(sched.dp_sync.modes))
@@ -143,13 +147,18 @@ def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]],
             retracted_at.append(len(modes) - 1)
         idle_steps += sched.pending is not None and sched.pending.batch.mode is ForwardMode.IDLE
         if sched.pending is not None:
-            graph_steps.append((sched.pending.batch.mode, sched.pending.batch.graph_bs))
+            b = sched.pending.batch
+            graph_steps.append((b.mode, b.graph_bs))
+            # (mode, agreed piece size, this group's tokens, whether one of them extends a cached prefix or chunk,
+            # decodes riding along (--enable-mixed-chunk))
+            piece_steps.append((b.mode, b.piece_tokens, sum(b.extend_lens), any(b.prefix_lens), b.num_decode))
         if not any(n for (n,) in group.all_gather_ints([bool(pending) or sched.has_work])):
             break
     kv = sched.kv
     clean = kv.tree.protected_size == 0 and kv.allocator.available + kv.tree.total_size() == kv.num_slots
     return {"results": results, "retracted": retracted_at, "clean": clean, "modes": modes,
-            "idle_steps": idle_steps, "dp_rank": sched.get_stats()["dp_rank"], "graph_steps": graph_steps}
+            "idle_steps": idle_steps, "dp_rank": sched.get_stats()["dp_rank"], "graph_steps": graph_steps,
+            "piece_steps": piece_steps, "piece_runs": sched.runner.pieces.runs if piece_sizes else 0}
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-graphs"])
@@ -200,6 +209,62 @@ def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, g
             assert_greedy_equal_before_ties(want, rank["results"][rid], rid)
 
 
+def _prompt_msg(rid: str, ids: list[int], max_new: int, ignore_eos: bool = False) -> GenerateReqMsg:
+    m = _msg(rid, ids, max_new, ignore_eos)
+    m.logprob_start_len = 0                      # every prompt position's log-prob
+    return m
+
+
+def assert_prompt_logprobs_close(want: dict, got: dict, rid: str) -> None:
+    """fp32: every prompt log-prob of `got` within 1e-4 of the reference's (the first position has none)."""
+    assert len(want["prompt"]) == len(got["prompt"]) > 1, rid
+    assert all(a is None and b is None or abs(a - b) <= 1e-4 for a, b in zip(want["prompt"], got["prompt"])), \
+        (rid, want["prompt"], got["prompt"])
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
+def test_piecewise_extends_under_dp_attention_equal_one_process(checkpoint, mixed):
+    """Piecewise "graphs" (sizes 8 24 48, their padded split forward run eagerly on the CPU) under tp 2 dp 2: every
+    rank runs the pieces of the size agreed for the step, each group padding its rows to it, so each MoE gathers
+    [Tb] * 2 rows. Steps covered: group 0 extending while group 1 runs the pieces on padding rows only; both
+    extending with token counts of different sizes (group 0's 5 or so tokens: 8, group 1's 20: 24; both run 24, and
+    a rank choosing its own size would misalign the gather); the second chunk of a chunked prompt (attention over
+    the cached first chunk); a 64-token chunk, more than the largest size, eager on both ranks; a group decoding
+    beside an extend, eager. With --enable-mixed-chunk a group's running decodes ride in its extends, through the
+    pieces too. Greedy tokens and prompt log-probs equal one process without pieces."""
+    rng = _seeded()
+    tok = lambda n: [rng.randrange(5, 4000) for _ in range(n)]   # noqa: E731
+    # EOS ignored: a0 still decodes at a1's second chunk (a mixed batch through the pieces with mixed chunks), a2
+    # while group 1's 54-token batch extends (a decode beside an extend)
+    g0 = [_prompt_msg("a0", tok(30), 6, True), _prompt_msg("a1", tok(100), 6), _prompt_msg("a2", tok(5), 8, True)]
+    g1 = [_prompt_msg("b0", tok(20), 6)] + [_prompt_msg(f"b{i}", tok(18), 4) for i in (1, 2, 3)]
+    work = [(g0, {"a0": 0, "a1": 4, "a2": 10}, {}), (g1, {"b0": 10, "b1": 14, "b2": 14, "b3": 14}, {})]
+    flags = dict(max_total_tokens=1024, chunked_prefill_size=64, enable_mixed_chunk=mixed)
+    sizes = [8, 24, 48]
+    path = checkpoint("v3")
+    alone = [drive_scheduler(_scheduler(path, **flags), m, a, ab) for m, a, ab in work]
+    ranks = spawn_ranks(drive_dp, 2, path, flags, work, None, sizes, timeout=300, dp_size=2)
+    assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"
+    steps = list(zip(ranks[0]["piece_steps"], ranks[1]["piece_steps"]))
+    assert all(a[1] == b[1] for a, b in steps), "the ranks disagree on a step's pieces"
+    on = [(a[0], b[0]) for a, b in steps if a[1] is not None]
+    assert (ForwardMode.EXTEND, ForwardMode.IDLE) in on, "group 1 ran the pieces on padding rows"
+    size = lambda n: next(s for s in sizes if s >= n)   # noqa: E731
+    assert any(a[1] == 24 and a[2] and b[2] and size(a[2]) != size(b[2]) for a, b in steps), steps
+    assert any(a[1] == 48 and a[3] for a, b in steps), "a prompt's second chunk went through the pieces"
+    assert any(a[1] is None and a[2] > 48 and b[0] is not ForwardMode.DECODE for a, b in steps), \
+        "the 64-token chunk ran eagerly"
+    assert any(a[1] is None and ForwardMode.DECODE in (a[0], b[0]) and ForwardMode.EXTEND in (a[0], b[0])
+               for a, b in steps), "a decode beside an extend ran eagerly"
+    assert all(m is not ForwardMode.DECODE for pair in on for m in pair)
+    assert ranks[0]["piece_runs"] == sum(a[0] is ForwardMode.EXTEND for a, _ in steps if a[1] is not None)
+    assert not mixed or any(a[1] is not None and a[4] for a, _ in steps), "a mixed batch went through the pieces"
+    for rank, ref in zip(ranks, alone):
+        for rid, want in ref.items():
+            assert_greedy_equal_before_ties(want, rank["results"][rid], rid)
+            assert_prompt_logprobs_close(want, rank["results"][rid], rid)
+
+
 # --- speculative decoding under DP attention (every group runs every forward of the step: drafts, target, draft
 # layer; IDLE where it has none) --------------------------------------------------------------------------------
 
@@ -243,13 +308,15 @@ def test_dp_attention_with_expert_parallelism_equals_tp1(checkpoint):
 # NOTE: tree drafts run eagerly in their padded-graph case too (every step with a prefill), so no separate eager case
 @pytest.mark.parametrize("tree,graphs", [({}, False), ({}, True),
                                         ({"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 6}, True)],
-                         ids=["chain", "chain-padded-graphs", "tree-padded-graphs"])
+                         ids=["chain", "chain-padded-graphs-pieces", "tree-padded-graphs"])
 def test_speculative_groups_in_different_modes_equal_one_process(tree, graphs):
     """Group 0 decodes (drafts, verify, repair) while group 1 idles, then prefills (its target and draft-layer
     extends beside group 0's decode forwards), then both decode: outputs equal one process without speculation.
     Tree drafts: each draft step's forward has K i tokens per request, the verify N, the repair S. With graphs
     (sizes 1 2 4, their padded functions run eagerly on the CPU) the decode-only steps replay the agreed size on
-    every rank, the idle group with padding rows only."""
+    every rank, the idle group with padding rows only; with chain drafts the extends also run piecewise "graphs"
+    (sizes 8 24 48, eagerly) where no group decodes: the target's forward through the pieces of the agreed size
+    (an idle group's padding rows only), the draft layer's eagerly."""
     from mlaserve.demo import DEMO_DIR
 
     path, ps = str(DEMO_DIR), _demo_prompts()
@@ -258,7 +325,9 @@ def test_speculative_groups_in_different_modes_equal_one_process(tree, graphs):
     work = [(g0, {"a0": 0, "a1": 9}, {}), (g1, {"b0": 5, "b1": 7}, {})]
     flags = dict(speculative_algorithm="EAGLE", max_total_tokens=2048, **tree)
     alone = [drive_scheduler(_scheduler(path, max_total_tokens=2048), m, a, ab) for m, a, ab in work]
-    ranks = spawn_ranks(drive_dp, 2, path, flags, work, [1, 2, 4] if graphs else None, timeout=300, dp_size=2)
+    pieces = [8, 24, 48] if graphs and not tree else None
+    ranks = spawn_ranks(drive_dp, 2, path, flags, work, [1, 2, 4] if graphs else None, pieces, timeout=300,
+                        dp_size=2)
     assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"
     sizes = [bs for _, bs in ranks[0]["graph_steps"]]
     assert sizes == [bs for _, bs in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
@@ -268,6 +337,15 @@ def test_speculative_groups_in_different_modes_equal_one_process(tree, graphs):
         assert None in sizes, "the steps with a prefill ran eagerly"
     else:
         assert set(sizes) == {None}
+    steps = list(zip(ranks[0]["piece_steps"], ranks[1]["piece_steps"]))
+    assert all(a[1] == b[1] for a, b in steps), "the ranks disagree on a step's pieces"
+    on = [(a[0], b[0]) for a, b in steps if a[1] is not None]
+    if pieces:
+        assert (ForwardMode.EXTEND, ForwardMode.IDLE) in on, "group 1 ran the target's pieces on padding rows"
+        assert ranks[0]["piece_runs"] > 0                     # (group 1 prefills beside group 0's decodes: eager)
+        assert all(ForwardMode.DECODE not in pair for pair in on), on
+    else:
+        assert not on
     modes = set(ranks[0]["modes"])
     assert (ForwardMode.DECODE, None) in modes and (ForwardMode.DECODE, ForwardMode.EXTEND) in modes, modes
     assert all(r["clean"] for r in ranks)
