@@ -4,6 +4,7 @@
 #                                      equality with graphs, log-probs), one A/B round of one-batch V2-Lite
 #   bash benchmarks/gpu_pdl.sh bench   one-batch A/B (MLASERVE_PDL=0 / 1): V2-Lite bs 1 / 16 / 64 twice, V3 4L FP8
 #                                      once; then PDL with every M <= 16 linear through gemv; the bs-1 profile
+#   bash benchmarks/gpu_pdl.sh verify  the GPU tests of `check` alone
 #   bash benchmarks/gpu_pdl.sh trigger one-batch V3 4L and V2-Lite with PDL off, launching dependents after the
 #                                      main loop (1), and at the start of each kernel (early: a switch of the
 #                                      measured tree, removed after it; now `early` runs as 1)
@@ -54,4 +55,10 @@ if [ "$PART" = bench ]; then
     MLASERVE_PDL=$p timeout 100 python3 benchmarks/profile_decode.py --bs 1 > "$OUT/prof_v2l_bs1_pdl$p.txt" 2>&1
     grep -B1 -A14 "kernels per step" "$OUT/prof_v2l_bs1_pdl$p.txt"
   done
+fi
+if [ "$PART" = verify ]; then     # the GPU tests of the kernels and the fast path, on the committed tree
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_moe_topk.py \
+    tests/kernels/test_mla_decode.py tests/kernels/test_fused_moe.py tests/kernels/test_mla_absorb.py \
+    tests/kernels/test_norm.py tests/kernels/test_activation.py tests/kernels/test_fp8_gemm.py tests/kernels/test_reduce.py \
+    tests/kernels/test_rope.py tests/kernels/test_quant.py tests/models/test_gpu_fastpath.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
 fi
