@@ -1,6 +1,8 @@
 """Which part of the request path adds to the time to first token at concurrency 1 (issue 15): one server, the
 same kind of prompt sent by ids or by text, streamed or not, asking 1 or 16 new tokens, greedy or sampled;
-the median time until the first chunk that carries an output token, per variant, interleaved over rounds.
+the median time until the first chunk that carries an output token, per variant, interleaved over rounds. Text
+prompts are ~285 tokens (the V2-Lite test tokenizer) and start with BOS, so after the first one each has a
+one-token radix hit; "first token shared" gives id prompts the same hit.
 
     PYTHONPATH=$PWD python benchmarks/probe_ttft_paths.py [--port 30000] [--len 200] [--rounds 12]
 """
@@ -13,8 +15,9 @@ import random
 import statistics
 import time
 
-VARIANTS = {                       # name: (by text, stream, new tokens, temperature)
+VARIANTS = {                       # name: (by text, stream, new tokens, temperature); "shared": ids from token 1 on
     "ids, not streamed, 1 token": (False, False, 1, 0.0),
+    "ids, streamed, 16 tokens, first token shared": ("shared", True, 16, 0.0),
     "ids, streamed, 1 token": (False, True, 1, 0.0),
     "ids, streamed, 16 tokens": (False, True, 16, 0.0),
     "ids, streamed, 16 tokens, temperature 1": (False, True, 16, 1.0),
@@ -59,8 +62,11 @@ def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds + 1):                   # round 0 warms each path up and is dropped
         for name, (text, stream, new, temp) in VARIANTS.items():
+            ids = [rng.randrange(10, args.vocab) for _ in range(args.len)]
+            if text == "shared":          # every prompt starts with token 1 (as text prompts with BOS): a radix hit
+                ids[0] = 1
             prompt = {"text": " ".join(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(args.len // 2))} \
-                if text else {"input_ids": [rng.randrange(10, args.vocab) for _ in range(args.len)]}
+                if text is True else {"input_ids": ids}
             body = {**prompt, "stream": stream,
                     "sampling_params": {"max_new_tokens": new, "temperature": temp, "ignore_eos": True}}
             t = first_token_s(args.port, body)

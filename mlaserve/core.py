@@ -54,6 +54,8 @@ class ForwardContext:
     # EXTEND under piecewise CUDA graphs (engine/piecewise.py): called as splitter(attn, q, kv_c, k_pe, kv_new) in
     # place of attn.attend_extend, it runs the attention between two captured pieces and returns its output [T, H, Dv]
     splitter: "Callable | None" = None
+    # what the attention backend derives from this batch once and every layer reuses (e.g. its prefix slots)
+    attn_cache: dict = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -69,7 +71,7 @@ class ForwardContext:
         n, b = self.num_decode, self.batch_size - self.num_decode
         assert self.mode is ForwardMode.EXTEND and n > 0 and self.extend_lens_cpu[b:] == [1] * n, \
             "a mixed batch ends with its one-token decodes"
-        common = dict(logits_indices=None, num_decode=0, parts=None)
+        common = dict(logits_indices=None, num_decode=0, parts=None, attn_cache={})
         ext = replace(self, positions=self.positions[:-n], out_slots=self.out_slots[:-n],
                       req_pool_idx=self.req_pool_idx[:b], seq_lens=self.seq_lens[:b],
                       seq_lens_cpu=self.seq_lens_cpu[:b], extend_lens_cpu=self.extend_lens_cpu[:b], **common)

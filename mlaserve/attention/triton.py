@@ -6,7 +6,7 @@ import torch
 from mlaserve.attention.base import BaseAttnBackend, ExpandKV, KVNew
 from mlaserve.core import ForwardContext
 from mlaserve.kernels.mla_decode import mla_decode
-from mlaserve.kernels.mla_prefill import mla_prefill
+from mlaserve.kernels.mla_prefill import mla_prefill, prefix_chunk_slots
 
 
 class TritonMLABackend(BaseAttnBackend):
@@ -16,10 +16,17 @@ class TritonMLABackend(BaseAttnBackend):
                ctx: ForwardContext, expand_kv: ExpandKV, kv_new: KVNew | None = None) -> torch.Tensor:
         k_nope, v = expand_kv(kv_c) if kv_new is None else kv_new            # [T, H, Dn], [T, H, Dv]
         k_pe = k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)               # [T, H, R], one row per token
-        return mla_prefill(q, k_nope, v, torch.tensor(ctx.extend_lens_cpu), torch.tensor(ctx.prefix_lens_cpu),
+        pre = ctx.prefix_lens_cpu
+        # NOTE: the prefixes' slots once per batch, not per layer: per layer, their upload and gathers cost
+        # ~20 ms of host time over V2-Lite's 27 layers when the attention runs eagerly between piecewise graphs
+        # (a prompt whose BOS alone was cached: benchmarks/results/pdl-h100.md)
+        slots = ctx.attn_cache.get("prefix_slots")
+        if slots is None and any(pre):
+            slots = ctx.attn_cache["prefix_slots"] = prefix_chunk_slots(pre, ctx.req_to_token, ctx.req_pool_idx)
+        return mla_prefill(q, k_nope, v, torch.tensor(ctx.extend_lens_cpu), torch.tensor(pre),
                            ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, expand_kv,
                            self.sm_scale, kv_lora_rank=self.kv_lora_rank, kv_scale=ctx.kv_pool.kv_scale,
-                           k_pe_new=k_pe)
+                           k_pe_new=k_pe, prefix_slots=slots)
 
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return mla_decode(q, ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import triton
@@ -336,12 +336,20 @@ def _prefix_chunks(prefix_lens: tuple[int, ...], chunk: int) -> tuple[_Chunk, ..
     return tuple(chunks)
 
 
-def _chunk_slots(c: _Chunk, cu_pre: torch.Tensor, req_to_token: torch.Tensor,
-                 pool_idx: torch.Tensor) -> torch.Tensor:
-    # flat prefix index g -> (request, position) -> cache slot; all on the device, no sync
-    g = torch.arange(c.start, c.end, dtype=torch.int64, device=cu_pre.device)            # [n]
-    req = torch.searchsorted(cu_pre, g, right=True) - 1
-    return req_to_token[pool_idx[req], g - cu_pre[req]]                                  # [n]
+def prefix_chunk_slots(prefix_lens: Sequence[int], req_to_token: torch.Tensor, req_pool_idx: torch.Tensor,
+                       prefix_chunk: int = 4096) -> tuple[torch.Tensor, ...]:
+    """The cache slots of each chunk of the batch's prefixes laid end to end (`_prefix_chunks`): [n] each, on
+    req_to_token's device. One upload of the layout and a few gathers, no sync; the same for every layer."""
+    chunks = _prefix_chunks(tuple(int(p) for p in prefix_lens), prefix_chunk)
+    if not chunks:
+        return ()
+    dev = req_to_token.device
+    pool_idx = req_pool_idx.to(dev, torch.int64)
+    cu_pre = torch.tensor([0, *itertools.accumulate(prefix_lens)], dtype=torch.int64).to(dev)
+    g = torch.arange(chunks[-1].end, dtype=torch.int64, device=dev)                      # flat prefix index
+    req = torch.searchsorted(cu_pre, g, right=True) - 1                                 # -> (request,
+    slots = req_to_token[pool_idx[req], g - cu_pre[req]]                                 #     position) -> slot
+    return tuple(slots[c.start: c.end] for c in chunks)
 
 
 def _dequant_rows(rows: torch.Tensor, kv_scale: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -376,7 +384,8 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
                 prefix_lens: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_idx: torch.Tensor, expand_kv: ExpandKV, sm_scale: float, *, kv_lora_rank: int = 512,
                 kv_scale: float | torch.Tensor | None = None, prefix_chunk: int = 4096,
-                k_pe_new: torch.Tensor | None = None) -> torch.Tensor:
+                k_pe_new: torch.Tensor | None = None,
+                prefix_slots: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Non-absorbed MLA attention of the new tokens of a ragged batch (DeepSeek-V2 sec. 2.1).
 
     Args:
@@ -389,6 +398,8 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
         req_to_token: [pool, max_ctx] slot of each position; req_pool_idx: [B] row of each request.
         expand_kv: latent [n, L] (q.dtype) -> (k_nope [n, H, Dn], v [n, H, Dv]), i.e. kv_b_proj.
         prefix_chunk: prefix tokens (over the whole batch) expanded at a time; bounds the extra memory.
+        prefix_slots: `prefix_chunk_slots(prefix_lens, ...)` with the same arguments, when the caller made it (once
+            per batch: every layer reads the same slots); None computes it here.
     Returns:
         out [T, H, Dv] in q.dtype.
     """
@@ -408,14 +419,12 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
                            sm_scale, True, acc_dtype)                  # out: [T, H, Dv], lse: [T, H]
     cu_q = [0, *itertools.accumulate(ext)]
     chunks = _prefix_chunks(tuple(pre), prefix_chunk)
-    if chunks:
-        pool_idx = req_pool_idx.to(req_to_token.device, torch.int64)
-        cu_pre = torch.tensor([0, *itertools.accumulate(pre)], dtype=torch.int64).to(req_to_token.device)
-    for c in chunks:
+    if chunks and prefix_slots is None:
+        prefix_slots = prefix_chunk_slots(pre, req_to_token, req_pool_idx, prefix_chunk)
+    for c, slots in zip(chunks, prefix_slots or ()):
         q0, q1 = cu_q[c.b0], cu_q[c.b1]
         if q0 == q1:
             continue
-        slots = _chunk_slots(c, cu_pre, req_to_token, pool_idx)                          # [n]
         rows = _dequant_rows(kv_cache[slots.to(kv_cache.device)], kv_scale, q.dtype)     # [n, L + R]
         k_nope, k_pe, v = _expand_prefix(rows, expand_kv, kv_lora_rank, q.shape[1])
         o_c, lse_c = _flash_attn(q[q0:q1], k_nope, k_pe, v, tuple(ext[c.b0:c.b1]), c.lens_k, sm_scale,
