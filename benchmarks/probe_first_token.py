@@ -2,7 +2,11 @@
 prefill time): the real scheduler in-process over a dummy-weight checkpoint, one request at a time; each `step()`
 call's wall time until the step that returns the request's first token, and the request's total.
 
-    PYTHONPATH=$PWD python benchmarks/probe_first_token.py --model-path DIR [--piecewise] [--len 200]
+    PYTHONPATH=$PWD python benchmarks/probe_first_token.py --model-path DIR [--piecewise] [--len 200] \
+        [--shared-first] [--profile]
+
+--shared-first starts every prompt with token 1 (after the first request, a one-token radix hit, as BOS-led text
+prompts); --profile prints the torch profiler's table (host and GPU time per op) of the last request's steps.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ def main() -> None:
     ap.add_argument("--piecewise", action="store_true")
     ap.add_argument("--len", type=int, default=200)
     ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--shared-first", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     sched = Scheduler(ServerConfig.from_flat(model_path=args.model_path, load_format="dummy", log_level="warning",
                                              enable_piecewise_cuda_graph=args.piecewise), args.model_path)
@@ -33,6 +39,13 @@ def main() -> None:
     totals = []
     for k in range(args.requests):
         ids = [rng.randrange(10, vocab) for _ in range(args.len)]
+        if args.shared_first:
+            ids[0] = 1
+        prof = None
+        if args.profile and k == args.requests - 1:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         sched.add_request(GenerateReqMsg(f"r{k}", ids, SamplingParams(max_new_tokens=4, temperature=0.0,
                                                                       ignore_eos=True), seed=1))
         t, steps = time.perf_counter(), []
@@ -43,6 +56,10 @@ def main() -> None:
             if any(o.new_ids for o in outs):
                 break
         totals.append((time.perf_counter() - t) * 1e3)
+        if prof is not None:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
         while sched.has_work:
             sched.step()
         torch.cuda.synchronize()
