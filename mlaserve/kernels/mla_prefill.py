@@ -425,7 +425,7 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
         q0, q1 = cu_q[c.b0], cu_q[c.b1]
         if q0 == q1:
             continue
-        rows = _dequant_rows(kv_cache[slots.to(kv_cache.device)], kv_scale, q.dtype)     # [n, L + R]
+        rows = _dequant_rows(kv_cache.index_select(0, slots), kv_scale, q.dtype)         # [n, L + R]
         k_nope, k_pe, v = _expand_prefix(rows, expand_kv, kv_lora_rank, q.shape[1])
         o_c, lse_c = _flash_attn(q[q0:q1], k_nope, k_pe, v, tuple(ext[c.b0:c.b1]), c.lens_k, sm_scale,
                                  False, torch.float32)
