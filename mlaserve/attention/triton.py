@@ -17,8 +17,8 @@ class TritonMLABackend(BaseAttnBackend):
         k_nope, v = expand_kv(kv_c) if kv_new is None else kv_new            # [T, H, Dn], [T, H, Dv]
         k_pe = k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)               # [T, H, R], one row per token
         pre = ctx.prefix_lens_cpu
-        # NOTE: the prefixes' slots once per batch, not per layer: per layer, their upload and gathers cost
-        # ~12 ms of time to first token over V2-Lite's 27 layers when the attention runs eagerly between piecewise graphs
+        # NOTE: the prefixes' slots once per batch, not per layer: per layer, their upload and gathers cost ~12 ms
+        # of time to first token over V2-Lite's 27 layers when the attention runs eagerly between piecewise graphs
         # (a prompt whose BOS alone was cached: benchmarks/results/pdl-h100.md)
         slots = ctx.attn_cache.get("prefix_slots")
         if slots is None and any(pre):
