@@ -4,7 +4,7 @@
 # of 128-256 tokens (--random-range-ratio 0.5: lengths vary as in real traffic) at concurrency 1 (24 prompts, 16 new
 # tokens: TTFT) and 64 (192 prompts, 128 new tokens: TPOT, ITL per token). Carry .whl. `reverse`: piecewise first,
 # then plain (the first server on a fresh machine compiles the Triton kernels the later ones find cached). `mixed`:
-# piecewise, then piecewise + mixed chunk.
+# piecewise, then piecewise + mixed chunk. `chunk`: the same two with --chunked-prefill-size 512.
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
@@ -15,8 +15,10 @@ i=0
 CONFIGS=("" "--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --enable-mixed-chunk")
 [ "${1:-}" = reverse ] && CONFIGS=("--enable-piecewise-cuda-graph" "")    # the other order (Triton cache cold first)
 [ "${1:-}" = mixed ] && CONFIGS=("--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --enable-mixed-chunk")
+[ "${1:-}" = chunk ] && CONFIGS=("--enable-piecewise-cuda-graph --chunked-prefill-size 512"
+  "--enable-piecewise-cuda-graph --enable-mixed-chunk --chunked-prefill-size 512")
 for flags in "${CONFIGS[@]}"; do
-  i=$((i + 1)); name=${flags:-plain}; name=${name//--enable-/}; name=${name// /+}
+  i=$((i + 1)); name=${flags:-plain}; name=${name//--enable-/}; name=${name//--/}; name=${name// /+}
   t0=$(date +%s.%N)
   python3 -m mlaserve.cli serve --model-path $M --load-format dummy --port 30000 --log-level info $flags \
     > "$OUT/serve_$i.log" 2>&1 &
