@@ -1,4 +1,5 @@
-"""TritonMLABackend against the PyTorch reference backend (decode; extend over cached prefixes), through the engine's ForwardContext."""
+"""TritonMLABackend against the PyTorch reference backend (decode; extend over cached prefixes), through the engine's
+ForwardContext."""
 from __future__ import annotations
 
 import random
