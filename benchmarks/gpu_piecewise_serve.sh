@@ -5,12 +5,7 @@
 # tokens: TTFT) and 64 (192 prompts, 128 new tokens: TPOT, ITL per token). Carry .whl. `reverse`: piecewise first,
 # then plain (the first server on a fresh machine compiles the Triton kernels the later ones find cached). `mixed`:
 # piecewise, then piecewise + mixed chunk. `chunk`: the same two with --chunked-prefill-size 512.
-set -uo pipefail
-[ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
-python3 -m mlaserve.tools.tokenizer $M > /dev/null
+source benchmarks/gpu_v2l_env.sh
 i=0
 CONFIGS=("" "--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --enable-mixed-chunk")
 [ "${1:-}" = reverse ] && CONFIGS=("--enable-piecewise-cuda-graph" "")    # the other order (Triton cache cold first)

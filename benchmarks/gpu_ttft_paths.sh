@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # TTFT at concurrency 1 by request path (issue 15): a V2-Lite server (dummy weights, piecewise graphs, metrics) and
 # benchmarks/probe_ttft_paths.py (ids / text, streamed or not, 1 / 16 new tokens, greedy / sampled). Carry .whl.
-set -uo pipefail
-[ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
-python3 -m mlaserve.tools.tokenizer $M > /dev/null
+source benchmarks/gpu_v2l_env.sh
 python3 -m mlaserve.cli serve --model-path $M --load-format dummy --port 30000 --enable-metrics \
   --enable-piecewise-cuda-graph ${FLAGS:-} > "$OUT/serve.log" 2>&1 &
 for k in $(seq 1 300); do
