@@ -20,6 +20,7 @@ from mlaserve.draft_checkpoint import draft_checkpoint
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.engine.spec import PendingSpec, SpecDecoder, SpecOutput, widen
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
+from mlaserve.kernels.pdl import pdl_meta
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
@@ -117,6 +118,9 @@ class ModelRunner:
             self._restrict_draft_vocab(sched.speculative_token_map, sched.speculative_eagle_topk or 1)
         logger.info("weights: %.2f GiB on rank %d of %d", weight_bytes(self.model) / 2**30, self.group.info.rank,
                     self.group.size)
+        if self.device.type == "cuda" and kernels == "triton":
+            logger.info("Triton kernels: programmatic dependent launch %s", "on" if pdl_meta(self.device)["PDL"]
+                        else "off (MLASERVE_PDL=0, or a GPU below compute capability 9.0)")
         kv_dtype = KV_CACHE_DTYPES[server.cache.kv_cache_dtype]
         self.num_slots = self.group.min_int(self._pool_size(kv_dtype))          # every rank holds the whole cache
         self.pool = MLAKVPool(self.num_slots, self.model.num_kv_layers, self.cfg.kv_lora_rank,
