@@ -28,6 +28,7 @@ import torch
 
 from mlaserve.bench.floor import decode_step_bytes, prefill_flops
 from mlaserve.config import ServerConfig
+from mlaserve.kernels import pdl
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
 from mlaserve.distributed import RankGroup, spawn_ranks
 from mlaserve.engine.engine import ModelRunner, resolve_for_device
@@ -357,10 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         for bs in args.batch_size:
             rows.append(run_hf(path, bs, args.input_len, args.output_len, args.dtype))
             print(json.dumps(rows[-1]), flush=True)
+    uses_pdl = pdl.active(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     title = (f"one-batch, {cfg.architecture} hidden {cfg.hidden_size} x {cfg.num_hidden_layers} layers, "
              f"{'FP8' if cfg.is_fp8 else args.dtype}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
              f"{datetime.date.today()}; copy {ceil['copy_bps'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} "
-             f"TFLOP/s, fp8 {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s; model build + load + graph capture "
+             f"TFLOP/s, fp8 {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s; PDL {'on' if uses_pdl else 'off'}; "
+             f"model build + load + graph capture "
              + ", ".join(f"{s:.1f} s ({label})" for label, s in startup.items()))
     text = table(rows, title)
     print(text)

@@ -20,7 +20,7 @@ from mlaserve.draft_checkpoint import draft_checkpoint
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.engine.spec import PendingSpec, SpecDecoder, SpecOutput, widen
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
-from mlaserve.kernels.pdl import pdl_meta
+from mlaserve.kernels import pdl
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
@@ -119,7 +119,7 @@ class ModelRunner:
         logger.info("weights: %.2f GiB on rank %d of %d", weight_bytes(self.model) / 2**30, self.group.info.rank,
                     self.group.size)
         if self.device.type == "cuda" and kernels == "triton":
-            logger.info("Triton kernels: programmatic dependent launch %s", "on" if pdl_meta(self.device)["PDL"]
+            logger.info("Triton kernels: programmatic dependent launch %s", "on" if pdl.active(self.device)
                         else "off (MLASERVE_PDL=0, or a GPU below compute capability 9.0)")
         kv_dtype = KV_CACHE_DTYPES[server.cache.kv_cache_dtype]
         self.num_slots = self.group.min_int(self._pool_size(kv_dtype))          # every rank holds the whole cache

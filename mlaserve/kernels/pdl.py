@@ -54,8 +54,13 @@ def _supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def active(device: torch.device) -> bool:
+    """Whether the kernels launched on `device` use PDL."""
+    return device.type == "cuda" and enabled() and _supported(device.index if device.index is not None
+                                                              else torch.cuda.current_device())
+
+
 def pdl_meta(device: torch.device) -> dict:
     """The launch keywords of a PDL kernel on `device`: its PDL constexpr and Triton's launch_pdl option."""
-    on = device.type == "cuda" and enabled() and _supported(device.index if device.index is not None
-                                                            else torch.cuda.current_device())
+    on = active(device)
     return dict(PDL=on, launch_pdl=on)
