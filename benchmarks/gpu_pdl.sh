@@ -26,6 +26,12 @@ ab() {  # ab TAG CONFIG BATCH_SIZES...: one-batch with PDL off, then on (MODES: 
       2>&1 | grep "^|" | tail -3
   done
 }
+gpu_tests() {  # every changed kernel's GPU tests and the fast path (greedy equality with graphs, log-probs)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_moe_topk.py \
+    tests/kernels/test_mla_decode.py tests/kernels/test_fused_moe.py tests/kernels/test_mla_absorb.py \
+    tests/kernels/test_norm.py tests/kernels/test_activation.py tests/kernels/test_fp8_gemm.py tests/kernels/test_reduce.py \
+    tests/kernels/test_rope.py tests/kernels/test_quant.py tests/models/test_gpu_fastpath.py 2>&1
+}
 if [ "$PART" = check ]; then
   python3 - <<'PY' 2>&1 | tail -3 | tee "$OUT/smoke.txt"
 import torch
@@ -34,10 +40,7 @@ from mlaserve.kernels.pdl import pdl_meta
 x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16); w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
 print("pdl_meta", pdl_meta(x.device), "gemv max err", (gemv(x, w).float() - x.float() @ w.float().t()).abs().max().item())
 PY
-  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_moe_topk.py \
-    tests/kernels/test_mla_decode.py tests/kernels/test_fused_moe.py tests/kernels/test_mla_absorb.py \
-    tests/kernels/test_norm.py tests/kernels/test_activation.py tests/kernels/test_fp8_gemm.py tests/kernels/test_reduce.py \
-    tests/kernels/test_rope.py tests/kernels/test_quant.py tests/models/test_gpu_fastpath.py 2>&1 | tail -8 | tee "$OUT/tests.txt"
+  gpu_tests | tail -8 | tee "$OUT/tests.txt"
   ab v2l_r1 $V2L 1 16 64
 fi
 if [ "$PART" = trigger ]; then     # where the next kernel may launch: after the main loop (1) or at the start (early)
@@ -57,8 +60,5 @@ if [ "$PART" = bench ]; then
   done
 fi
 if [ "$PART" = verify ]; then     # the GPU tests of the kernels and the fast path, on the committed tree
-  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_moe_topk.py \
-    tests/kernels/test_mla_decode.py tests/kernels/test_fused_moe.py tests/kernels/test_mla_absorb.py \
-    tests/kernels/test_norm.py tests/kernels/test_activation.py tests/kernels/test_fp8_gemm.py tests/kernels/test_reduce.py \
-    tests/kernels/test_rope.py tests/kernels/test_quant.py tests/models/test_gpu_fastpath.py 2>&1 | tail -3 | tee "$OUT/tests.txt"
+  gpu_tests | tail -3 | tee "$OUT/tests.txt"
 fi

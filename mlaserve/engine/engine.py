@@ -19,8 +19,8 @@ from mlaserve.distributed.expert import expert_parallel
 from mlaserve.draft_checkpoint import draft_checkpoint
 from mlaserve.engine.forward_batch import build_context
 from mlaserve.engine.spec import PendingSpec, SpecDecoder, SpecOutput, widen
-from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 from mlaserve.kernels import pdl
+from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
