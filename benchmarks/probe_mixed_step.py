@@ -103,8 +103,9 @@ def main() -> None:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                         torch.profiler.ProfilerActivity.CUDA]) as prof:
                     ms, b = step()
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
-                                                max_name_column_width=60))
+                avg = prof.key_averages()
+                print(avg.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+                print(avg.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
             elif args.cprofile and wave == args.waves - 1 and (sched.waiting or sched.chunked):
                 import cProfile
                 prof_py = prof_py or cProfile.Profile()
