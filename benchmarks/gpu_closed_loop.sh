@@ -6,7 +6,7 @@
 source benchmarks/gpu_v2l_env.sh
 export MLASERVE_CACHE=/tmp/mlaserve-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-for a in "--piecewise" "--piecewise --mixed" "--piecewise --mixed --chunk 512"; do
+for a in ${CONFIGS:-"--piecewise" "--piecewise --mixed" "--piecewise --mixed --chunk 512"}; do
   tag=$(echo "$a" | tr -d '-' | tr ' ' '_')
   echo "### $a $*"
   timeout 200 python3 benchmarks/probe_closed_loop.py --model-path $M $a "$@" > "$OUT/closed_$tag.txt" 2>&1

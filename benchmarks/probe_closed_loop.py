@@ -20,7 +20,6 @@ import random
 import statistics
 import time
 
-import torch
 
 from mlaserve.config import ServerConfig
 from mlaserve.core import ForwardMode, SamplingParams
@@ -47,6 +46,7 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--show", type=int, default=12, help="long gaps to print")
+    ap.add_argument("--passes", type=int, default=1, help="run the same prompts again (radix cache hits)")
     ap.add_argument("--extra", default="{}", help="more ServerConfig fields, as JSON")
     args = ap.parse_args()
     flat = dict(model_path=args.model_path, load_format="dummy", log_level="warning",
@@ -55,7 +55,6 @@ def main() -> None:
     if args.chunk is not None:
         flat["chunked_prefill_size"] = args.chunk
     sched = Scheduler(ServerConfig.from_flat(**flat), args.model_path)
-    rng = random.Random(args.seed)
     vocab = sched.runner.cfg.vocab_size
     print(f"seed {args.seed}", flush=True)
 
@@ -71,103 +70,111 @@ def main() -> None:
         return launch(batch, *a, **kw)
     sched.runner.launch = traced
 
-    def lengths(n: int) -> int:
-        return rng.randint(max(1, int(n * (1 - args.ratio))), n)
+    def load(seed: int, n: int) -> list[tuple[list[int], int]]:
+        """n requests: (prompt ids, new tokens), as bench serving's random dataset draws them."""
+        rng = random.Random(seed)
 
-    def add(i: int) -> None:
-        ids = [rng.randrange(10, vocab) for _ in range(lengths(args.input))]
-        sched.add_request(GenerateReqMsg(f"q{i}", ids, SamplingParams(max_new_tokens=lengths(args.output),
-                                                                      temperature=0.0, ignore_eos=True), seed=i))
-        sent[f"q{i}"] = time.perf_counter()
+        def length(m: int) -> int:
+            return rng.randint(max(1, int(m * (1 - args.ratio))), m)
+        return [([rng.randrange(10, vocab) for _ in range(length(args.input))], length(args.output))
+                for _ in range(n)]
 
-    def run_until_idle() -> None:
-        while sched.waiting or sched.running or sched.chunked or sched.pending is not None:
+    def run_pass(tag: str, reqs: list[tuple[list[int], int]], report: bool) -> None:
+        steps.clear()
+        sent: dict[str, float] = {}
+
+        def add(i: int) -> None:
+            ids, new = reqs[i]
+            sched.add_request(GenerateReqMsg(f"{tag}{i}", ids, SamplingParams(max_new_tokens=new, temperature=0.0,
+                                                                               ignore_eos=True), seed=i))
+            sent[f"{tag}{i}"] = time.perf_counter()
+
+        stamps: dict[str, list[float]] = collections.defaultdict(list)   # rid -> time of each output token
+        step_at: list[float] = []                                           # when each step() returned
+        step_launched: list[int] = []                                       # steps launched by then
+        nxt, done, num = 0, 0, len(reqs)
+        while nxt < min(args.conc, num):
+            add(nxt)
+            nxt += 1
+        t_start = time.perf_counter()
+        while done < num:
+            before = len(steps)
+            t0 = time.perf_counter()
+            out = sched.step()
+            now = time.perf_counter()
+            step_at.append(now)
+            step_launched.append(len(steps))
+            # NOTE: with overlap a step() call waits for the batch the previous call launched: its wall time is
+            # that batch's; without overlap it is the batch it launched
+            owner = before - 1 if not args.no_overlap else before
+            if 0 <= owner < len(steps) and steps[owner][1] == 0.0:
+                steps[owner] = (steps[owner][0], (now - t0) * 1e3)
+            for o in out:
+                stamps[o.rid] += [now] * len(o.new_ids)
+                if o.finished is not None:
+                    done += 1
+                    if nxt < num:
+                        add(nxt)
+                        nxt += 1
+        while sched.pending is not None or sched.running:     # the overlap's last step
             sched.step()
+        duration = time.perf_counter() - t_start
+        if not report:
+            return
+        ttft, tpot, itl, gaps = [], [], [], []
+        for rid, ts in stamps.items():
+            ttft.append((ts[0] - sent[rid]) * 1e3)
+            if len(ts) > 1:
+                tpot.append((ts[-1] - ts[0]) / (len(ts) - 1) * 1e3)
+            for a, b in zip(ts, ts[1:]):
+                itl.append((b - a) * 1e3)
+                gaps.append(((b - a) * 1e3, a, b))
+        med = statistics.median(itl)
+        kinds = collections.Counter(label[0] for label, _ in steps)
+        ext = [ms for label, ms in steps if label[0] == "E" and ms]
+        dec = [ms for label, ms in steps if label[0] == "D" and ms]
+        summary = {"pass": tag, "mixed": args.mixed, "piecewise": args.piecewise, "chunk": args.chunk,
+                   "overlap": not args.no_overlap, "num": num, "conc": args.conc,
+                   "duration_s": round(duration, 2),
+                   "out_tok_s": round(sum(len(t) for t in stamps.values()) / duration),
+                   "ttft_median_ms": round(statistics.median(ttft), 1), "ttft_p99_ms": round(pct(ttft, 0.99), 1),
+                   "tpot_median_ms": round(statistics.median(tpot), 2),
+                   "itl_median_ms": round(med, 2), "itl_p99_ms": round(pct(itl, 0.99), 2),
+                   "itl_p99_over_median": round(pct(itl, 0.99) / med, 2),
+                   "itl_mean_ms": round(statistics.mean(itl), 2),
+                   "steps": dict(kinds), "decode_step_median_ms": round(statistics.median(dec), 2) if dec else None,
+                   "extend_step_median_ms": round(statistics.median(ext), 2) if ext else None,
+                   "share_over_40ms": round(sum(1 for x in itl if x > 40) / len(itl), 4), "itls": len(itl)}
+        print(json.dumps(summary), flush=True)
+        # the longest gaps: which steps returned between the two tokens
+        gaps.sort(reverse=True)
+        seen, shown = set(), 0
+        for ms, a, b in gaps:
+            if ms <= 2 * med or shown >= args.show:
+                break
+            i0, i1 = step_at.index(a), step_at.index(b)
+            if (i0, i1) in seen:
+                continue
+            seen.add((i0, i1))
+            shown += 1
+            lo, hi = step_launched[max(0, i0 - 1)], step_launched[i1]
+            print(f"gap {ms:.1f} ms over steps {i0 + 1}..{i1}: " +
+                  " ".join(f"{label}:{s:.1f}" for label, s in steps[lo:hi]))
+        # extend steps by size: how a prompt's prefill costs against the decode step
+        by = collections.defaultdict(list)
+        for label, ms in steps:
+            if label[0] == "E" and ms:
+                toks, dec_n = label[1:].split("+")
+                by[(int(toks) // 256 * 256, int(dec_n) > 0)].append(ms)
+        for (lo, mixed), v in sorted(by.items()):
+            print(f"extend steps of {lo}-{lo + 255} tokens{' with decodes' if mixed else ''}: {len(v)}, "
+                  f"median {statistics.median(v):.1f} ms, max {max(v):.1f} ms")
 
-    # warm-up: the shapes of the load (prompt lengths, batch sizes) once, not timed
-    sent: dict[str, float] = {}
-    for i in range(args.conc):
-        add(-1 - i)
-    run_until_idle()
-    sent.clear()
-    steps.clear()
-
-    stamps: dict[str, list[float]] = collections.defaultdict(list)       # rid -> time of each output token
-    step_at: list[float] = []                                               # when each step() returned
-    step_launched: list[int] = []                                           # steps launched by then
-    nxt, done = 0, 0
-    while nxt < min(args.conc, args.num):
-        add(nxt)
-        nxt += 1
-    t_start = time.perf_counter()
-    while done < args.num:
-        before = len(steps)
-        t0 = time.perf_counter()
-        out = sched.step()
-        now = time.perf_counter()
-        step_at.append(now)
-        step_launched.append(len(steps))
-        # NOTE: with overlap a step() call waits for the batch the previous call launched: its wall time is that
-        # batch's; without overlap it is the batch it launched
-        owner = before - 1 if not args.no_overlap else before
-        if 0 <= owner < len(steps) and steps[owner][1] == 0.0:
-            steps[owner] = (steps[owner][0], (now - t0) * 1e3)
-        for o in out:
-            stamps[o.rid] += [now] * len(o.new_ids)
-            if o.finished is not None:
-                done += 1
-                if nxt < args.num:
-                    add(nxt)
-                    nxt += 1
-    duration = time.perf_counter() - t_start
-
-    ttft, tpot, itl, gaps = [], [], [], []
-    for rid, ts in stamps.items():
-        ttft.append((ts[0] - sent[rid]) * 1e3)
-        if len(ts) > 1:
-            tpot.append((ts[-1] - ts[0]) / (len(ts) - 1) * 1e3)
-        for a, b in zip(ts, ts[1:]):
-            itl.append((b - a) * 1e3)
-            gaps.append(((b - a) * 1e3, a, b))
-    med = statistics.median(itl)
-    kinds = collections.Counter(label[0] for label, _ in steps)
-    ext = [ms for label, ms in steps if label[0] == "E" and ms]
-    dec = [ms for label, ms in steps if label[0] == "D" and ms]
-    summary = {"mixed": args.mixed, "piecewise": args.piecewise, "chunk": args.chunk, "overlap": not args.no_overlap,
-               "num": args.num, "conc": args.conc, "duration_s": round(duration, 2),
-               "out_tok_s": round(sum(len(t) for t in stamps.values()) / duration),
-               "ttft_median_ms": round(statistics.median(ttft), 1), "ttft_p99_ms": round(pct(ttft, 0.99), 1),
-               "tpot_median_ms": round(statistics.median(tpot), 2),
-               "itl_median_ms": round(med, 2), "itl_p99_ms": round(pct(itl, 0.99), 2),
-               "itl_p99_over_median": round(pct(itl, 0.99) / med, 2), "itl_mean_ms": round(statistics.mean(itl), 2),
-               "steps": dict(kinds), "decode_step_median_ms": round(statistics.median(dec), 2) if dec else None,
-               "extend_step_median_ms": round(statistics.median(ext), 2) if ext else None,
-               "itls_over_2x_median": sum(1 for x in itl if x > 2 * med), "itls": len(itl)}
-    print(json.dumps(summary), flush=True)
-    # the longest gaps: which steps returned between the two tokens
-    gaps.sort(reverse=True)
-    seen = set()
-    shown = 0
-    for ms, a, b in gaps:
-        if ms <= 2 * med or shown >= args.show:
-            break
-        i0, i1 = step_at.index(a), step_at.index(b)
-        if (i0, i1) in seen:
-            continue
-        seen.add((i0, i1))
-        shown += 1
-        lo, hi = step_launched[i0], step_launched[i1]
-        print(f"gap {ms:.1f} ms over steps {i0 + 1}..{i1}: " +
-              " ".join(f"{label}:{s:.1f}" for label, s in steps[lo:hi]))
-    # extend steps by size: how a prompt's prefill costs against the decode step
-    by = collections.defaultdict(list)
-    for label, ms in steps:
-        if label[0] == "E" and ms:
-            toks, dec_n = label[1:].split("+")
-            by[(int(toks) // 256 * 256, int(dec_n) > 0)].append(ms)
-    for (lo, mixed), v in sorted(by.items()):
-        print(f"extend steps of {lo}-{lo + 255} tokens{' with decodes' if mixed else ''}: {len(v)}, "
-              f"median {statistics.median(v):.1f} ms, max {max(v):.1f} ms")
+    # warm-up: the shapes of the load (prompt lengths, batch sizes) once, other prompts, not timed
+    run_pass("w", load(args.seed + 1000, args.conc), report=False)
+    reqs = load(args.seed, args.num)
+    for p in range(args.passes):          # a pass after the first finds its prompts in the radix cache
+        run_pass(f"p{p}.", reqs, report=True)
 
 
 if __name__ == "__main__":
