@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -130,6 +131,7 @@ class ModelRunner:
         self.sampler = Sampler(use_triton=kernels == "triton")
         self.req_to_token: torch.Tensor | None = None      # set by attach() (the scheduler's table)
         self.token_buf: torch.Tensor | None = None
+        self.extends_as_decode = 0                # extend batches run as decode steps (`_decodes_alone`)
         self.graphs = None
         self.pieces = None                                 # piecewise extend graphs (init_cuda_graphs)
         self.spec = SpecDecoder(self, spec_steps, sched.speculative_eagle_topk or 1,
@@ -265,6 +267,16 @@ class ModelRunner:
         """Queue the model forward only; `launch_sample` queues the sampling (the CPU may work in between)."""
         rows, prompt_rows, sample_row = self._logit_rows(batch)
         pool_rows = [r.req_pool_idx for r in batch.reqs]
+        if self._decodes_alone(batch, prompt_rows):
+            # every request computes one token over its cached KV, which is what a decode step does (the absorbed
+            # attention reads the latent cache as it is; the extend form would expand the whole cached prefix):
+            # a fully cached prompt's last token, alone or with --enable-mixed-chunk's decodes. Its input token goes
+            # to token_buf, where a decode step reads it. The batch stays an extend for sampling and results.
+            ext = batch.size - batch.num_decode
+            rows_dev = to_device(torch.tensor(pool_rows[:ext], dtype=torch.int64), self.device)
+            self.token_buf[rows_dev] = to_device(torch.tensor(batch.input_ids[:ext], dtype=torch.int64), self.device)
+            self.extends_as_decode += 1
+            return self.launch_forward(replace(batch, mode=ForwardMode.DECODE, num_decode=0))._replace(batch=batch)
         if batch.graph_bs is not None:            # DP attention: every rank replays the agreed size (IDLE: padding)
             logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows, batch.graph_bs)
             return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
@@ -275,6 +287,15 @@ class ModelRunner:
             return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
         rows_dev = torch.tensor(pool_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return ForwardStep(batch, self._logits(batch, rows, rows_dev), rows_dev, prompt_rows, sample_row)
+
+    def _decodes_alone(self, batch: Batch, prompt_rows: list[list[int]]) -> bool:
+        """An extend batch of one new token per request, each sampled and none wanting prompt log-probs, that can
+        run as a decode step: one process per DP group's batch (no agreed sizes), no speculative decoding (its
+        extends also run the draft layer), the absorbed attention."""
+        return (batch.mode is ForwardMode.EXTEND and batch.graph_bs is None and batch.piece_tokens is None
+                and self.group.dp is None and self.spec is None and self.model.model.layers[0].self_attn.absorb
+                and all(n == 1 for n in batch.extend_lens) and all(batch.sampling)
+                and not any(prompt_rows))
 
     @torch.no_grad()
     def launch_sample(self, fwd: ForwardStep, bitmask: torch.Tensor | None = None) -> PendingStep:

@@ -12,13 +12,21 @@ from mlaserve.kvcache.allocator import ReqToTokenPool, TokenSlotAllocator
 from mlaserve.kvcache.radix import RadixCache
 
 
+# A cached prefix shorter than this is not used: recomputing a few tokens costs next to nothing, while an extend with
+# a cached prefix runs the MLA prefill's prefix path (the prefix's latent KV expanded through kv_b_proj and a second
+# attention pass merged in, each layer), which cost a 200-token prompt 4-9 ms more on an H100 for a one-token hit
+# (benchmarks/results/pdl-h100.md). Every text prompt starts with BOS, so without this each one took that path.
+MIN_PREFIX_HIT = 16
+
+
 class KVCacheManager:
     def __init__(self, num_slots: int, max_reqs: int, max_context: int, *, disable_radix: bool,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", min_prefix_hit: int = MIN_PREFIX_HIT):
         self.allocator = TokenSlotAllocator(num_slots)
         self.req_pool = ReqToTokenPool(max_reqs, max_context, device)
         self.tree = RadixCache(self.allocator, disable=disable_radix)
         self.num_slots = num_slots
+        self.min_prefix_hit = min_prefix_hit
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -34,12 +42,15 @@ class KVCacheManager:
 
     def match(self, req: Req) -> tuple[torch.Tensor, object]:
         """Longest cached prefix usable for `req`: at most all but one token of fill_ids (the last token's
-        logits are needed), and not past the first position whose prompt log-prob is wanted."""
+        logits are needed), and not past the first position whose prompt log-prob is wanted; none if that is
+        shorter than `min_prefix_hit` tokens."""
         ids = req.fill_ids
         limit = len(ids) - 1
         if req.return_logprob:
             limit = min(limit, max(req.logprob_start - 1, 0))
         slots, node = self.tree.match_prefix(ids[:limit])
+        if len(slots) < self.min_prefix_hit:
+            return slots[:0], self.tree.root
         return slots, node
 
     def admit(self, req: Req, prefix_slots: torch.Tensor, node: object) -> bool:

@@ -382,4 +382,5 @@ class Scheduler:
                 "grammar_waiting": len(self.grammar.waiting), **self.stats,
                 "avg_spec_accept_length": self.stats["spec_tokens"] / max(self.stats["spec_verify_steps"], 1),
                 "piecewise_graph_steps": self.runner.pieces.runs if self.runner.pieces is not None else 0,
+                "extends_as_decode": self.runner.extends_as_decode,
                 **({"dp_rank": self.runner.group.info.dp_rank} if self.dp_sync is not None else {})}

@@ -23,6 +23,8 @@ COUNTERS = (
     ("mixed_steps", "mixed_steps", "steps whose running decodes rode in a prefill batch (--enable-mixed-chunk)"),
     ("piecewise_graph_steps", "piecewise_graph_steps",
      "extend batches run through piecewise CUDA graphs (--enable-piecewise-cuda-graph)"),
+    ("extends_as_decode", "extends_as_decode_steps",
+     "extend batches of one new token per request (fully cached prompts) run as decode steps"),
 )
 GAUGES = (
     ("num_running_reqs", "num_running_reqs", "requests in the running batch"),

@@ -21,7 +21,7 @@ def run_request(kv: KVCacheManager, rid: str, ids: list[int], decode_steps: int)
 
 
 def test_request_life_runs_on_host_data_only():
-    kv = KVCacheManager(24, 4, 32, disable_radix=False, device="meta")
+    kv = KVCacheManager(24, 4, 32, disable_radix=False, device="meta", min_prefix_hit=1)
     assert kv.req_to_token.device.type == "meta"
     a = run_request(kv, "a", [1, 2, 3, 4, 5, 6], decode_steps=2)
     kv.release(a)                                  # frees nothing: its KV goes to the tree
