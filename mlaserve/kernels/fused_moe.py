@@ -30,26 +30,43 @@ FP8_DTYPE = torch.float8_e4m3fn
 # above it sum_dim1 does (the last program per tile would sum T * k rows alone). benchmarks/gpu_moe_fuse.sh on an
 # H100: 1 us faster at one token, 1-2 us slower from 4.
 COMBINE_MAX_TOKENS = 1
-# Up to this many combined values (T x hidden) sum_dim1 does the combine, above it torch.sum (H100: sum_dim1 won
-# 0.4-1 us up to 64 x 2048 and 4 x 7168, lost 3-47 us from 16 x 7168 on).
-SUM_DIM1_MAX_VALUES = 32768
+# Up to this many tokens sum_dim1 does the combine, above it torch.sum. H100, [T, k, hidden] bf16
+# (benchmarks/results/tuning/h100-moe-fuse.txt): at hidden 2048 (V2-Lite, k 8) sum_dim1 won 0.3-1.1 us up to 64
+# tokens and lost 1.5 us at 256; at 7168 (V3, k 9) it won 0.5-0.7 us up to 4 and lost 2.7-47 us from 16. Hence a
+# bound per hidden size: no bound on T x hidden fits both (64 x 2048 won, 16 x 7168 with fewer values lost).
+SUM_DIM1_MAX_TOKENS = 64
+SUM_DIM1_MAX_TOKENS_WIDE = 4            # hidden above SUM_DIM1_NARROW_HIDDEN
+SUM_DIM1_NARROW_HIDDEN = 2048
+# Up to this many slots S = T * k one program aligns them (`_moe_align_kernel`), above it three launches (count,
+# scan, scatter: 14.9 us per layer at V2-Lite's 64 tokens x 8 slots on an H100). NOTE: 1024 is not measured yet: set
+# it from benchmarks/bench_moe_align.py on the GPU (both paths from 1 to 256 tokens, V2-Lite and V3 shapes).
+ALIGN_ONE_PROGRAM_MAX_SLOTS = 1024
+ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
 
 
 # ----------------------------------------------------------------------------------------------- align
-# Counting sort of the S = T * k slots by expert in chunks of CHUNK slots: count per chunk and expert, an
-# exclusive scan over (expert, chunk) that also pads each expert to BLOCK_M and labels the blocks, then a
-# scatter of each chunk's slots to their ranks. One program does all three when the slots fit one chunk
-# (decode); otherwise the count and the scatter run one program per chunk around a one-program scan.
+# Counting sort of the S = T * k slots by expert, each expert padded to BLOCK_M and its blocks labelled.
+# Up to ALIGN_ONE_PROGRAM_MAX_SLOTS slots (decode) one program does it all (`_moe_align_kernel`): counts,
+# labels, then scatters CHUNK slots at a time from running per-expert bases. Above it the work is spread: a
+# count per chunk and expert, an exclusive scan over (expert, chunk) that also labels, and a scatter, one program
+# per chunk around the one-program scan. Both write the same outputs.
 # NOTE: a slot with id -1 (an expert another EP rank holds) sorts as one more expert, index E, after the real
 # ones; its blocks are labelled -1, the first GEMM skips them and the second writes zeros for their rows.
 #   sorted:      | expert 0 (padded) | ... | expert E-1 (padded) | sentinel slots (padded) | unused |
 #   expert_ids:  | 0 ...             | ... | E-1 ...             | -1 ...                  | -1 ... |
 @triton.jit
-def _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+def _chunk_experts(topk_ids_ptr, start, num_slots, num_experts, CHUNK: tl.constexpr):
+    # [C] slots start .. start + C - 1 and their experts: id -1 (the sentinel) and lanes past the slots as E
+    offs = start + tl.arange(0, CHUNK)
     ids = tl.load(topk_ids_ptr + offs, mask=offs < num_slots, other=-1)
-    ids = tl.where((ids < 0) & (offs < num_slots), num_experts, ids)                # sentinel -> E
-    return offs, (tl.arange(0, BLOCK_E)[:, None] == ids[None, :]).to(tl.int32)     # [C], [BE, C]
+    return offs, tl.where(ids < 0, num_experts, ids)
+
+
+@triton.jit
+def _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    offs, e = _chunk_experts(topk_ids_ptr, chunk * CHUNK, num_slots, num_experts, CHUNK)
+    hit = (tl.arange(0, BLOCK_E)[:, None] == e[None, :]) & (offs < num_slots)[None, :]
+    return offs, hit.to(tl.int32)                                                   # [C], [BE, C]
 
 
 @triton.jit
@@ -86,14 +103,26 @@ def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-                      num_slots, num_blocks, num_experts,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    # One program, the slots in one chunk: count, label, scatter.
+                      num_slots, num_blocks, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                      CHUNK: tl.constexpr, LABEL_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    # One program: count every chunk, label, then scatter chunk by chunk. A slot's position is its expert's
+    # running base (the expert's start plus its slots in earlier chunks) plus its rank among the chunk's slots of
+    # that expert ([C, C] compare), so no [BE, C] one-hot: the work per chunk does not grow with E.
     pdl_enter(PDL)
-    offs, onehot = _chunk_onehot(topk_ids_ptr, 0, num_slots, num_experts, BLOCK_E, CHUNK)
-    starts = _label_blocks(tl.sum(onehot, axis=1), expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr,
-                           num_slots, num_blocks, num_experts, BLOCK_M, BLOCK_E, CHUNK)
-    _scatter_chunk(sorted_ids_ptr, offs, onehot, starts, num_slots)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_slots, CHUNK):
+        offs, e = _chunk_experts(topk_ids_ptr, c0, num_slots, num_experts, CHUNK)
+        counts += tl.histogram(e, BLOCK_E, mask=offs < num_slots)
+    base = _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
+                         num_experts, BLOCK_M, BLOCK_E, LABEL_CHUNK)                # [BE] starts
+    lane = tl.arange(0, CHUNK)
+    for c0 in range(0, num_slots, CHUNK):
+        offs, e = _chunk_experts(topk_ids_ptr, c0, num_slots, num_experts, CHUNK)
+        ok = offs < num_slots
+        earlier = (e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None])     # [C, C]: j before i, same e
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_ids_ptr + tl.gather(base, e, 0) + rank, offs, mask=ok)
+        base += tl.histogram(e, BLOCK_E, mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -139,8 +168,8 @@ def _moe_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, num_slots, nu
     _scatter_chunk(sorted_ids_ptr, offs, onehot, base, num_slots)
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
-                         num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, *,
+                         one_program: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the flattened (token, k) slots by expert, padding each expert to a multiple of `block_m`.
 
     Args:
@@ -152,6 +181,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
         expert_ids [P / block_m] int32: the expert of each block; -1 for the blocks of id -1 slots and past the
             used blocks.
         num_tokens_post_pad [1] int32: used length of sorted_token_ids (stays on device, no host sync).
+    `one_program` forces the single launch (True) or count / scan / scatter (False); by default the single launch
+    runs up to ALIGN_ONE_PROGRAM_MAX_SLOTS slots. Both give the same outputs.
     """
     assert topk_ids.dim() == 2 and not topk_ids.is_floating_point(), \
         f"topk_ids must be [T, k] int, got {tuple(topk_ids.shape)} {topk_ids.dtype}"
@@ -166,13 +197,17 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1).contiguous()
     block_e = triton.next_power_of_2(num_experts + 1)                  # + the sentinel run
+    if one_program is None:
+        one_program = s <= ALIGN_ONE_PROGRAM_MAX_SLOTS
+    if one_program:
+        chunk = max(16, min(ALIGN_CHUNK, triton.next_power_of_2(s)))
+        label_chunk = max(16, min(triton.next_power_of_2(num_blocks), 16384 // block_e))   # [LC, BE] label tiles
+        _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_experts,
+                                BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, LABEL_CHUNK=label_chunk, **pdl,
+                                num_warps=4 if chunk < ALIGN_CHUNK else 8)
+        return sorted_ids, expert_ids, num_post_pad
     chunk = max(16, min(128, 8192 // block_e))
     num_chunks = triton.cdiv(s, chunk)
-    if num_chunks <= 1:               # decode: one short program (its dependent steps are the latency)
-        chunk = max(16, triton.next_power_of_2(max(s, num_blocks)))
-        _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_experts,
-                                BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, **pdl, num_warps=4)
-        return sorted_ids, expert_ids, num_post_pad
     partial = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)       # [chunks, BE]
     _moe_count_kernel[(num_chunks,)](ids, partial, s, num_experts, BLOCK_E=block_e, CHUNK=chunk, **pdl, num_warps=4)
     _moe_scan_kernel[(1,)](partial, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks, num_experts,
@@ -456,7 +491,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             stacks its shared experts after its routed ones passes its routed count (see `get_moe_config`).
         sync: int32 zeros [>= ceil(K / 32)], owned by the caller and left zero (one launch at a time per buffer).
             With it, up to COMBINE_MAX_TOKENS tokens, the second GEMM also sums each token's k rows (the last
-            program of each output tile); otherwise `sum_dim1` does, as one more launch.
+            program of each output tile); otherwise one more launch does (`sum_dim1` or torch.sum: SUM_DIM1_MAX_TOKENS).
     One token runs no sort: each of its k slots is a row block of its own (`_slot_blocks`), any ids.
     Returns:
         out [T, K] in x.dtype. No host sync: capturable in a CUDA graph for a fixed T.
@@ -509,7 +544,7 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
                   block_shape, 1, False, combine, norm)
     if combine:
         return out
-    if t * k <= SUM_DIM1_MAX_VALUES:
+    if t <= (SUM_DIM1_MAX_TOKENS if k <= SUM_DIM1_NARROW_HIDDEN else SUM_DIM1_MAX_TOKENS_WIDE):
         return sum_dim1(y.view(t, top_k, k), out=out)                         # [T, k, K] -> [T, K]
     return torch.sum(y.view(t, top_k, k), dim=1, out=out)
 

@@ -91,7 +91,7 @@ def device_ref(x: torch.Tensor, w: dict[str, torch.Tensor], topk_weights: torch.
     return fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-@pytest.mark.parametrize("tokens", [1, 41, 300])     # one chunk; several chunks (count / scan / scatter)
+@pytest.mark.parametrize("tokens", [1, 41, 300])     # one program (1 and 2 chunks); count / scan / scatter
 @pytest.mark.parametrize("block_m", [4, 16])
 def test_moe_align_block_size_invariants(tokens: int, block_m: int, device: str) -> None:
     _, ids = routing(tokens, V2_LITE, device, active=11)          # experts 11..15 get no tokens
@@ -259,6 +259,48 @@ def test_moe_align_many_chunks_and_experts(device: str) -> None:
         assert torch.equal(got[got != flat.numel()], (flat == e).nonzero().flatten())   # stable order
 
 
+class AlignSpy:
+    """Stands in for a Triton kernel: records that it was launched, then launches it."""
+
+    def __init__(self, kernel, launched: list[str], name: str):
+        self.kernel, self.launched, self.name = kernel, launched, name
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("num_experts,top_k,n_shared", [(64, 6, 2), (256, 8, 1)])    # V2-Lite, V3 (+ shared)
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("size", ["below", "at", "above"])                          # S vs the one-program bound
+def test_moe_align_one_program_equals_three_launches(num_experts: int, top_k: int, n_shared: int, block_m: int,
+                                                     size: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single-launch align writes exactly what count / scan / scatter write (sorted ids, padding, block
+    labels, used length), on random ids with repeats and -1 sentinels; the default path follows the bound."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    slots = top_k + n_shared
+    at = fm.ALIGN_ONE_PROGRAM_MAX_SLOTS // slots                  # the most tokens whose S fits the bound
+    tokens = {"below": int(torch.randint(2, at, (), generator=gen)), "at": at, "above": at + 1}[size]
+    routed = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    shared = torch.arange(num_experts, num_experts + n_shared, dtype=torch.int32).expand(tokens, n_shared)
+    ids = torch.cat([routed, shared], dim=1)                                   # [T, k + n_shared]
+    ids[torch.rand(ids.shape, generator=gen) < float(torch.rand((), generator=gen)) * 0.5] = -1   # EP sentinels
+    ids = ids.to(device)
+    e = num_experts + n_shared
+    one = moe_align_block_size(ids, block_m, e, one_program=True)
+    three = moe_align_block_size(ids, block_m, e, one_program=False)
+    for name, a, b in zip(("sorted_ids", "expert_ids", "num_post_pad"), one, three):
+        assert torch.equal(a, b), name
+    launched: list[str] = []
+    monkeypatch.setattr(fm, "_moe_align_kernel", AlignSpy(fm._moe_align_kernel, launched, "one"))
+    monkeypatch.setattr(fm, "_moe_scan_kernel", AlignSpy(fm._moe_scan_kernel, launched, "scan"))
+    default = moe_align_block_size(ids, block_m, e)
+    assert launched == (["scan"] if size == "above" else ["one"])
+    assert all(torch.equal(a, b) for a, b in zip(default, one))
+
+
 # --- expert parallelism: ids -1 mark experts another rank holds -------------------------------------------------
 
 def split_ids(topk_ids: torch.Tensor, first: int, n_local: int) -> torch.Tensor:
@@ -267,7 +309,7 @@ def split_ids(topk_ids: torch.Tensor, first: int, n_local: int) -> torch.Tensor:
     return torch.where((local >= 0) & (local < n_local), local, -1).to(torch.int32)
 
 
-@pytest.mark.parametrize("tokens", [1, 41, 300])     # one chunk; several chunks (count / scan / scatter)
+@pytest.mark.parametrize("tokens", [1, 41, 300])     # one program (1 and 2 chunks); count / scan / scatter
 def test_moe_align_block_size_puts_sentinel_slots_in_zero_blocks(tokens: int, device: str) -> None:
     _, ids = routing(tokens, V2_LITE, device)
     ids = split_ids(ids, 0, 8)                                   # experts 8..15 live on another rank
@@ -460,6 +502,23 @@ def test_fused_moe_sorts_from_two_tokens(monkeypatch: pytest.MonkeyPatch) -> Non
         ids = torch.empty(t, V2_LITE.top_k, dtype=torch.int32, device="meta")
         fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG)
     assert sorted_for == [2, 64]
+
+
+def test_fused_moe_combine_launch_by_hidden_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The separate combine is sum_dim1 up to 64 tokens at hidden 2048 (V2-Lite's decode batch of 64 runs no torch
+    reduction) and up to 4 at 7168 (V3), torch.sum above, as measured (meta tensors, launches stubbed)."""
+    summed: list[tuple[int, int]] = []
+    monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
+    monkeypatch.setattr(fm, "sum_dim1", lambda y, out: summed.append((y.shape[0], y.shape[2])) or out)
+    for hidden, tokens in ((2048, (2, 64, 65, 256)), (7168, (2, 4, 5, 64))):
+        s = Shape(8, 8, hidden, 128)
+        w = dense_weights(s, torch.bfloat16, "meta")
+        for t in tokens:
+            x = torch.empty(t, hidden, dtype=torch.bfloat16, device="meta")
+            ids = torch.empty(t, s.top_k, dtype=torch.int32, device="meta")
+            fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG)
+    assert summed == [(2, 2048), (64, 2048), (2, 7168), (4, 7168)]
 
 
 @pytest.mark.parametrize("fp8,dtype", [(False, torch.float32), (False, torch.float16), (True, torch.float16)])

@@ -1,0 +1,87 @@
+"""moe_align_block_size at decode sizes: the one-program kernel vs count / scan / scatter, both forced (GPU).
+
+  V2-Lite: 64 routed experts, top 6, + 2 shared slots (fused up to FUSE_SHARED_MAX_TOKENS): 66 experts, 8 slots
+  V3:      256 routed experts, top 8, + 1 shared slot: 257 experts, 9 slots
+
+block_m is the tuned table's BLOCK_SIZE_M for the token count (as fused_moe would pick it), or --block-m. Each
+path is one CUDA graph of REPS back-to-back calls (a launch gap between them, as in a decode step), L2 flushed,
+reported in us per call. The last line names the largest S where the one program won on every shape: a
+candidate for ALIGN_ONE_PROGRAM_MAX_SLOTS. Usage: PYTHONPATH=$PWD python3 benchmarks/bench_moe_align.py
+[--tokens 1 8 16 32 64 128 256] [--reps 20] [--block-m 16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import NamedTuple
+
+import torch
+
+from mlaserve.bench.timing import time_cuda
+from mlaserve.kernels import fused_moe as fm
+
+
+class AlignShape(NamedTuple):
+    name: str
+    num_experts: int     # routed
+    top_k: int
+    n_shared: int        # shared slots riding along in the fused call
+    inter: int           # moe_intermediate_size: the tuned table's N
+    dtype: str           # the tuned table's dtype
+
+
+SHAPES = (AlignShape("V2-Lite", 64, 6, 2, 1408, "bf16"), AlignShape("V3", 256, 8, 1, 2048, "fp8_w8a8"))
+TOKENS = (1, 8, 16, 32, 64, 128, 256)
+
+
+def topk_ids(t: int, s: AlignShape) -> torch.Tensor:
+    """[T, top_k + n_shared] int32: distinct random routed experts per token, then the shared slots E ..."""
+    routed = torch.rand(t, s.num_experts, device="cuda").topk(s.top_k, dim=1).indices
+    shared = torch.arange(s.num_experts, s.num_experts + s.n_shared, device="cuda").expand(t, s.n_shared)
+    return torch.cat([routed, shared], dim=1).to(torch.int32)
+
+
+def per_call_us(fn, reps: int) -> float:
+    def many():
+        for _ in range(reps):
+            fn()
+    return time_cuda(many, iters=30) * 1000 / reps
+
+
+def bench(t: int, s: AlignShape, reps: int, block_m: int | None) -> dict:
+    ids = topk_ids(t, s)
+    e = s.num_experts + s.n_shared
+    bm = block_m or fm.get_moe_config(s.num_experts, s.inter, s.dtype, t)["BLOCK_SIZE_M"]
+    one = fm.moe_align_block_size(ids, bm, e, one_program=True)
+    three = fm.moe_align_block_size(ids, bm, e, one_program=False)
+    same = all(torch.equal(a, b) for a, b in zip(one, three))
+    one_us = per_call_us(lambda: fm.moe_align_block_size(ids, bm, e, one_program=True), reps)
+    three_us = per_call_us(lambda: fm.moe_align_block_size(ids, bm, e, one_program=False), reps)
+    slots = ids.numel()
+    row = dict(shape=s.name, tokens=t, slots=slots, block_m=bm, one_program_us=round(one_us, 2),
+               three_launch_us=round(three_us, 2), saved_us=round(three_us - one_us, 2), same_outputs=same,
+               default="one" if slots <= fm.ALIGN_ONE_PROGRAM_MAX_SLOTS else "three")
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--block-m", type=int, default=None, help="default: the tuned BLOCK_SIZE_M per token count")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), f"ALIGN_ONE_PROGRAM_MAX_SLOTS={fm.ALIGN_ONE_PROGRAM_MAX_SLOTS}")
+    rows = [bench(t, s, a.reps, a.block_m) for s in SHAPES for t in a.tokens]
+    print(f"{'shape':8} {'T':>4} {'S':>5} {'bm':>3} {'one us':>8} {'three us':>9} {'saved':>7}")
+    for r in rows:
+        print(f"{r['shape']:8} {r['tokens']:4d} {r['slots']:5d} {r['block_m']:3d} {r['one_program_us']:8.2f} "
+              f"{r['three_launch_us']:9.2f} {r['saved_us']:7.2f}{'' if r['same_outputs'] else '  OUTPUTS DIFFER'}")
+    losing = [r["slots"] for r in rows if r["saved_us"] < 0]
+    wins = [r["slots"] for r in rows if r["saved_us"] >= 0 and r["slots"] < min(losing, default=1 << 30)]
+    print(f"one program won up to S = {max(wins, default=0)} on every shape"
+          + (f"; first loss at S = {min(losing)}" if losing else ""))
+
+
+if __name__ == "__main__":
+    main()
