@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.quant import (block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref,
                                     quant_group_rows)
@@ -245,18 +246,26 @@ FUSE_QUANT_MAX_M = 16
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, fuse_quant: bool | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, fuse_quant: bool | None = None,
+               gemv: bool | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w_q, w_scale_inv)^T (+ bias), x quantised per token per 128 channels.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); `fp8_linear_ref` on plain CPU. Output dtype: out_dtype or x.dtype.
-    fuse_quant: quantise x inside the GEMM (bit-identical codes and scales to `per_token_group_quant_fp8`); default
-    for M <= FUSE_QUANT_MAX_M when the tile config's BLOCK_K is the 128-channel group.
+    gemv: through the weight-streaming `fp8_gemv` (x quantised inside it); default for M <= FP8_GEMV_MAX_M rows with
+    K a multiple of 128. True forces it for up to 16 rows, False forces the GEMM below (benchmarks, tests).
+    fuse_quant (GEMM path): quantise x inside the GEMM (bit-identical codes and scales to `per_token_group_quant_fp8`);
+    default for M <= FUSE_QUANT_MAX_M when the tile config's BLOCK_K is the 128-channel group.
     """
     if not _use_triton(x):
         return fp8_linear_ref(x, w_q, w_scale_inv, bias, out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)                                                # [M, K]
     m, n = x2.shape[0], w_q.shape[0]
+    if gemv is None:
+        gemv = m <= FP8_GEMV_MAX_M and k % 128 == 0 and k > 0 and x2.stride(1) == 1
+    if gemv:
+        block_m = max(FP8_GEMV_MAX_M, triton.next_power_of_2(m))
+        return fp8_gemv(x2, w_q, w_scale_inv, bias, out_dtype or x.dtype, block_m=block_m).view(*lead, n)
     cfg = get_fp8_gemm_config(n, k, m)
     if fuse_quant is None:
         fuse_quant = m <= FUSE_QUANT_MAX_M

@@ -156,8 +156,8 @@ def test_fp8_linear_fused_quant_is_bit_identical(m: int, n: int, k: int, dtype: 
     x[0, : min(k, 128)] = 0.0                                            # an all-zero group: scale = MIN_SCALE
     w_q, w_s = block_quant_fp8_ref(torch.randn(n, k, device=device) * 0.05)
     cfg = get_fp8_gemm_config(n, k, m)
-    fused = fp8_linear(x, w_q, w_s, fuse_quant=True)
-    two_pass = fp8_linear(x, w_q, w_s, fuse_quant=False)
+    fused = fp8_linear(x, w_q, w_s, fuse_quant=True, gemv=False)
+    two_pass = fp8_linear(x, w_q, w_s, fuse_quant=False, gemv=False)
     assert torch.equal(fused, two_pass), (cfg, (fused.float() - two_pass.float()).abs().max().item())
     assert _rel_max(fused, fp8_linear_ref(x, w_q, w_s)) <= TOL[torch.bfloat16]
 
@@ -168,5 +168,5 @@ def test_fp8_linear_fuses_quant_for_small_m(monkeypatch: pytest.MonkeyPatch, dev
                         lambda x, g: calls.append(x.shape[0]) or per_token_group_quant_fp8_ref(x, g))
     w_q, w_s = block_quant_fp8_ref(torch.randn(64, 256, device=device))
     for m in (1, fp8_gemm_mod.FUSE_QUANT_MAX_M, fp8_gemm_mod.FUSE_QUANT_MAX_M + 1):
-        fp8_linear(torch.randn(m, 256, device=device), w_q, w_s)
+        fp8_linear(torch.randn(m, 256, device=device), w_q, w_s, gemv=False)
     assert calls == [fp8_gemm_mod.FUSE_QUANT_MAX_M + 1]
