@@ -38,9 +38,10 @@ SUM_DIM1_MAX_TOKENS = 64
 SUM_DIM1_MAX_TOKENS_WIDE = 4            # hidden above SUM_DIM1_NARROW_HIDDEN
 SUM_DIM1_NARROW_HIDDEN = 2048
 # Up to this many slots S = T * k one program aligns them (`_moe_align_kernel`), above it three launches (count,
-# scan, scatter: 14.9 us per layer at V2-Lite's 64 tokens x 8 slots on an H100). NOTE: 1024 is not measured yet: set
-# it from benchmarks/bench_moe_align.py on the GPU (both paths from 1 to 256 tokens, V2-Lite and V3 shapes).
-ALIGN_ONE_PROGRAM_MAX_SLOTS = 1024
+# scan, scatter). benchmarks/bench_moe_align.py on an H100: one program won on every V2-Lite / V3 shape up to S = 288
+# (V2-Lite 1 token 2.5 against 12.7 us, 32 tokens 12.6 / 15.5; V3 32 tokens 35.5 / 39.2) and lost from 512
+# (V2-Lite 64 tokens 19.6 / 15.6 us). Results: benchmarks/results/decode-kernels-h100.md.
+ALIGN_ONE_PROGRAM_MAX_SLOTS = 288
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
 
 
