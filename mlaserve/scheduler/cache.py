@@ -15,7 +15,8 @@ from mlaserve.kvcache.radix import RadixCache
 # A cached prefix shorter than this is not used: recomputing a few tokens costs next to nothing, while an extend with
 # a cached prefix runs the MLA prefill's prefix path (the prefix's latent KV expanded through kv_b_proj and a second
 # attention pass merged in, each layer), which cost a 200-token prompt 4-9 ms more on an H100 for a one-token hit
-# (benchmarks/results/pdl-h100.md). Every text prompt starts with BOS, so without this each one took that path.
+# (benchmarks/results/pdl-h100.md). Every text prompt starts with BOS, so without this each one took that path. A hit
+# that leaves one token to compute is used whatever its length: that extend runs as a decode step.
 MIN_PREFIX_HIT = 16
 
 
@@ -43,13 +44,14 @@ class KVCacheManager:
     def match(self, req: Req) -> tuple[torch.Tensor, object]:
         """Longest cached prefix usable for `req`: at most all but one token of fill_ids (the last token's
         logits are needed), and not past the first position whose prompt log-prob is wanted; none if that is
-        shorter than `min_prefix_hit` tokens."""
+        shorter than `min_prefix_hit` tokens, unless it leaves one token to compute (that extend runs as a decode
+        step, cheaper than recomputing the prompt)."""
         ids = req.fill_ids
         limit = len(ids) - 1
         if req.return_logprob:
             limit = min(limit, max(req.logprob_start - 1, 0))
         slots, node = self.tree.match_prefix(ids[:limit])
-        if len(slots) < self.min_prefix_hit:
+        if len(slots) < self.min_prefix_hit and len(slots) < len(ids) - 1:
             return slots[:0], self.tree.root
         return slots, node
 

@@ -137,6 +137,7 @@ def _outputs(sched: Scheduler, msgs: list) -> dict[str, list]:
                                                  (True, -1, False)])
 def test_greedy_equal_on_the_demo_model(demo_prompts, radix, chunk, overlap):
     ps = list(demo_prompts)
+    ps[0] = ps[0] + ps[5]                       # at least MIN_PREFIX_HIT tokens: a hit the cache uses
     ps.append(ps[0] + ps[1])                    # a radix hit on request 0's prompt
     ps.append(ps[3] + ps[0][:3])
     msgs = [msg(f"d{i}", p, max_new=40) for i, p in enumerate(ps)]
@@ -270,12 +271,13 @@ def test_requests_that_reach_the_context_length(demo_prompts, overlap):
 def test_cache_hit_loses_no_acceptance(demo_prompts):
     """The draft KV in a cached slot depends only on the tokens up to it, so a radix hit verifies as often as
     a cold start."""
-    first, second = demo_prompts[0] + demo_prompts[2], demo_prompts[0] + demo_prompts[4]
+    shared = demo_prompts[0] + demo_prompts[1]                    # at least MIN_PREFIX_HIT tokens
+    first, second = shared + demo_prompts[2], shared + demo_prompts[4]
     warm = spec(DEMO)
     run(warm, [msg("a", first, max_new=30)])
     before = warm.get_stats()["spec_verify_steps"]
     hit = run(warm, [msg("b", second, max_new=30)])
-    assert hit["b"]["cached"] >= len(demo_prompts[0])
+    assert hit["b"]["cached"] >= len(shared)
     cold = spec(DEMO, disable_radix_cache=True)
     ref = run(cold, [msg("b", second, max_new=30)])
     assert hit["b"]["ids"] == ref["b"]["ids"]

@@ -125,6 +125,7 @@ def test_equal_on_random_weights(random_v3, steps, topk, n, sampled):
 @pytest.fixture(scope="module")
 def demo_base(demo_prompts):
     ps = list(demo_prompts[:4])
+    ps[0] = ps[0] + demo_prompts[5]             # at least MIN_PREFIX_HIT tokens: a hit the cache uses
     ps.append(ps[0] + ps[1])                    # a radix hit on request 0's prompt
     msgs = [msg(f"d{i}", p, max_new=24) for i, p in enumerate(ps)]
     arrivals = {m.rid: 0 if i < 4 else 16 for i, m in enumerate(msgs)}

@@ -67,6 +67,10 @@ def test_short_prefix_hits_are_recomputed(ckpt):
     run(sched, [msg("a", base, max_new=4)])
     got = run(sched, [msg("s", short, max_new=6), msg("l", long, max_new=6)], {"l": 3})
     assert got["s"]["cached"] == 0 and got["l"]["cached"] == MIN_PREFIX_HIT, got
+    # a short prompt seen whole before: its hit leaves one token, which runs as a decode step
+    again = run(sched, [msg("t", tail[30:38], max_new=4), msg("t2", tail[30:38], max_new=4)], {"t2": 6})
+    assert again["t"]["cached"] == 0 and again["t2"]["cached"] == 7, again
+    assert again["t"]["ids"] == again["t2"]["ids"]
     assert_no_leak(sched)
     want = run(make(ckpt, disable_radix_cache=True), [msg("s", short, max_new=6), msg("l", long, max_new=6)], {"l": 3})
     assert got["s"]["ids"] == want["s"]["ids"] and got["l"]["ids"] == want["l"]["ids"]
