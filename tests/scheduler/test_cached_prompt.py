@@ -74,3 +74,22 @@ def test_short_prefix_hits_are_recomputed(ckpt):
     assert_no_leak(sched)
     want = run(make(ckpt, disable_radix_cache=True), [msg("s", short, max_new=6), msg("l", long, max_new=6)], {"l": 3})
     assert got["s"]["ids"] == want["s"]["ids"] and got["l"]["ids"] == want["l"]["ids"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed-chunk"])
+def test_cached_prompt_through_the_decode_graph(ckpt, mixed):
+    """GPU, CUDA graphs and Triton kernels (fp32): the cached prompt's step replays the decode graph, token for token
+    what the same requests get without the radix cache."""
+    shared, other = prompts(2, 20, 40, seed=8)
+    second = [msg("x", other, max_new=14), msg("b", shared, max_new=10)]
+    arrivals = {"x": 0, "b": 4}
+    kw = dict(device="cuda", enable_mixed_chunk=mixed)
+    sched = make(ckpt, **kw)
+    assert sched.runner.graphs is not None
+    run(sched, [msg("a", shared, max_new=8)])
+    before = sched.runner.extends_as_decode
+    got = run(sched, second, arrivals)
+    assert got["b"]["cached"] == len(shared) - 1 and sched.runner.extends_as_decode > before
+    want = run(make(ckpt, disable_radix_cache=True, **kw), second, arrivals)
+    assert got["x"]["ids"] == want["x"]["ids"] and got["b"]["ids"] == want["b"]["ids"]
