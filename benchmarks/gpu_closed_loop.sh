@@ -4,8 +4,7 @@
 # dummy weights, three ways: piecewise graphs; + mixed chunk; + mixed chunk with chunks of 512.
 #   bash benchmarks/gpu_closed_loop.sh [EXTRA PROBE FLAGS...]
 source benchmarks/gpu_v2l_env.sh
-export MLASERVE_CACHE=/tmp/mlaserve-cache
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+cat "$OUT/env.txt"
 for a in ${CONFIGS:-"--piecewise" "--piecewise --mixed" "--piecewise --mixed --chunk 512"}; do
   tag=$(echo "$a" | tr -d '-' | tr ' ' '_')
   echo "### $a $*"

@@ -15,13 +15,7 @@ CONFIGS=("" "--enable-piecewise-cuda-graph" "--enable-piecewise-cuda-graph --ena
 for flags in "${CONFIGS[@]}"; do
   i=$((i + 1)); name=${flags:-plain}; name=${name//--enable-/}; name=${name//--/}; name=${name// /+}
   t0=$(date +%s.%N)
-  python3 -m mlaserve.cli serve --model-path $M --load-format dummy --port 30000 --log-level info $flags \
-    > "$OUT/serve_$i.log" 2>&1 &
-  for k in $(seq 1 300); do
-    curl -sf -m 60 http://127.0.0.1:30000/generate -H 'Content-Type: application/json' \
-      -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 1}}' > /dev/null 2>&1 && break
-    sleep 0.5
-  done
+  SERVE_TAG=$i serve_and_wait --log-level info $flags
   echo "### $name: first served token $(python3 -c "import time; print(round(time.time() - $t0, 1))") s after launch"
   for spec in "1 24 16" "64 192 128"; do
     set -- $spec

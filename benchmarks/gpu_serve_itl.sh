@@ -9,13 +9,7 @@ source benchmarks/gpu_v2l_env.sh
 for cfgname in ${@:-mixed plain}; do
   flags="--enable-piecewise-cuda-graph --enable-metrics"
   [ "$cfgname" = mixed ] && flags="$flags --enable-mixed-chunk"
-  python3 -m mlaserve.cli serve --model-path $M --load-format dummy --port 30000 --log-level warning $flags \
-    > "$OUT/serve_$cfgname.log" 2>&1 &
-  for k in $(seq 1 300); do
-    curl -sf -m 60 http://127.0.0.1:30000/generate -H 'Content-Type: application/json' \
-      -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 1}}' > /dev/null 2>&1 && break
-    sleep 0.5
-  done
+  SERVE_TAG=$cfgname serve_and_wait --log-level warning $flags
   echo "### $cfgname ($flags)"
   python3 benchmarks/probe_stream_client.py --num 64 --conc 64 > /dev/null          # warm-up: the load's shapes
   for r in 1 2; do

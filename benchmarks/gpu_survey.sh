@@ -3,11 +3,8 @@
 # its wait), the V3 4L FP8 prefill's kernels, and one mixed step's host and device time.
 #   bash benchmarks/gpu_survey.sh [decode|prefill|mixed|all]
 source benchmarks/gpu_v2l_env.sh
-export MLASERVE_CACHE=/tmp/mlaserve-cache
 PART=${1:-all}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-python3 -c "import json; d=json.load(open('mlaserve/tools/configs/deepseek-v3.json')); d['num_hidden_layers']=4; json.dump(d, open('/tmp/v3_4l.json','w'))"
-V2L=mlaserve/tools/configs/deepseek-v2-lite.json
+cat "$OUT/env.txt"
 if [ "$PART" = decode ] || [ "$PART" = all ]; then
   for spec in "v2l 1 $V2L" "v2l 64 $V2L" "v3 1 /tmp/v3_4l.json" "v3 64 /tmp/v3_4l.json"; do
     set -- $spec

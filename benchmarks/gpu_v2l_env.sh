@@ -1,8 +1,26 @@
-# Sourced by the GPU serving scripts: the carried wheels on PYTHONPATH, $OUT, and $M: a V2-Lite checkpoint directory
-# (the full config, for --load-format dummy) with a trained test tokenizer.
+# Sourced by the GPU scripts: the carried wheels on PYTHONPATH, $OUT (with env.txt: the GPU), a Triton cache, $M: a
+# V2-Lite checkpoint directory (the full config, for --load-format dummy) with a trained test tokenizer, $V2L and
+# $V3_4L: model configs for `bench one-batch` (V3 cut to 4 layers); `serve_and_wait FLAGS...` starts `mlaserve serve`
+# on $M (port 30000, log $OUT/serve_$SERVE_TAG.log) and returns once it answers.
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
 python3 -m mlaserve.tools.tokenizer $M > /dev/null
+export MLASERVE_CACHE=${MLASERVE_CACHE:-/tmp/mlaserve-cache}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/env.txt" 2>&1
+V2L=mlaserve/tools/configs/deepseek-v2-lite.json
+V3_4L=/tmp/v3_4l.json
+python3 -c "import json; d=json.load(open('mlaserve/tools/configs/deepseek-v3.json')); d['num_hidden_layers']=4; json.dump(d, open('$V3_4L','w'))"
+
+serve_and_wait() {
+  python3 -m mlaserve.cli serve --model-path $M --load-format dummy --port 30000 "$@" \
+    > "$OUT/serve_${SERVE_TAG:-0}.log" 2>&1 &
+  for _ in $(seq 1 300); do
+    curl -sf -m 60 http://127.0.0.1:30000/generate -H 'Content-Type: application/json' \
+      -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 1}}' > /dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  return 1
+}
