@@ -47,6 +47,7 @@ def workload(seed: int) -> tuple[list, dict]:
     """Staggered arrivals, a shared prefix (radix hits), greedy with top-2 log-probs and prompt log-probs."""
     rng = random.Random(seed)
     ps = prompts(6, 5, 45, seed)
+    ps[0] += prompts(1, 30, 30, seed + 1)[0]          # so that its first 30 tokens exist: a hit the cache uses
     ps += [ps[0][:30] + ps[1][:9], ps[2][:12] + [rng.randrange(2, 4000) for _ in range(20)]]
     msgs = [msg(f"r{i}", p, max_new=10) for i, p in enumerate(ps)]
     for i, x in enumerate(msgs):         # prompt log-probs for the first six (the last two may hit the cache)
