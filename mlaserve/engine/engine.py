@@ -273,8 +273,9 @@ class ModelRunner:
             # a fully cached prompt's last token, alone or with --enable-mixed-chunk's decodes. Its input token goes
             # to token_buf, where a decode step reads it. The batch stays an extend for sampling and results.
             ext = batch.size - batch.num_decode
-            rows_dev = to_device(torch.tensor(pool_rows[:ext], dtype=torch.int64), self.device)
-            self.token_buf[rows_dev] = to_device(torch.tensor(batch.input_ids[:ext], dtype=torch.int64), self.device)
+            rows_ids = to_device(torch.tensor([pool_rows[:ext], batch.input_ids[:ext]], dtype=torch.int64),
+                                 self.device)                                # [2, ext]: one upload
+            self.token_buf[rows_ids[0]] = rows_ids[1]
             self.extends_as_decode += 1
             return self.launch_forward(replace(batch, mode=ForwardMode.DECODE, num_decode=0))._replace(batch=batch)
         if batch.graph_bs is not None:            # DP attention: every rank replays the agreed size (IDLE: padding)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv
+from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv, num_sms
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.quant import (block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref,
                                     quant_group_rows)
@@ -193,11 +193,6 @@ def current_device_name() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-
-
-@functools.lru_cache(maxsize=None)
 def _load_configs(config_dir: str, n: int, k: int, device_name: str) -> dict[int, dict] | None:
     path = Path(config_dir) / config_file_name(n, k, device_name)
     if not path.is_file():
@@ -226,7 +221,7 @@ def get_fp8_gemm_config(N: int, K: int, M: int, device_name: str | None = None) 
     """Kernel config for an [M, K] x [N, K]^T GEMM: the tuned entry of the nearest M, else a default."""
     configs = _load_configs(str(CONFIG_DIR), N, K, device_name or current_device_name())
     if not configs:
-        return default_fp8_gemm_config(N, K, M, _num_sms())
+        return default_fp8_gemm_config(N, K, M, num_sms())
     return dict(configs[min(configs, key=lambda mm: (abs(mm - M), mm))])
 
 

@@ -91,9 +91,13 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device | None = None) -> int:
+    """SMs of `device` (default: the current CUDA device); 132, the H100's count, off CUDA (the interpreter gets the
+    same splits and tiles as the GPU)."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda":
-        return 132                                      # the interpreter: H100's count, for the same splits
+        return 132
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -128,7 +132,7 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or fp8_gemv_config(n, k, _num_sms(x.device))
+    cfg = config or fp8_gemv_config(n, k, num_sms(x.device))
     assert GROUP % cfg.block_n == 0, f"block_n must divide {GROUP}, got {cfg.block_n}"
     groups_per_split = triton.cdiv(k // GROUP, cfg.split_k)
     split = triton.cdiv(k // GROUP, groups_per_split)
