@@ -83,7 +83,8 @@ def drive_on_ranks(group, path: str, flags: dict, msgs: list, arrivals: dict, ab
     out = drive_scheduler(sched, msgs, arrivals, aborts)
     kv = sched.kv
     idle = kv.tree.protected_size == 0 and kv.allocator.available + kv.tree.total_size() == kv.num_slots
-    return {"results": out, "retracted": sched.num_retracted, "idle": idle}
+    return {"results": out, "retracted": sched.num_retracted, "idle": idle,
+            "as_decode": sched.runner.extends_as_decode}
 
 
 def seeded_prompts(shared_len: int, with_prefix: tuple[int, int], alone: tuple[int, int, int]):
@@ -97,6 +98,25 @@ def seeded_prompts(shared_len: int, with_prefix: tuple[int, int], alone: tuple[i
                for _ in range(with_prefix[0])]
     prompts += [[rng.randrange(5, 4000) for _ in range(rng.randint(alone[1], alone[2]))] for _ in range(alone[0])]
     return rng, prompts
+
+
+def test_cached_prompt_as_a_decode_step_under_tp2(checkpoint):
+    """A prompt cached whole runs its last token as a decode step on both ranks (with mixed chunk's decodes beside
+    it), token for token what one process gives."""
+    _, prompts = seeded_prompts(24, (1, 6), (1, 10, 30))
+    msgs = [_msg("a", prompts[0], 4), _msg("x", prompts[1], 16), _msg("b", prompts[0], 8)]
+    arrivals = {"a": 0, "x": 0, "b": 8}                      # b: after a finished, while x decodes
+    path, flags = checkpoint("v3"), dict(enable_mixed_chunk=True)
+    one = drive_on_ranks(None, path, flags, msgs, arrivals, {})
+    ranks = spawn_ranks(drive_on_ranks, 2, path, flags, msgs, arrivals, {}, timeout=300)
+    assert ranks[0] == ranks[1], "the two ranks disagree"
+    two = ranks[0]
+    assert two["results"]["b"]["cached"] == len(prompts[0]) - 1 and two["as_decode"] > 0 and two["idle"], two
+    cold = drive_on_ranks(None, path, flags | dict(disable_radix_cache=True), msgs, arrivals, {})
+    assert cold["as_decode"] == 0
+    for m in msgs:
+        assert_greedy_equal_before_ties(one["results"][m.rid], two["results"][m.rid], m.rid)
+        assert_greedy_equal_before_ties(cold["results"][m.rid], two["results"][m.rid], m.rid)
 
 
 def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
