@@ -225,6 +225,9 @@ class ModelRunner:
     # --- one step ----------------------------------------------------------------------------
     def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:
         """Rows of T whose logits are needed: prompt log-prob positions per request, and the sampling row."""
+        if batch.mode is ForwardMode.DECODE and all(batch.sampling):      # one row per request, each sampled
+            b = batch.size
+            return list(range(b)), [[] for _ in range(b)], list(range(b))
         rows, prompt_rows, sample_row = [], [], []
         start = 0
         for i, (req, p, n, s) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampling)):
@@ -265,8 +268,15 @@ class ModelRunner:
     @torch.no_grad()
     def launch_forward(self, batch: Batch) -> ForwardStep:
         """Queue the model forward only; `launch_sample` queues the sampling (the CPU may work in between)."""
-        rows, prompt_rows, sample_row = self._logit_rows(batch)
         pool_rows = [r.req_pool_idx for r in batch.reqs]
+        if batch.mode is ForwardMode.DECODE and self.group.dp is None and self.graphs is not None \
+                and self.graphs.can_run(batch.size):
+            # the graph's inputs: one pinned copy; its input tokens are token_buf's (no host round trip). The rows
+            # wanted for sampling are worked out while the GPU runs it (a synchronous step waits for nothing else).
+            logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows)
+            _, prompt_rows, sample_row = self._logit_rows(batch)
+            return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
+        rows, prompt_rows, sample_row = self._logit_rows(batch)
         if self._decodes_alone(batch, prompt_rows):
             # every request computes one token over its cached KV, which is what a decode step does (the absorbed
             # attention reads the latent cache as it is; the extend form would expand the whole cached prefix):
@@ -280,11 +290,6 @@ class ModelRunner:
             return self.launch_forward(replace(batch, mode=ForwardMode.DECODE, num_decode=0))._replace(batch=batch)
         if batch.graph_bs is not None:            # DP attention: every rank replays the agreed size (IDLE: padding)
             logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows, batch.graph_bs)
-            return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
-        if (batch.mode is ForwardMode.DECODE and self.graphs is not None and self.group.dp is None
-                and self.graphs.can_run(batch.size)):
-            # the graph's inputs: one pinned copy; its input tokens are token_buf's (no host round trip)
-            logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows)
             return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
         rows_dev = torch.tensor(pool_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return ForwardStep(batch, self._logits(batch, rows, rows_dev), rows_dev, prompt_rows, sample_row)

@@ -41,9 +41,11 @@ class MLADecodeConfig(NamedTuple):
 # entry with several head blocks. H=16 (V2-Lite) is bandwidth-bound; H=128 (V3, ~241 FLOP/byte) compute-bound.
 # Chosen by benchmarks/sweep_mla_decode.py on an H100 (benchmarks/results/tuning/h100-mla-decode-sweep.txt); H=16
 # tiles of 64 tokens by benchmarks/sweep_mla_short.py (decode-graph split counts: 1-3 us faster up to 4k tokens,
-# equal at 16k, 7% slower at 64 x 2048).
+# equal at 16k, 7% slower at 64 x 2048); 8 warps for them by benchmarks/sweep_mla_batch.py
+# (tuning/h100-mla-decode-batch-sweep.txt: 1.2-5.4 us faster than 4 at every (batch, context) of the one-batch bench
+# and at 16 x 2048, with the split counts the graphs pick).
 CONFIGS: dict[int, MLADecodeConfig] = {
-    16: MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
+    16: MLADecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2),
     32: MLADecodeConfig(block_h=32, block_n=128, num_warps=8, num_stages=2),
     64: MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
 }
