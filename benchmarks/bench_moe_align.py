@@ -1,12 +1,14 @@
-"""moe_align_block_size at decode sizes: the one-program kernel vs count / scan / scatter, both forced (GPU).
+"""moe_align_block_size at decode sizes: the one-program kernel, count + scan-and-scatter, and count / scan / scatter,
+each forced (GPU).
 
   V2-Lite: 64 routed experts, top 6, + 2 shared slots (fused up to FUSE_SHARED_MAX_TOKENS): 66 experts, 8 slots
   V3:      256 routed experts, top 8, + 1 shared slot: 257 experts, 9 slots
 
 block_m is the tuned table's BLOCK_SIZE_M for the token count (as fused_moe would pick it), or --block-m. Each
 path is one CUDA graph of REPS back-to-back calls (a launch gap between them, as in a decode step), L2 flushed,
-reported in us per call. The last line names the largest S where the one program won on every shape: a
-candidate for ALIGN_ONE_PROGRAM_MAX_SLOTS. Usage: PYTHONPATH=$PWD python3 benchmarks/bench_moe_align.py
+reported in us per call. The last lines name the largest S where the one program won on every shape (a candidate
+for ALIGN_ONE_PROGRAM_MAX_SLOTS) and the largest partial (chunks x BE) where two launches beat three on every shape
+(for ALIGN_TWO_LAUNCH_MAX_PARTIAL). Usage: PYTHONPATH=$PWD python3 benchmarks/bench_moe_align.py
 [--tokens 1 8 16 32 64 128 256] [--reps 20] [--block-m 16]
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ class AlignShape(NamedTuple):
 
 
 SHAPES = (AlignShape("V2-Lite", 64, 6, 2, 1408, "bf16"), AlignShape("V3", 256, 8, 1, 2048, "fp8_w8a8"))
-TOKENS = (1, 8, 16, 32, 64, 128, 256)
+TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def topk_ids(t: int, s: AlignShape) -> torch.Tensor:
@@ -52,15 +54,16 @@ def bench(t: int, s: AlignShape, reps: int, block_m: int | None) -> dict:
     ids = topk_ids(t, s)
     e = s.num_experts + s.n_shared
     bm = block_m or fm.get_moe_config(s.num_experts, s.inter, s.dtype, t)["BLOCK_SIZE_M"]
-    one = fm.moe_align_block_size(ids, bm, e, one_program=True)
-    three = fm.moe_align_block_size(ids, bm, e, one_program=False)
-    same = all(torch.equal(a, b) for a, b in zip(one, three))
-    one_us = per_call_us(lambda: fm.moe_align_block_size(ids, bm, e, one_program=True), reps)
-    three_us = per_call_us(lambda: fm.moe_align_block_size(ids, bm, e, one_program=False), reps)
+    outs = [fm.moe_align_block_size(ids, bm, e, launches=n) for n in (1, 2, 3)]
+    same = all(torch.equal(a, b) for out in outs[:2] for a, b in zip(out, outs[2]))
+    us = [per_call_us(lambda n=n: fm.moe_align_block_size(ids, bm, e, launches=n), reps) for n in (1, 2, 3)]
     slots = ids.numel()
-    row = dict(shape=s.name, tokens=t, slots=slots, block_m=bm, one_program_us=round(one_us, 2),
-               three_launch_us=round(three_us, 2), saved_us=round(three_us - one_us, 2), same_outputs=same,
-               default="one" if slots <= fm.ALIGN_ONE_PROGRAM_MAX_SLOTS else "three")
+    block_e = 1 << e.bit_length()                     # next power of two above e: the kernels' BLOCK_E
+    partial = -(-slots // max(16, min(128, 8192 // block_e))) * block_e
+    row = dict(shape=s.name, tokens=t, slots=slots, block_m=bm, partial=partial, one_program_us=round(us[0], 2),
+               two_launch_us=round(us[1], 2), three_launch_us=round(us[2], 2), same_outputs=same,
+               default="one" if slots <= fm.ALIGN_ONE_PROGRAM_MAX_SLOTS else
+               "two" if partial <= fm.ALIGN_TWO_LAUNCH_MAX_PARTIAL else "three")
     print(json.dumps(row), flush=True)
     return row
 
@@ -73,15 +76,19 @@ def main() -> None:
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), f"ALIGN_ONE_PROGRAM_MAX_SLOTS={fm.ALIGN_ONE_PROGRAM_MAX_SLOTS}")
     rows = [bench(t, s, a.reps, a.block_m) for s in SHAPES for t in a.tokens]
-    print(f"{'shape':8} {'T':>4} {'S':>5} {'bm':>3} {'one us':>8} {'three us':>9} {'saved':>7}")
+    print(f"{'shape':8} {'T':>4} {'S':>5} {'bm':>3} {'partial':>7} {'one us':>7} {'two us':>7} {'three us':>8}  default")
     for r in rows:
-        print(f"{r['shape']:8} {r['tokens']:4d} {r['slots']:5d} {r['block_m']:3d} {r['one_program_us']:8.2f} "
-              f"{r['three_launch_us']:9.2f} {r['saved_us']:7.2f}{'' if r['same_outputs'] else '  OUTPUTS DIFFER'}")
-    losing = [r["slots"] for r in rows if r["saved_us"] < 0]
-    wins = [r["slots"] for r in rows if r["saved_us"] >= 0 and r["slots"] < min(losing, default=1 << 30)]
+        print(f"{r['shape']:8} {r['tokens']:4d} {r['slots']:5d} {r['block_m']:3d} {r['partial']:7d} "
+              f"{r['one_program_us']:7.2f} {r['two_launch_us']:7.2f} {r['three_launch_us']:8.2f}  {r['default']}"
+              f"{'' if r['same_outputs'] else '  OUTPUTS DIFFER'}")
+    losing = [r["slots"] for r in rows if r["one_program_us"] > min(r["two_launch_us"], r["three_launch_us"])]
+    wins = [r["slots"] for r in rows if r["slots"] < min(losing, default=1 << 30)]
     print(f"one program won up to S = {max(wins, default=0)} on every shape"
           + (f"; first loss at S = {min(losing)}" if losing else ""))
-
+    lost2 = [r["partial"] for r in rows if r["two_launch_us"] > r["three_launch_us"]]
+    won2 = [r["partial"] for r in rows if r["partial"] < min(lost2, default=1 << 30)]
+    print(f"two launches beat three up to a partial of {max(won2, default=0)} values on every shape"
+          + (f"; first loss at {min(lost2)}" if lost2 else ""))
 
 if __name__ == "__main__":
     main()

@@ -40,3 +40,30 @@ if [ "$PART" = repeat ]; then             # one-batch V2-Lite three times (the s
   timeout 150 python3 -m mlaserve.cli bench one-batch --load-format dummy --model-config $V3_4L --input-len 256 \
     --output-len 32 --batch-size 1 16 64 --output-file "$OUT/one_batch_v3.md" 2>&1 | grep "^| mlaserve" | tail -3
 fi
+if [ "$PART" = abmla ]; then             # MLA decode's 16-row tiles on 4 warps (old) and 8 (new), twice each, one call
+  OLD="import mlaserve.kernels.mla_decode as d; d.CONFIGS[16] = d.CONFIGS[16]._replace(num_warps=4)"
+  for tag in old1 new1 old2 new2; do
+    patch=pass; [ "${tag#old}" != "$tag" ] && patch=$OLD
+    echo "### $tag"
+    timeout 120 python3 -c "import sys; $patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
+      --load-format dummy --input-len 256 --output-len 32 --model-config $V2L --batch-size 1 16 64 \
+      --output-file "$OUT/one_batch_mla_$tag.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3,9,10,12,13,14
+  done
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_decode.py tests/models/test_gpu_fastpath.py \
+    2>&1 | tail -3 | tee "$OUT/tests_decode.txt"
+fi
+if [ "$PART" = align ]; then             # MoE align in two launches (count + scan-and-scatter) against three
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py -k align 2>&1 | tail -2 \
+    | tee "$OUT/tests_align.txt"
+  timeout 150 python3 benchmarks/bench_moe_align.py > "$OUT/moe_align.txt" 2>&1; grep -v "^{" "$OUT/moe_align.txt" | tail -24
+  OLD="import mlaserve.kernels.fused_moe as m; m.ALIGN_TWO_LAUNCH_MAX_PARTIAL = 0"
+  for run in "old1 $V2L" "new1 $V2L" "old2 $V2L" "new2 $V2L" "old1 $V3_4L" "new1 $V3_4L"; do
+    set -- $run
+    patch=pass; [ "${1#old}" != "$1" ] && patch=$OLD
+    tag=$1_$(basename $2 .json)
+    echo "### $tag"
+    timeout 100 python3 -c "import sys; $patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
+      --load-format dummy --input-len 256 --output-len 32 --model-config $2 --batch-size 64 \
+      --output-file "$OUT/one_batch_align_$tag.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3,9,10,12,13,14,16
+  done
+fi

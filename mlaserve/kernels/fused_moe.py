@@ -43,6 +43,10 @@ SUM_DIM1_NARROW_HIDDEN = 2048
 # (V2-Lite 64 tokens 19.6 / 15.6 us). Results: benchmarks/results/decode-kernels-h100.md.
 ALIGN_ONE_PROGRAM_MAX_SLOTS = 288
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
+# Above the one-program bound, the scan folds into the scatter's programs (two launches) while the count's partial
+# [chunks, BE] holds at most this many values: every scatter program reads all of it. To be set from
+# benchmarks/bench_moe_align.py on the GPU (V2-Lite 64 tokens: 8 x 128 values; V3 64 tokens: 36 x 512).
+ALIGN_TWO_LAUNCH_MAX_PARTIAL = 32768
 
 
 # ----------------------------------------------------------------------------------------------- align
@@ -79,16 +83,18 @@ def _scatter_chunk(sorted_ids_ptr, offs, onehot, base, num_slots):
 
 @triton.jit
 def _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks, num_experts,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    # counts [BE] slots per expert -> starts [BE] of each expert's padded run; writes each block's expert
-    # (-1 for the sentinel run and past the used blocks), the padding sentinels and the used length.
+                  part, parts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # counts [BE] slots per expert -> starts [BE] of each expert's padded run; writes the block labels of share
+    # `part` of `parts` (CHUNK blocks every parts * CHUNK): each block's expert (-1 for the sentinel run and past the
+    # used blocks) and padding sentinels; part 0 also the used length.
     experts = tl.arange(0, BLOCK_E)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     total = tl.sum(padded, axis=0)
-    tl.store(num_post_pad_ptr, total)
-    for b0 in range(0, num_blocks, CHUNK):
+    if part == 0:
+        tl.store(num_post_pad_ptr, total)
+    for b0 in range(part * CHUNK, num_blocks, parts * CHUNK):
         blocks = b0 + tl.arange(0, CHUNK)                                           # [C]
         first = blocks * BLOCK_M
         e = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)         # [C] expert of the block
@@ -115,7 +121,7 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
         offs, e = _chunk_experts(topk_ids_ptr, c0, num_slots, num_experts, CHUNK)
         counts += tl.histogram(e, BLOCK_E, mask=offs < num_slots)
     base = _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
-                         num_experts, BLOCK_M, BLOCK_E, LABEL_CHUNK)                # [BE] starts
+                         num_experts, 0, 1, BLOCK_M, BLOCK_E, LABEL_CHUNK)          # [BE] starts
     lane = tl.arange(0, CHUNK)
     for c0 in range(0, num_slots, CHUNK):
         offs, e = _chunk_experts(topk_ids_ptr, c0, num_slots, num_experts, CHUNK)
@@ -150,7 +156,7 @@ def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_p
         ptrs = partial_ptr + rows[:, None] * BLOCK_E + experts[None, :]
         counts += tl.sum(tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0), axis=0)
     run = _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
-                        num_experts, BLOCK_M, BLOCK_E, CHUNK)
+                        num_experts, 0, 1, BLOCK_M, BLOCK_E, CHUNK)
     for p0 in range(0, num_chunks, BLOCK_P):
         rows = p0 + tl.arange(0, BLOCK_P)
         ptrs = partial_ptr + rows[:, None] * BLOCK_E + experts[None, :]
@@ -169,8 +175,33 @@ def _moe_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, num_slots, nu
     _scatter_chunk(sorted_ids_ptr, offs, onehot, base, num_slots)
 
 
+@triton.jit(do_not_specialize=["num_slots", "num_blocks", "num_chunks"])
+def _moe_scan_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_slots,
+                             num_blocks, num_chunks, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, LABEL_CHUNK: tl.constexpr,
+                             PDL: tl.constexpr):
+    # The scan and the scatter in one launch, one program per chunk (after the count): each program sums the whole
+    # partial [chunks, BE] for the expert totals (its padded starts) and the rows before its own (its base), labels
+    # its share of the blocks, and scatters its chunk. Label and scatter writes land on disjoint positions.
+    pdl_enter(PDL)
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, num_chunks, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        tile = tl.load(partial_ptr + rows[:, None] * BLOCK_E + experts[None, :], mask=(rows < num_chunks)[:, None],
+                       other=0)                                                      # [BP, BE]
+        counts += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where((rows < chunk)[:, None], tile, 0), axis=0)
+    starts = _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
+                           num_experts, chunk, num_chunks, BLOCK_M, BLOCK_E, LABEL_CHUNK)
+    offs, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E, CHUNK)
+    _scatter_chunk(sorted_ids_ptr, offs, onehot, starts + before, num_slots)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, *,
-                         one_program: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         launches: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the flattened (token, k) slots by expert, padding each expert to a multiple of `block_m`.
 
     Args:
@@ -182,8 +213,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
         expert_ids [P / block_m] int32: the expert of each block; -1 for the blocks of id -1 slots and past the
             used blocks.
         num_tokens_post_pad [1] int32: used length of sorted_token_ids (stays on device, no host sync).
-    `one_program` forces the single launch (True) or count / scan / scatter (False); by default the single launch
-    runs up to ALIGN_ONE_PROGRAM_MAX_SLOTS slots. Both give the same outputs.
+    `launches` forces the single program (1), count + scan-and-scatter (2) or count / scan / scatter (3); by default
+    one program up to ALIGN_ONE_PROGRAM_MAX_SLOTS slots, two launches while the count's partial holds at most
+    ALIGN_TWO_LAUNCH_MAX_PARTIAL values (each scatter program reads it whole), else three. All give the same outputs.
     """
     assert topk_ids.dim() == 2 and not topk_ids.is_floating_point(), \
         f"topk_ids must be [T, k] int, got {tuple(topk_ids.shape)} {topk_ids.dtype}"
@@ -198,19 +230,28 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
     num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1).contiguous()
     block_e = triton.next_power_of_2(num_experts + 1)                  # + the sentinel run
-    if one_program is None:
-        one_program = s <= ALIGN_ONE_PROGRAM_MAX_SLOTS
-    if one_program:
+    chunk = max(16, min(128, 8192 // block_e))                         # slots per program of count / scatter
+    num_chunks = triton.cdiv(s, chunk)
+    if launches is None:
+        launches = 1 if s <= ALIGN_ONE_PROGRAM_MAX_SLOTS else \
+            2 if num_chunks * block_e <= ALIGN_TWO_LAUNCH_MAX_PARTIAL else 3
+    assert launches in (1, 2, 3), f"launches must be 1, 2 or 3, got {launches}"
+    if launches == 1:
         chunk = max(16, min(ALIGN_CHUNK, triton.next_power_of_2(s)))
         label_chunk = max(16, min(triton.next_power_of_2(num_blocks), 16384 // block_e))   # [LC, BE] label tiles
         _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_experts,
                                 BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, LABEL_CHUNK=label_chunk, **pdl,
                                 num_warps=4 if chunk < ALIGN_CHUNK else 8)
         return sorted_ids, expert_ids, num_post_pad
-    chunk = max(16, min(128, 8192 // block_e))
-    num_chunks = triton.cdiv(s, chunk)
     partial = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)       # [chunks, BE]
     _moe_count_kernel[(num_chunks,)](ids, partial, s, num_experts, BLOCK_E=block_e, CHUNK=chunk, **pdl, num_warps=4)
+    if launches == 2:
+        _moe_scan_scatter_kernel[(num_chunks,)](
+            ids, partial, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks, num_experts, BLOCK_M=block_m,
+            BLOCK_E=block_e, CHUNK=chunk, BLOCK_P=min(triton.next_power_of_2(num_chunks), max(1, 8192 // block_e)),
+            LABEL_CHUNK=max(16, min(triton.next_power_of_2(triton.cdiv(num_blocks, num_chunks)), 8192 // block_e)),
+            **pdl, num_warps=4)
+        return sorted_ids, expert_ids, num_post_pad
     _moe_scan_kernel[(1,)](partial, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks, num_experts,
                            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, BLOCK_P=max(1, 8192 // block_e),
                            **pdl, num_warps=8)

@@ -41,11 +41,11 @@ class MLADecodeConfig(NamedTuple):
 # entry with several head blocks. H=16 (V2-Lite) is bandwidth-bound; H=128 (V3, ~241 FLOP/byte) compute-bound.
 # Chosen by benchmarks/sweep_mla_decode.py on an H100 (benchmarks/results/tuning/h100-mla-decode-sweep.txt); H=16
 # tiles of 64 tokens by benchmarks/sweep_mla_short.py (decode-graph split counts: 1-3 us faster up to 4k tokens,
-# equal at 16k, 7% slower at 64 x 2048); 8 warps for them by benchmarks/sweep_mla_batch.py
-# (tuning/h100-mla-decode-batch-sweep.txt: 1.2-5.4 us faster than 4 at every (batch, context) of the one-batch bench
-# and at 16 x 2048, with the split counts the graphs pick).
+# equal at 16k, 7% slower at 64 x 2048). NOTE: 8 warps for them were 1.2-5.4 us a call faster alone
+# (benchmarks/sweep_mla_batch.py, tuning/h100-mla-decode-batch-sweep.txt) but not in the decode graph: V2-Lite
+# bs 1 / 16 / 64 GPU time equal within the spread, 4 and 8 alternated in one call (results/decode-host-h100.md).
 CONFIGS: dict[int, MLADecodeConfig] = {
-    16: MLADecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2),
+    16: MLADecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2),
     32: MLADecodeConfig(block_h=32, block_n=128, num_warps=8, num_stages=2),
     64: MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
 }

@@ -272,32 +272,37 @@ class AlignSpy:
 
 @pytest.mark.parametrize("num_experts,top_k,n_shared", [(64, 6, 2), (256, 8, 1)])    # V2-Lite, V3 (+ shared)
 @pytest.mark.parametrize("block_m", [16, 32, 64])
-@pytest.mark.parametrize("size", ["below", "at", "above"])                          # S vs the one-program bound
-def test_moe_align_one_program_equals_three_launches(num_experts: int, top_k: int, n_shared: int, block_m: int,
-                                                     size: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The single-launch align writes exactly what count / scan / scatter write (sorted ids, padding, block
-    labels, used length), on random ids with repeats and -1 sentinels; the default path follows the bound."""
+@pytest.mark.parametrize("size", ["below", "at", "above", "far"])                   # S vs the one-program bound
+def test_moe_align_paths_agree(num_experts: int, top_k: int, n_shared: int, block_m: int, size: str, device: str,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single-launch align and count + scan-and-scatter write exactly what count / scan / scatter write
+    (sorted ids, padding, block labels, used length), on random ids with repeats and -1 sentinels; the default
+    path follows the bounds ("far": past the two-launch bound, made small for the test)."""
     seed = int(torch.randint(0, 2**31, ()).item())
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     slots = top_k + n_shared
     at = fm.ALIGN_ONE_PROGRAM_MAX_SLOTS // slots                  # the most tokens whose S fits the bound
-    tokens = {"below": int(torch.randint(2, at, (), generator=gen)), "at": at, "above": at + 1}[size]
+    tokens = {"below": int(torch.randint(2, at, (), generator=gen)), "at": at, "above": at + 1,
+              "far": at + 1 + int(torch.randint(0, 40, (), generator=gen))}[size]
+    if size == "far":              # past the two-launch bound: at most one chunk of partials fits it
+        monkeypatch.setattr(fm, "ALIGN_TWO_LAUNCH_MAX_PARTIAL", 1)
     routed = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
     shared = torch.arange(num_experts, num_experts + n_shared, dtype=torch.int32).expand(tokens, n_shared)
     ids = torch.cat([routed, shared], dim=1)                                   # [T, k + n_shared]
     ids[torch.rand(ids.shape, generator=gen) < float(torch.rand((), generator=gen)) * 0.5] = -1   # EP sentinels
     ids = ids.to(device)
     e = num_experts + n_shared
-    one = moe_align_block_size(ids, block_m, e, one_program=True)
-    three = moe_align_block_size(ids, block_m, e, one_program=False)
-    for name, a, b in zip(("sorted_ids", "expert_ids", "num_post_pad"), one, three):
-        assert torch.equal(a, b), name
+    one, two, three = (moe_align_block_size(ids, block_m, e, launches=n) for n in (1, 2, 3))
+    for name, a, b, c in zip(("sorted_ids", "expert_ids", "num_post_pad"), one, two, three):
+        assert torch.equal(a, c), f"{name}: one program"
+        assert torch.equal(b, c), f"{name}: two launches"
     launched: list[str] = []
     monkeypatch.setattr(fm, "_moe_align_kernel", AlignSpy(fm._moe_align_kernel, launched, "one"))
-    monkeypatch.setattr(fm, "_moe_scan_kernel", AlignSpy(fm._moe_scan_kernel, launched, "scan"))
+    monkeypatch.setattr(fm, "_moe_scan_scatter_kernel", AlignSpy(fm._moe_scan_scatter_kernel, launched, "two"))
+    monkeypatch.setattr(fm, "_moe_scan_kernel", AlignSpy(fm._moe_scan_kernel, launched, "three"))
     default = moe_align_block_size(ids, block_m, e)
-    assert launched == (["scan"] if size == "above" else ["one"])
+    assert launched == [{"below": "one", "at": "one", "above": "two", "far": "three"}[size]]
     assert all(torch.equal(a, b) for a, b in zip(default, one))
 
 
