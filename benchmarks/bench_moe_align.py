@@ -6,9 +6,9 @@ each forced (GPU).
 
 block_m is the tuned table's BLOCK_SIZE_M for the token count (as fused_moe would pick it), or --block-m. Each
 path is one CUDA graph of REPS back-to-back calls (a launch gap between them, as in a decode step), L2 flushed,
-reported in us per call. The last lines name the largest S where the one program won on every shape (a candidate
-for ALIGN_ONE_PROGRAM_MAX_SLOTS) and the largest partial (chunks x BE) where two launches beat three on every shape
-(for ALIGN_TWO_LAUNCH_MAX_PARTIAL). Usage: PYTHONPATH=$PWD python3 benchmarks/bench_moe_align.py
+reported in us per call. The last lines name the largest S where the one program won on every shape (the bound,
+ALIGN_ONE_PROGRAM_MAX_WORK, is on S x BE: read it per shape) and the largest partial (chunks x BE) where two launches
+beat three on every shape (ALIGN_TWO_LAUNCH_MAX_PARTIAL). Usage: PYTHONPATH=$PWD python3 benchmarks/bench_moe_align.py
 [--tokens 1 8 16 32 64 128 256] [--reps 20] [--block-m 16]
 """
 from __future__ import annotations
@@ -62,8 +62,7 @@ def bench(t: int, s: AlignShape, reps: int, block_m: int | None) -> dict:
     partial = -(-slots // max(16, min(128, 8192 // block_e))) * block_e
     row = dict(shape=s.name, tokens=t, slots=slots, block_m=bm, partial=partial, one_program_us=round(us[0], 2),
                two_launch_us=round(us[1], 2), three_launch_us=round(us[2], 2), same_outputs=same,
-               default="one" if slots <= fm.ALIGN_ONE_PROGRAM_MAX_SLOTS else
-               "two" if partial <= fm.ALIGN_TWO_LAUNCH_MAX_PARTIAL else "three")
+               default=("one", "two", "three")[fm.align_launches(slots, e) - 1])
     print(json.dumps(row), flush=True)
     return row
 
@@ -74,7 +73,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--block-m", type=int, default=None, help="default: the tuned BLOCK_SIZE_M per token count")
     a = ap.parse_args()
-    print(torch.cuda.get_device_name(), f"ALIGN_ONE_PROGRAM_MAX_SLOTS={fm.ALIGN_ONE_PROGRAM_MAX_SLOTS}")
+    print(torch.cuda.get_device_name(), f"ALIGN_ONE_PROGRAM_MAX_WORK={fm.ALIGN_ONE_PROGRAM_MAX_WORK}",
+          f"ALIGN_TWO_LAUNCH_MAX_PARTIAL={fm.ALIGN_TWO_LAUNCH_MAX_PARTIAL}")
     rows = [bench(t, s, a.reps, a.block_m) for s in SHAPES for t in a.tokens]
     print(f"{'shape':8} {'T':>4} {'S':>5} {'bm':>3} {'partial':>7} {'one us':>7} {'two us':>7} {'three us':>8}  default")
     for r in rows:

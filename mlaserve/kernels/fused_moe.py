@@ -37,21 +37,36 @@ COMBINE_MAX_TOKENS = 1
 SUM_DIM1_MAX_TOKENS = 64
 SUM_DIM1_MAX_TOKENS_WIDE = 4            # hidden above SUM_DIM1_NARROW_HIDDEN
 SUM_DIM1_NARROW_HIDDEN = 2048
-# Up to this many slots S = T * k one program aligns them (`_moe_align_kernel`), above it three launches (count,
-# scan, scatter). benchmarks/bench_moe_align.py on an H100: one program won on every V2-Lite / V3 shape up to S = 288
-# (V2-Lite 1 token 2.5 against 12.7 us, 32 tokens 12.6 / 15.5; V3 32 tokens 35.5 / 39.2) and lost from 512
-# (V2-Lite 64 tokens 19.6 / 15.6 us). Results: benchmarks/results/decode-kernels-h100.md.
-ALIGN_ONE_PROGRAM_MAX_SLOTS = 288
+# How the S = T * k slots are aligned (`align_launches`), from benchmarks/bench_moe_align.py on an H100
+# (benchmarks/results/decode-host-h100.md): one program (`_moe_align_kernel`) while S x BE (BE: the expert bins, a
+# power of two above E) is at most ALIGN_ONE_PROGRAM_MAX_WORK, as its per-chunk work grows with both; then a count and
+# a scan-and-scatter while the count's partial [chunks, BE], which every scatter program reads whole, holds at most
+# ALIGN_TWO_LAUNCH_MAX_PARTIAL values; else count, scan, scatter. Measured (us, one / two / three launches):
+#   V2-Lite (BE 128): 1 token 2.4 / 7.7 / 13.7; 16 tokens 9.1 / 9.7 / 15.3; 32 tokens 12.5 / 8.4 / 15.4
+#   V3 (BE 512):      1 token 4.1 / 7.1 / 10.3; 8 tokens 12.9 / 7.8 / 16.2; 64 tokens 46.3 / 9.6 / 43.1
+# Two beat three at every size up to the largest measured, V3 1024 tokens (partial 294912: 62.9 / 146.0 us); the
+# two-launch cost grows as chunks x partial, so beyond the measured sizes three launches run.
+ALIGN_ONE_PROGRAM_MAX_WORK = 16384
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
-# Above the one-program bound, the scan folds into the scatter's programs (two launches) while the count's partial
-# [chunks, BE] holds at most this many values: every scatter program reads all of it. To be set from
-# benchmarks/bench_moe_align.py on the GPU (V2-Lite 64 tokens: 8 x 128 values; V3 64 tokens: 36 x 512).
-ALIGN_TWO_LAUNCH_MAX_PARTIAL = 32768
+ALIGN_TWO_LAUNCH_MAX_PARTIAL = 294912
+
+
+def align_launches(num_slots: int, num_experts: int) -> int:
+    """Launches `moe_align_block_size` takes by default for S slots over E experts (1, 2 or 3)."""
+    block_e = triton.next_power_of_2(num_experts + 1)                  # + the sentinel run
+    if num_slots * block_e <= ALIGN_ONE_PROGRAM_MAX_WORK:
+        return 1
+    return 2 if triton.cdiv(num_slots, _align_chunk(block_e)) * block_e <= ALIGN_TWO_LAUNCH_MAX_PARTIAL else 3
+
+
+def _align_chunk(block_e: int) -> int:
+    """Slots per program of the count and scatter kernels ([BE, C] one-hot tiles of at most 8192 values)."""
+    return max(16, min(128, 8192 // block_e))
 
 
 # ----------------------------------------------------------------------------------------------- align
 # Counting sort of the S = T * k slots by expert, each expert padded to BLOCK_M and its blocks labelled.
-# Up to ALIGN_ONE_PROGRAM_MAX_SLOTS slots (decode) one program does it all (`_moe_align_kernel`): counts,
+# At decode sizes (`align_launches`) one program does it all (`_moe_align_kernel`): counts,
 # labels, then scatters CHUNK slots at a time from running per-expert bases. Above it the work is spread: a
 # count per chunk and expert, an exclusive scan over (expert, chunk) that also labels, and a scatter, one program
 # per chunk around the one-program scan. Both write the same outputs.
@@ -214,8 +229,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
             used blocks.
         num_tokens_post_pad [1] int32: used length of sorted_token_ids (stays on device, no host sync).
     `launches` forces the single program (1), count + scan-and-scatter (2) or count / scan / scatter (3); by default
-    one program up to ALIGN_ONE_PROGRAM_MAX_SLOTS slots, two launches while the count's partial holds at most
-    ALIGN_TWO_LAUNCH_MAX_PARTIAL values (each scatter program reads it whole), else three. All give the same outputs.
+    `align_launches` picks. All give the same outputs.
     """
     assert topk_ids.dim() == 2 and not topk_ids.is_floating_point(), \
         f"topk_ids must be [T, k] int, got {tuple(topk_ids.shape)} {topk_ids.dtype}"
@@ -230,11 +244,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
     num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1).contiguous()
     block_e = triton.next_power_of_2(num_experts + 1)                  # + the sentinel run
-    chunk = max(16, min(128, 8192 // block_e))                         # slots per program of count / scatter
+    chunk = _align_chunk(block_e)
     num_chunks = triton.cdiv(s, chunk)
-    if launches is None:
-        launches = 1 if s <= ALIGN_ONE_PROGRAM_MAX_SLOTS else \
-            2 if num_chunks * block_e <= ALIGN_TWO_LAUNCH_MAX_PARTIAL else 3
+    launches = launches or align_launches(s, num_experts)
     assert launches in (1, 2, 3), f"launches must be 1, 2 or 3, got {launches}"
     if launches == 1:
         chunk = max(16, min(ALIGN_CHUNK, triton.next_power_of_2(s)))

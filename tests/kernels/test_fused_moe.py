@@ -282,7 +282,8 @@ def test_moe_align_paths_agree(num_experts: int, top_k: int, n_shared: int, bloc
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     slots = top_k + n_shared
-    at = fm.ALIGN_ONE_PROGRAM_MAX_SLOTS // slots                  # the most tokens whose S fits the bound
+    e = num_experts + n_shared
+    at = max(t for t in range(1, 400) if fm.align_launches(t * slots, e) == 1)   # the most tokens for one program
     tokens = {"below": int(torch.randint(2, at, (), generator=gen)), "at": at, "above": at + 1,
               "far": at + 1 + int(torch.randint(0, 40, (), generator=gen))}[size]
     if size == "far":              # past the two-launch bound: at most one chunk of partials fits it
@@ -292,7 +293,6 @@ def test_moe_align_paths_agree(num_experts: int, top_k: int, n_shared: int, bloc
     ids = torch.cat([routed, shared], dim=1)                                   # [T, k + n_shared]
     ids[torch.rand(ids.shape, generator=gen) < float(torch.rand((), generator=gen)) * 0.5] = -1   # EP sentinels
     ids = ids.to(device)
-    e = num_experts + n_shared
     one, two, three = (moe_align_block_size(ids, block_m, e, launches=n) for n in (1, 2, 3))
     for name, a, b, c in zip(("sorted_ids", "expert_ids", "num_post_pad"), one, two, three):
         assert torch.equal(a, c), f"{name}: one program"
