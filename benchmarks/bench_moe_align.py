@@ -7,8 +7,8 @@ each forced (GPU).
 block_m is the tuned table's BLOCK_SIZE_M for the token count (as fused_moe would pick it), or --block-m. Each
 path is one CUDA graph of REPS back-to-back calls (a launch gap between them, as in a decode step), L2 flushed,
 reported in us per call. The last lines name the largest S where the one program won on every shape (the bound,
-ALIGN_ONE_PROGRAM_MAX_WORK, is on S x BE: read it per shape) and the largest partial (chunks x BE) where two launches
-beat three on every shape (ALIGN_TWO_LAUNCH_MAX_PARTIAL). Usage: PYTHONPATH=$PWD python3 benchmarks/bench_moe_align.py
+ALIGN_ONE_PROGRAM_MAX_WORK, is on S x BE: read it per shape) and the most values the scan-and-scatter programs read
+(chunks x chunks x BE) where two launches beat three on every shape (ALIGN_TWO_LAUNCH_MAX_READS). Usage: PYTHONPATH=$PWD python3 benchmarks/bench_moe_align.py
 [--tokens 1 8 16 32 64 128 256] [--reps 20] [--block-m 16]
 """
 from __future__ import annotations
@@ -59,8 +59,8 @@ def bench(t: int, s: AlignShape, reps: int, block_m: int | None) -> dict:
     us = [per_call_us(lambda n=n: fm.moe_align_block_size(ids, bm, e, launches=n), reps) for n in (1, 2, 3)]
     slots = ids.numel()
     block_e = 1 << e.bit_length()                     # next power of two above e: the kernels' BLOCK_E
-    partial = -(-slots // max(16, min(128, 8192 // block_e))) * block_e
-    row = dict(shape=s.name, tokens=t, slots=slots, block_m=bm, partial=partial, one_program_us=round(us[0], 2),
+    chunks = -(-slots // max(16, min(128, 8192 // block_e)))
+    row = dict(shape=s.name, tokens=t, slots=slots, block_m=bm, reads=chunks * chunks * block_e, one_program_us=round(us[0], 2),
                two_launch_us=round(us[1], 2), three_launch_us=round(us[2], 2), same_outputs=same,
                default=("one", "two", "three")[fm.align_launches(slots, e) - 1])
     print(json.dumps(row), flush=True)
@@ -74,20 +74,20 @@ def main() -> None:
     ap.add_argument("--block-m", type=int, default=None, help="default: the tuned BLOCK_SIZE_M per token count")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), f"ALIGN_ONE_PROGRAM_MAX_WORK={fm.ALIGN_ONE_PROGRAM_MAX_WORK}",
-          f"ALIGN_TWO_LAUNCH_MAX_PARTIAL={fm.ALIGN_TWO_LAUNCH_MAX_PARTIAL}")
+          f"ALIGN_TWO_LAUNCH_MAX_READS={fm.ALIGN_TWO_LAUNCH_MAX_READS}")
     rows = [bench(t, s, a.reps, a.block_m) for s in SHAPES for t in a.tokens]
-    print(f"{'shape':8} {'T':>4} {'S':>5} {'bm':>3} {'partial':>7} {'one us':>7} {'two us':>7} {'three us':>8}  default")
+    print(f"{'shape':8} {'T':>4} {'S':>5} {'bm':>3} {'reads':>9} {'one us':>7} {'two us':>7} {'three us':>8}  default")
     for r in rows:
-        print(f"{r['shape']:8} {r['tokens']:4d} {r['slots']:5d} {r['block_m']:3d} {r['partial']:7d} "
+        print(f"{r['shape']:8} {r['tokens']:4d} {r['slots']:5d} {r['block_m']:3d} {r['reads']:9d} "
               f"{r['one_program_us']:7.2f} {r['two_launch_us']:7.2f} {r['three_launch_us']:8.2f}  {r['default']}"
               f"{'' if r['same_outputs'] else '  OUTPUTS DIFFER'}")
     losing = [r["slots"] for r in rows if r["one_program_us"] > min(r["two_launch_us"], r["three_launch_us"])]
     wins = [r["slots"] for r in rows if r["slots"] < min(losing, default=1 << 30)]
     print(f"one program won up to S = {max(wins, default=0)} on every shape"
           + (f"; first loss at S = {min(losing)}" if losing else ""))
-    lost2 = [r["partial"] for r in rows if r["two_launch_us"] > r["three_launch_us"]]
-    won2 = [r["partial"] for r in rows if r["partial"] < min(lost2, default=1 << 30)]
-    print(f"two launches beat three up to a partial of {max(won2, default=0)} values on every shape"
+    lost2 = [r["reads"] for r in rows if r["two_launch_us"] > r["three_launch_us"]]
+    won2 = [r["reads"] for r in rows if r["reads"] < min(lost2, default=1 << 62)]
+    print(f"two launches beat three up to {max(won2, default=0)} values read (chunks x chunks x BE) on every shape"
           + (f"; first loss at {min(lost2)}" if lost2 else ""))
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ ob() {  # ob TAG PATCH CONFIG BATCH_SIZES...: one-batch with module constants pa
 }
 if [ "$PART" = ab ] || [ "$PART" = all ]; then
   OLD_FP8="import mlaserve.kernels.fp8_gemm as f; f.FP8_GEMV_MAX_M = 0"
-  OLD_ALIGN="import mlaserve.kernels.fused_moe as m; m.ALIGN_ONE_PROGRAM_MAX_WORK = 16 * 128; m.ALIGN_TWO_LAUNCH_MAX_PARTIAL = 0"
+  OLD_ALIGN="import mlaserve.kernels.fused_moe as m; m.ALIGN_ONE_PROGRAM_MAX_WORK = 16 * 128; m.ALIGN_TWO_LAUNCH_MAX_READS = 0"
   ob v3_old "$OLD_FP8; $OLD_ALIGN" /tmp/v3_4l.json 1 16 64
   ob v3_new "pass" /tmp/v3_4l.json 1 16 64
   ob v2l_old "$OLD_ALIGN" $V2L 1 16 64

@@ -56,7 +56,7 @@ if [ "$PART" = align ]; then             # MoE align in two launches (count + sc
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py -k align 2>&1 | tail -2 \
     | tee "$OUT/tests_align.txt"
   timeout 150 python3 benchmarks/bench_moe_align.py > "$OUT/moe_align.txt" 2>&1; grep -v "^{" "$OUT/moe_align.txt" | tail -24
-  OLD="import mlaserve.kernels.fused_moe as m; m.ALIGN_TWO_LAUNCH_MAX_PARTIAL = 0; m.ALIGN_ONE_PROGRAM_MAX_WORK = 288 * 128"
+  OLD="import mlaserve.kernels.fused_moe as m; m.ALIGN_TWO_LAUNCH_MAX_READS = 0; m.ALIGN_ONE_PROGRAM_MAX_WORK = 288 * 128"
   for run in "old1 $V2L" "new1 $V2L" "old2 $V2L" "new2 $V2L" "old1 $V3_4L" "new1 $V3_4L"; do
     set -- $run
     patch=pass; [ "${1#old}" != "$1" ] && patch=$OLD

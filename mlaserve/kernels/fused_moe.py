@@ -40,15 +40,16 @@ SUM_DIM1_NARROW_HIDDEN = 2048
 # How the S = T * k slots are aligned (`align_launches`), from benchmarks/bench_moe_align.py on an H100
 # (benchmarks/results/decode-host-h100.md): one program (`_moe_align_kernel`) while S x BE (BE: the expert bins, a
 # power of two above E) is at most ALIGN_ONE_PROGRAM_MAX_WORK, as its per-chunk work grows with both; then a count and
-# a scan-and-scatter while the count's partial [chunks, BE], which every scatter program reads whole, holds at most
-# ALIGN_TWO_LAUNCH_MAX_PARTIAL values; else count, scan, scatter. Measured (us, one / two / three launches):
+# a scan-and-scatter, whose every program reads the count's whole partial [chunks, BE], while those reads (chunks x
+# chunks x BE values) are at most ALIGN_TWO_LAUNCH_MAX_READS; else count, scan, scatter. Measured (us, one / two /
+# three launches):
 #   V2-Lite (BE 128): 1 token 2.4 / 7.7 / 13.7; 16 tokens 9.1 / 9.7 / 15.3; 32 tokens 12.5 / 8.4 / 15.4
 #   V3 (BE 512):      1 token 4.1 / 7.1 / 10.3; 8 tokens 12.9 / 7.8 / 16.2; 64 tokens 46.3 / 9.6 / 43.1
-# Two beat three at every size up to the largest measured, V3 1024 tokens (partial 294912: 62.9 / 146.0 us); the
-# two-launch cost grows as chunks x partial, so beyond the measured sizes three launches run.
+# Two beat three at every size measured; the largest, V3 1024 tokens (576 chunks: 170M values read), took 62.9 against
+# 146.0 us, and sets the bound: past it three launches run.
 ALIGN_ONE_PROGRAM_MAX_WORK = 16384
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
-ALIGN_TWO_LAUNCH_MAX_PARTIAL = 294912
+ALIGN_TWO_LAUNCH_MAX_READS = 576 * 576 * 512
 
 
 def align_launches(num_slots: int, num_experts: int) -> int:
@@ -56,7 +57,8 @@ def align_launches(num_slots: int, num_experts: int) -> int:
     block_e = triton.next_power_of_2(num_experts + 1)                  # + the sentinel run
     if num_slots * block_e <= ALIGN_ONE_PROGRAM_MAX_WORK:
         return 1
-    return 2 if triton.cdiv(num_slots, _align_chunk(block_e)) * block_e <= ALIGN_TWO_LAUNCH_MAX_PARTIAL else 3
+    chunks = triton.cdiv(num_slots, _align_chunk(block_e))
+    return 2 if chunks * chunks * block_e <= ALIGN_TWO_LAUNCH_MAX_READS else 3
 
 
 def _align_chunk(block_e: int) -> int:

@@ -286,8 +286,8 @@ def test_moe_align_paths_agree(num_experts: int, top_k: int, n_shared: int, bloc
     at = max(t for t in range(1, 400) if fm.align_launches(t * slots, e) == 1)   # the most tokens for one program
     tokens = {"below": int(torch.randint(2, at, (), generator=gen)), "at": at, "above": at + 1,
               "far": at + 1 + int(torch.randint(0, 40, (), generator=gen))}[size]
-    if size == "far":              # past the two-launch bound: at most one chunk of partials fits it
-        monkeypatch.setattr(fm, "ALIGN_TWO_LAUNCH_MAX_PARTIAL", 1)
+    if size == "far":              # past the two-launch bound, made small
+        monkeypatch.setattr(fm, "ALIGN_TWO_LAUNCH_MAX_READS", 1)
     routed = torch.randint(0, num_experts, (tokens, top_k), generator=gen, dtype=torch.int32)
     shared = torch.arange(num_experts, num_experts + n_shared, dtype=torch.int32).expand(tokens, n_shared)
     ids = torch.cat([routed, shared], dim=1)                                   # [T, k + n_shared]
