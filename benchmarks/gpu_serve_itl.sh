@@ -14,13 +14,7 @@ for cfgname in ${@:-mixed plain}; do
   python3 benchmarks/probe_stream_client.py --num 64 --conc 64 > /dev/null          # warm-up: the load's shapes
   for r in 1 2; do
     python3 benchmarks/probe_stream_client.py | tee -a "$OUT/bare_$cfgname.jsonl"
-    curl -s http://127.0.0.1:30000/metrics > /tmp/m0
-    timeout 170 python3 -m mlaserve.cli bench serving --backend mlaserve --num-prompts 192 \
-      --random-input-len 256 --random-output-len 128 --random-range-ratio 0.5 --request-rate inf --max-concurrency 64 \
-      --tokenizer $M --disable-tqdm --output-file "$OUT/serving_$cfgname.jsonl" > /dev/null 2>&1
-    curl -s http://127.0.0.1:30000/metrics > /tmp/m1
-    python3 benchmarks/serving_summary.py --last "$OUT/serving_$cfgname.jsonl" "bench serving $cfgname"
-    python3 benchmarks/probe_stream_client.py --metrics-diff /tmp/m0 /tmp/m1
+    serving_run $cfgname
   done
   pkill -TERM -f "mlaserve.cli serve"; sleep 4
 done

@@ -1,7 +1,8 @@
 # Sourced by the GPU scripts: the carried wheels on PYTHONPATH, $OUT (with env.txt: the GPU), a Triton cache, $M: a
 # V2-Lite checkpoint directory (the full config, for --load-format dummy) with a trained test tokenizer, $V2L and
 # $V3_4L: model configs for `bench one-batch` (V3 cut to 4 layers); `serve_and_wait FLAGS...` starts `mlaserve serve`
-# on $M (port 30000, log $OUT/serve_$SERVE_TAG.log) and returns once it answers.
+# on $M (port 30000, log $OUT/serve_$SERVE_TAG.log) and returns once it answers; `serving_run NAME` runs the
+# concurrency-64 `bench serving` load against it.
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
@@ -23,4 +24,14 @@ serve_and_wait() {
     sleep 0.5
   done
   return 1
+}
+
+serving_run() {  # serving_run NAME: bench serving's closed-loop load (conc 64) against the server, beside its own ITLs
+  curl -s http://127.0.0.1:30000/metrics > /tmp/m0
+  timeout 170 python3 -m mlaserve.cli bench serving --backend mlaserve --num-prompts 192 \
+    --random-input-len 256 --random-output-len 128 --random-range-ratio 0.5 --request-rate inf --max-concurrency 64 \
+    --tokenizer $M --disable-tqdm --output-file "$OUT/serving_$1.jsonl" > /dev/null 2>&1
+  curl -s http://127.0.0.1:30000/metrics > /tmp/m1
+  python3 benchmarks/serving_summary.py --last "$OUT/serving_$1.jsonl" "bench serving $1"
+  python3 benchmarks/probe_stream_client.py --metrics-diff /tmp/m0 /tmp/m1
 }
