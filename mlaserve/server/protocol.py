@@ -7,7 +7,8 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic.functional_validators import AfterValidator
 
 from mlaserve.core import (
@@ -269,6 +270,13 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     chat_template_kwargs: Annotated[JSONObject, AfterValidator(_template_kwargs)] | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):                 # OpenAI: logprobs must be true to use it
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -305,7 +313,7 @@ class GenerateRequest(APIModel):
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: StrictBool = False
-    logprob_start_len: StrictInt = -1
+    logprob_start_len: Annotated[StrictInt, Field(ge=-1)] = -1      # -1: output tokens only
     top_logprobs_num: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     stream: StrictBool = False
     rid: Text | None = None

@@ -28,6 +28,7 @@ BAD = [  # (path, body, param the error must name)
     (CHAT, {"messages": USER, "frequency_penalty": 3}, "frequency_penalty"),
     (CHAT, {"messages": USER, "top_k": 0}, "top_k"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, "top_logprobs"),                  # without logprobs: true
     (CHAT, {"messages": USER, "stream": "yes"}, "stream"),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function"),
@@ -48,6 +49,7 @@ BAD = [  # (path, body, param the error must name)
     ("/generate", {"sampling_params": {"max_new_tokens": 2}}, None),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ("/generate", {"text": "hi", "sampling_params": {"warmth": 1}}, "sampling_params.warmth"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
 ]
 
