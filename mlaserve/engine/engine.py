@@ -225,9 +225,6 @@ class ModelRunner:
     # --- one step ----------------------------------------------------------------------------
     def _logit_rows(self, batch: Batch) -> tuple[list[int], list[list[int]], list[int | None]]:
         """Rows of T whose logits are needed: prompt log-prob positions per request, and the sampling row."""
-        if batch.mode is ForwardMode.DECODE and all(batch.sampling):      # one row per request, each sampled
-            b = batch.size
-            return list(range(b)), [[] for _ in range(b)], list(range(b))
         rows, prompt_rows, sample_row = [], [], []
         start = 0
         for i, (req, p, n, s) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sampling)):

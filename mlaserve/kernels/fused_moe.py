@@ -68,10 +68,11 @@ def _align_chunk(block_e: int) -> int:
 
 # ----------------------------------------------------------------------------------------------- align
 # Counting sort of the S = T * k slots by expert, each expert padded to BLOCK_M and its blocks labelled.
-# At decode sizes (`align_launches`) one program does it all (`_moe_align_kernel`): counts,
-# labels, then scatters CHUNK slots at a time from running per-expert bases. Above it the work is spread: a
-# count per chunk and expert, an exclusive scan over (expert, chunk) that also labels, and a scatter, one program
-# per chunk around the one-program scan. Both write the same outputs.
+# At decode sizes (`align_launches`) one program does it all (`_moe_align_kernel`): counts, labels, then scatters
+# CHUNK slots at a time from running per-expert bases. Above it a count per chunk and expert, then either one
+# scan-and-scatter launch whose programs each sum the counts they need and label a share of the blocks, or (largest
+# sizes) an exclusive scan over (expert, chunk) in one program that also labels, and a scatter per chunk. All three
+# write the same outputs.
 # NOTE: a slot with id -1 (an expert another EP rank holds) sorts as one more expert, index E, after the real
 # ones; its blocks are labelled -1, the first GEMM skips them and the second writes zeros for their rows.
 #   sorted:      | expert 0 (padded) | ... | expert E-1 (padded) | sentinel slots (padded) | unused |
@@ -246,8 +247,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
     num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1).contiguous()
     block_e = triton.next_power_of_2(num_experts + 1)                  # + the sentinel run
-    chunk = _align_chunk(block_e)
-    num_chunks = triton.cdiv(s, chunk)
     launches = launches or align_launches(s, num_experts)
     assert launches in (1, 2, 3), f"launches must be 1, 2 or 3, got {launches}"
     if launches == 1:
@@ -257,6 +256,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
                                 BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, LABEL_CHUNK=label_chunk, **pdl,
                                 num_warps=4 if chunk < ALIGN_CHUNK else 8)
         return sorted_ids, expert_ids, num_post_pad
+    chunk = _align_chunk(block_e)
+    num_chunks = triton.cdiv(s, chunk)
     partial = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)       # [chunks, BE]
     _moe_count_kernel[(num_chunks,)](ids, partial, s, num_experts, BLOCK_E=block_e, CHUNK=chunk, **pdl, num_warps=4)
     if launches == 2:
