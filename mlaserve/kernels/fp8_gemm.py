@@ -239,10 +239,46 @@ def _use_triton(x: torch.Tensor) -> bool:
 # M = 16 (some shapes lose 1-4 us, most win), 2-4x slower at 64.
 FUSE_QUANT_MAX_M = 16
 
+# From this many rows fp8_linear runs cuBLAS's block-scaled FP8 matmul (1x128 activation and 128x128 weight scales,
+# DeepSeek-V3's recipe) where `cublas_block_fp8_ok` holds. benchmarks/probe_fp8_cublas.py on an H100 (the eight V3
+# shapes, fp8-gemm-cublas-h100.md): 1.2-1.9x faster than `_fp8_gemm_kernel` at M = 512, 1.4-1.7x at 2048 and 4096,
+# with the same error against `fp8_gemm_ref`.
+CUBLAS_BLOCK_FP8_MIN_M = 512
+
+
+@functools.lru_cache(maxsize=None)
+def cublas_block_fp8_available(device_index: int) -> bool:
+    """Whether this torch and GPU have cuBLAS's block-scaled FP8 matmul: torch's `scaled_mm` with BlockWise1x128 /
+    BlockWise128x128 recipes, CUDA >= 12.9, compute capability 9.0 (cuBLAS has these scale modes on Hopper only)."""
+    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    recipes = getattr(torch.nn.functional, "ScalingType", None)
+    return (cuda >= (12, 9) and recipes is not None and hasattr(recipes, "BlockWise1x128")
+            and hasattr(torch.nn.functional, "scaled_mm") and torch.cuda.get_device_capability(device_index) == (9, 0))
+
+
+def cublas_block_fp8_ok(x2: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """Whether fp8_linear's [M, K] x [N, K]^T may go to cuBLAS: a CUDA tensor of at least CUBLAS_BLOCK_FP8_MIN_M rows,
+    K a multiple of 512 (whole 128-channel groups, their count a multiple of 4 as cuBLAS's scale layout wants), N a
+    multiple of 16, both operands K-contiguous, on a GPU with the feature."""
+    m, k = x2.shape
+    return (x2.is_cuda and m >= CUBLAS_BLOCK_FP8_MIN_M and k % 512 == 0 and w_q.shape[0] % 16 == 0
+            and x2.stride(1) == 1 and w_q.stride(1) == 1 and cublas_block_fp8_available(x2.device.index or 0))
+
+
+def cublas_block_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] = (x_q * x_scale) @ (w_q * w_scale_inv)^T through cuBLAS (contract of `fp8_gemm_ref`).
+
+    x_scale [M, K/128] M-major (`per_token_group_quant_fp8(..., scale_m_major=True)`); w_scale_inv [ceil(N/128),
+    K/128] as checkpoints store it (its transpose is the K-major [K/128, N/128] cuBLAS reads: a view)."""
+    f = torch.nn.functional
+    return f.scaled_mm(x_q, w_q.t(), x_scale, f.ScalingType.BlockWise1x128, w_scale_inv.t(),
+                       f.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, fuse_quant: bool | None = None,
-               gemv: bool | None = None) -> torch.Tensor:
+               gemv: bool | None = None, cublas: bool | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w_q, w_scale_inv)^T (+ bias), x quantised per token per 128 channels.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); `fp8_linear_ref` on plain CPU. Output dtype: out_dtype or x.dtype.
@@ -250,6 +286,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     K a multiple of 128. True forces it for up to 16 rows, False forces the GEMM below (benchmarks, tests).
     fuse_quant (GEMM path): quantise x inside the GEMM (bit-identical codes and scales to `per_token_group_quant_fp8`);
     default for M <= FUSE_QUANT_MAX_M when the tile config's BLOCK_K is the 128-channel group.
+    cublas: through cuBLAS's block-scaled FP8 matmul (`cublas_block_fp8`); default where `cublas_block_fp8_ok`
+    holds. True forces it (an error where the GPU or torch lacks it), False forces the Triton GEMM.
     """
     if not _use_triton(x):
         return fp8_linear_ref(x, w_q, w_scale_inv, bias, out_dtype)
@@ -261,6 +299,15 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     if gemv:
         block_m = max(FP8_GEMV_MAX_M, triton.next_power_of_2(m))
         return fp8_gemv(x2, w_q, w_scale_inv, bias, out_dtype or x.dtype, block_m=block_m).view(*lead, n)
+    if cublas is None:
+        cublas = cublas_block_fp8_ok(x2, w_q)
+    if cublas:
+        _check_weight(w_q, w_scale_inv, k, (128, 128))
+        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=True)
+        y = cublas_block_fp8(x_q, x_scale, w_q, w_scale_inv, out_dtype or x.dtype)
+        if bias is not None:
+            y += bias
+        return y.view(*lead, n)
     cfg = get_fp8_gemm_config(n, k, m)
     if fuse_quant is None:
         fuse_quant = m <= FUSE_QUANT_MAX_M

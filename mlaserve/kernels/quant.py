@@ -97,7 +97,7 @@ def quant_group_rows(a, INTERPRET: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _per_token_group_quant_fp8_kernel(
-    x_ptr, xq_ptr, scale_ptr, M, K, G, stride_xm, stride_xk,
+    x_ptr, xq_ptr, scale_ptr, M, K, G, stride_xm, stride_xk, stride_sm, stride_sg,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
     INTERPRETED: tl.constexpr, PDL: tl.constexpr,
@@ -121,7 +121,7 @@ def _per_token_group_quant_fp8_kernel(
         if INTERPRETED:
             q = round_to_fp8_grid(q, MANT, MIN_EXP)
         tl.store(xq_ptr + rows[:, None] * K + k[None, :], q.to(xq_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + rows * G + g, scale, mask=row_ok & (rows * 0 + g < G))
+        tl.store(scale_ptr + rows * stride_sm + g * stride_sg, scale, mask=row_ok & (rows * 0 + g < G))
 
 
 def _quant_launch_shape(m: int, g: int, block_g: int) -> tuple[int, int]:
@@ -130,14 +130,15 @@ def _quant_launch_shape(m: int, g: int, block_g: int) -> tuple[int, int]:
     return block_m, min(g, 8)
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128,
-                              dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, dtype: torch.dtype = torch.float8_e4m3fn,
+                              scale_m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `per_token_group_quant_fp8_ref` (same contract and rounding).
 
     Args:
         x: [M, K] float (any strides). K need not be a multiple of `group`; any `group` >= 1.
+        scale_m_major: store the scale M-major (strides (1, M)), the layout cuBLAS's block-scaled FP8 matmul reads.
     Returns:
-        (x_q [M, K] `dtype`, contiguous; scale [M, G] float32, contiguous) with x ~= x_q * scale.
+        (x_q [M, K] `dtype`, contiguous; scale [M, G] float32, contiguous or M-major) with x ~= x_q * scale.
     """
     assert x.dim() == 2, f"x must be [M, K], got shape {tuple(x.shape)}"
     assert x.is_floating_point() and x.element_size() >= 2, f"x must be fp16/bf16/fp32, got {x.dtype}"
@@ -146,7 +147,10 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128,
     m, k = x.shape
     g = -(-k // group)
     x_q = torch.empty((m, k), dtype=dtype, device=x.device)
-    scale = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if scale_m_major:
+        scale = torch.empty((g, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty((m, g), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return x_q, scale
     block_g = triton.next_power_of_2(group)
@@ -154,7 +158,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128,
     grid = (triton.cdiv(m, block_m), triton.cdiv(g, groups_per_prog))
     mant, min_exp = _FP8_GRID[dtype]
     _per_token_group_quant_fp8_kernel[grid](
-        x, x_q, scale, m, k, g, x.stride(0), x.stride(1),
+        x, x_q, scale, m, k, g, x.stride(0), x.stride(1), scale.stride(0), scale.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog,
         FP8_MAX=fp8_max(dtype), MIN_SCALE=FP8_MIN_SCALE, MANT=mant, MIN_EXP=min_exp,
         INTERPRETED=not x.is_cuda, **pdl_meta(x.device), num_warps=4,

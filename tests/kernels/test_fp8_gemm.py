@@ -170,3 +170,39 @@ def test_fp8_linear_fuses_quant_for_small_m(monkeypatch: pytest.MonkeyPatch, dev
     for m in (1, fp8_gemm_mod.FUSE_QUANT_MAX_M, fp8_gemm_mod.FUSE_QUANT_MAX_M + 1):
         fp8_linear(torch.randn(m, 256, device=device), w_q, w_s, gemv=False)
     assert calls == [fp8_gemm_mod.FUSE_QUANT_MAX_M + 1]
+
+
+def test_fp8_linear_cublas_rule(device: str) -> None:
+    """cuBLAS's block-FP8 matmul is chosen only for CUDA activations of CUBLAS_BLOCK_FP8_MIN_M+ rows, K in whole groups
+    of 4 x 128 channels, N a multiple of 16, on a GPU that has it; everything else stays on the Triton GEMM."""
+    m = fp8_gemm_mod.CUBLAS_BLOCK_FP8_MIN_M
+    w_q, _ = block_quant_fp8_ref(torch.randn(64, 512))
+    assert not fp8_gemm_mod.cublas_block_fp8_ok(torch.randn(m, 512), w_q)            # CPU tensors
+    if device != "cuda" or not fp8_gemm_mod.cublas_block_fp8_available(torch.cuda.current_device()):
+        return
+    w_q = w_q.cuda()
+    assert fp8_gemm_mod.cublas_block_fp8_ok(torch.randn(m, 512, device="cuda"), w_q)
+    assert not fp8_gemm_mod.cublas_block_fp8_ok(torch.randn(m - 1, 512, device="cuda"), w_q)
+    w_q384, _ = block_quant_fp8_ref(torch.randn(64, 384, device="cuda"))
+    assert not fp8_gemm_mod.cublas_block_fp8_ok(torch.randn(m, 384, device="cuda"), w_q384)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS block-FP8 needs a GPU")
+@pytest.mark.parametrize("m", [512, 515, 1000])
+@pytest.mark.parametrize("n,k", [(2112, 1024), (512, 512)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_cublas_matches_triton(m: int, n: int, k: int, out_dtype: torch.dtype) -> None:
+    """cuBLAS's path against the reference and the Triton GEMM, M not a multiple of 4 and N not of 128 included."""
+    if not fp8_gemm_mod.cublas_block_fp8_available(torch.cuda.current_device()):
+        pytest.skip("this GPU / torch lacks cuBLAS block-scaled FP8 (CUDA >= 12.9, compute capability 9.0)")
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w_q, w_s = block_quant_fp8_ref(torch.randn(n, k, device="cuda") * 0.05)
+    bias = torch.randn(n, device="cuda", dtype=out_dtype)
+    ref = fp8_linear_ref(x, w_q, w_s, bias, out_dtype=torch.float32)
+    y = fp8_linear(x, w_q, w_s, bias, out_dtype=out_dtype, cublas=True)
+    assert y.dtype == out_dtype and y.shape == (m, n)
+    assert _rel_max(y, ref) <= _tol(out_dtype, "cuda")
+    assert _rel_max(y, fp8_linear(x, w_q, w_s, bias, out_dtype=out_dtype, cublas=False)) <= _tol(out_dtype, "cuda")

@@ -61,3 +61,12 @@ def test_quant_zero_and_saturating_groups(device: str) -> None:
     assert x_q[1, 130].float() == 448.0                                # amax maps to the e4m3 max exactly
     assert torch.isfinite(x_q.float()).all()
     _check(x, 128, torch.float8_e4m3fn)
+
+
+def test_quant_scale_m_major(device: str) -> None:
+    """scale_m_major: the same codes and scales, the scale stored M-major (strides (1, M)) as cuBLAS reads it."""
+    x = torch.randn(6, 384, device=device, dtype=torch.float16) * 3
+    x_q, scale = per_token_group_quant_fp8(x)
+    x_qm, scale_m = per_token_group_quant_fp8(x, scale_m_major=True)
+    assert scale_m.shape == (6, 3) and scale_m.stride() == (1, 6)
+    assert torch.equal(x_qm.view(torch.uint8), x_q.view(torch.uint8)) and torch.equal(scale_m, scale)

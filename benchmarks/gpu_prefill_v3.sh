@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 15, V3 prefill on one H100 (carry .whl): the block-FP8 GEMM paths at prefill sizes (ours beside cuBLAS's
+# block-scaled matmul), the V3 4L FP8 1 x 4096 prefill's kernels, and the one-batch prefill with and without cuBLAS.
+#   bash benchmarks/gpu_prefill_v3.sh [cublas|linear|tests|ab|prefill|all ...]
+source benchmarks/gpu_v2l_env.sh
+PARTS=${*:-all}
+has() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
+cat "$OUT/env.txt"
+if has tests; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/kernels/test_quant.py \
+    tests/kernels/test_fp8_gemv.py > "$OUT/tests.txt" 2>&1
+  tail -5 "$OUT/tests.txt"
+fi
+if has cublas; then
+  timeout 300 python3 benchmarks/probe_fp8_cublas.py > "$OUT/fp8_cublas.txt" 2>&1
+  grep -v Warning "$OUT/fp8_cublas.txt" | tail -40
+fi
+if has linear; then
+  timeout 300 python3 benchmarks/probe_fp8_cublas.py --linear --m 64 128 256 384 511 512 1024 4093 \
+    > "$OUT/fp8_linear.txt" 2>&1
+  grep -v Warning "$OUT/fp8_linear.txt" | tail -70
+fi
+if has ab; then   # one-batch 1 x 4096 prefill of V3 4L FP8, the Triton GEMM (off) and cuBLAS (on) alternated
+  for tag in off on off on; do
+    patch="import mlaserve.kernels.fp8_gemm as f"
+    [ $tag = off ] && patch="$patch; f.CUBLAS_BLOCK_FP8_MIN_M = 1 << 40"
+    timeout 150 python3 -c "import sys; $patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
+      --load-format dummy --model-config $V3_4L --batch-size 1 --input-len 4096 --output-len 4 \
+      --output-file "$OUT/one_batch_prefill_$tag.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3-9 | sed "s/^/$tag /"
+  done
+fi
+if has prefill; then
+  timeout 200 python3 benchmarks/profile_prefill.py --model-config $V3_4L --len 4096 > "$OUT/prefill_v3_4096.txt" 2>&1
+  grep -A30 "^config" "$OUT/prefill_v3_4096.txt" | head -32
+fi
