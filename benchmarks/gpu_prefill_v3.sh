@@ -16,9 +16,9 @@ if has cublas; then
   grep -v Warning "$OUT/fp8_cublas.txt" | tail -40
 fi
 if has linear; then
-  timeout 300 python3 benchmarks/probe_fp8_cublas.py --linear --m 64 128 256 384 511 512 1024 4093 \
+  timeout 300 python3 benchmarks/probe_fp8_cublas.py --linear --m 96 128 130 4093 \
     > "$OUT/fp8_linear.txt" 2>&1
-  grep -v Warning "$OUT/fp8_linear.txt" | tail -70
+  grep -v Warning "$OUT/fp8_linear.txt" | tail -34
 fi
 if has ab; then   # one-batch 1 x 4096 prefill of V3 4L FP8, the Triton GEMM (off) and cuBLAS (on) alternated
   for tag in off on off on; do
@@ -30,6 +30,6 @@ if has ab; then   # one-batch 1 x 4096 prefill of V3 4L FP8, the Triton GEMM (of
   done
 fi
 if has prefill; then
-  timeout 200 python3 benchmarks/profile_prefill.py --model-config $V3_4L --len 4096 > "$OUT/prefill_v3_4096.txt" 2>&1
-  grep -A30 "^config" "$OUT/prefill_v3_4096.txt" | head -32
+  timeout 200 python3 benchmarks/profile_prefill.py --model-config $V3_4L --len 4096 --syncs > "$OUT/prefill_v3_4096.txt" 2>&1
+  grep -A30 "^config" "$OUT/prefill_v3_4096.txt" | head -32; grep -A40 "^host CUDA" "$OUT/prefill_v3_4096.txt"
 fi

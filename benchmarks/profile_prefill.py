@@ -13,6 +13,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
 ap.add_argument("--len", type=int, default=4096)
 ap.add_argument("--cprofile", action="store_true")
+ap.add_argument("--syncs", action="store_true", help="the host's CUDA API calls over 20 us (syncs, copies, "
+                "allocations) with the Python frames that made them")
 cli = ap.parse_args()
 a = cli
 args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size", "1",
@@ -32,8 +34,8 @@ start.record()
 runner.forward(batch)
 end.record()
 end.synchronize()
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                            with_stack=a.syncs) as prof:
     runner.forward(batch)
     torch.cuda.synchronize()
 rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
@@ -72,3 +74,13 @@ if cli.cprofile:
     for key in ("tottime", "cumulative"):
         print(f"--- host, 5 prefills, by {key}")
         pstats.Stats(prof).sort_stats(key).print_stats(28)
+
+if a.syncs:
+    api = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda")
+           and e.time_range.end - e.time_range.start > 20]
+    print(f"host CUDA API calls over 20 us: {len(api)}, {sum(e.time_range.end - e.time_range.start for e in api):.0f} us")
+    t0 = min(e.time_range.start for e in prof.events())
+    for e in sorted(api, key=lambda e: e.time_range.start)[:40]:
+        frames = [f for f in (e.stack or []) if "mlaserve" in f or "benchmarks" in f][:3]
+        print(f"  at {(e.time_range.start - t0) / 1000:7.2f} ms {e.name[:28]:28s} "
+              f"{e.time_range.end - e.time_range.start:7.0f} us  {' <- '.join(frames)[:240]}")

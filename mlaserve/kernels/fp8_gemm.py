@@ -241,9 +241,9 @@ FUSE_QUANT_MAX_M = 16
 
 # From this many rows fp8_linear runs cuBLAS's block-scaled FP8 matmul (1x128 activation and 128x128 weight scales,
 # DeepSeek-V3's recipe) where `cublas_block_fp8_ok` holds. benchmarks/probe_fp8_cublas.py on an H100 (the eight V3
-# shapes, fp8-gemm-cublas-h100.md): 1.2-1.9x faster than `_fp8_gemm_kernel` at M = 512, 1.4-1.7x at 2048 and 4096,
-# with the same error against `fp8_gemm_ref`.
-CUBLAS_BLOCK_FP8_MIN_M = 512
+# shapes, prefill-v3-h100.md), fp8_linear whole: cuBLAS 0.70-0.98x of the Triton path's speed at M = 64, 1.02-1.71x
+# at 128, 1.13-1.77x at 512, 1.2-1.55x at 1024; the GEMM alone 1.4-1.7x at 2048 and 4096; the same error.
+CUBLAS_BLOCK_FP8_MIN_M = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,7 +269,8 @@ def cublas_block_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
                      out_dtype: torch.dtype) -> torch.Tensor:
     """y [M, N] = (x_q * x_scale) @ (w_q * w_scale_inv)^T through cuBLAS (contract of `fp8_gemm_ref`).
 
-    x_scale [M, K/128] M-major (`per_token_group_quant_fp8(..., scale_m_major=True)`); w_scale_inv [ceil(N/128),
+    x_scale [M, K/128] M-major with M a multiple of 4 (`per_token_group_quant_fp8(..., scale_m_major=True,
+    pad_rows_to=4)`: cuBLAS refuses other row counts); w_scale_inv [ceil(N/128),
     K/128] as checkpoints store it (its transpose is the K-major [K/128, N/128] cuBLAS reads: a view)."""
     f = torch.nn.functional
     return f.scaled_mm(x_q, w_q.t(), x_scale, f.ScalingType.BlockWise1x128, w_scale_inv.t(),
@@ -303,8 +304,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
         cublas = cublas_block_fp8_ok(x2, w_q)
     if cublas:
         _check_weight(w_q, w_scale_inv, k, (128, 128))
-        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=True)
-        y = cublas_block_fp8(x_q, x_scale, w_q, w_scale_inv, out_dtype or x.dtype)
+        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=True, pad_rows_to=4)
+        y = cublas_block_fp8(x_q, x_scale, w_q, w_scale_inv, out_dtype or x.dtype)[:m]
         if bias is not None:
             y += bias
         return y.view(*lead, n)

@@ -97,22 +97,25 @@ def quant_group_rows(a, INTERPRET: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _per_token_group_quant_fp8_kernel(
-    x_ptr, xq_ptr, scale_ptr, M, K, G, stride_xm, stride_xk, stride_sm, stride_sg,
+    x_ptr, xq_ptr, scale_ptr, M, M_OUT, K, G, stride_xm, stride_xk, stride_sm, stride_sg,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
     INTERPRETED: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One program: BLOCK_M rows x GROUPS_PER_PROG groups; each group is a [BLOCK_M, BLOCK_G] tile.
+    # One program: BLOCK_M rows x GROUPS_PER_PROG groups; each group is a [BLOCK_M, BLOCK_G] tile. Rows M..M_OUT
+    # (padding) read as zeros: codes 0, the scale of an all-zero group.
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_G)
-    row_ok = rows < M
+    row_in = rows < M
+    row_ok = rows < M_OUT
     rows = rows.to(tl.int64)
     for i in tl.static_range(GROUPS_PER_PROG):
         g = tl.program_id(1) * GROUPS_PER_PROG + i
         k = g * GROUP + cols                                                  # [BLOCK_G]
         mask = row_ok[:, None] & ((cols < GROUP) & (k < K))[None, :]          # [BLOCK_M, BLOCK_G]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask & row_in[:, None],
+                    other=0.0)
         x = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_SCALE)
         # NOTE: correctly rounded divisions, as torch's tensor / tensor (the reference) on every device
@@ -131,20 +134,25 @@ def _quant_launch_shape(m: int, g: int, block_g: int) -> tuple[int, int]:
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, dtype: torch.dtype = torch.float8_e4m3fn,
-                              scale_m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                              scale_m_major: bool = False, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `per_token_group_quant_fp8_ref` (same contract and rounding).
 
     Args:
         x: [M, K] float (any strides). K need not be a multiple of `group`; any `group` >= 1.
         scale_m_major: store the scale M-major (strides (1, M)), the layout cuBLAS's block-scaled FP8 matmul reads.
+        pad_rows_to: outputs of M rounded up to a multiple of this, the extra rows quantised zeros (codes 0, the
+            scale of an all-zero group): cuBLAS wants M-major scales of a row count divisible by 4.
     Returns:
-        (x_q [M, K] `dtype`, contiguous; scale [M, G] float32, contiguous or M-major) with x ~= x_q * scale.
+        (x_q [Mp, K] `dtype`, contiguous; scale [Mp, G] float32, contiguous or M-major) with x ~= x_q * scale,
+        Mp = M rounded up to pad_rows_to.
     """
     assert x.dim() == 2, f"x must be [M, K], got shape {tuple(x.shape)}"
     assert x.is_floating_point() and x.element_size() >= 2, f"x must be fp16/bf16/fp32, got {x.dtype}"
     assert dtype in _FP8_GRID, f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}"
     assert group >= 1, f"group must be >= 1, got {group}"
-    m, k = x.shape
+    assert pad_rows_to >= 1, f"pad_rows_to must be >= 1, got {pad_rows_to}"
+    m_in, k = x.shape
+    m = -(-m_in // pad_rows_to) * pad_rows_to
     g = -(-k // group)
     x_q = torch.empty((m, k), dtype=dtype, device=x.device)
     if scale_m_major:
@@ -158,7 +166,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, dtype: torch.dt
     grid = (triton.cdiv(m, block_m), triton.cdiv(g, groups_per_prog))
     mant, min_exp = _FP8_GRID[dtype]
     _per_token_group_quant_fp8_kernel[grid](
-        x, x_q, scale, m, k, g, x.stride(0), x.stride(1), scale.stride(0), scale.stride(1),
+        x, x_q, scale, m_in, m, k, g, x.stride(0), x.stride(1), scale.stride(0), scale.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, GROUPS_PER_PROG=groups_per_prog,
         FP8_MAX=fp8_max(dtype), MIN_SCALE=FP8_MIN_SCALE, MANT=mant, MIN_EXP=min_exp,
         INTERPRETED=not x.is_cuda, **pdl_meta(x.device), num_warps=4,
