@@ -75,7 +75,7 @@ if cli.cprofile:
         print(f"--- host, 5 prefills, by {key}")
         pstats.Stats(prof).sort_stats(key).print_stats(28)
 
-if a.syncs:
+if cli.syncs:
     api = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda")
            and e.time_range.end - e.time_range.start > 20]
     print(f"host CUDA API calls over 20 us: {len(api)}, {sum(e.time_range.end - e.time_range.start for e in api):.0f} us")
