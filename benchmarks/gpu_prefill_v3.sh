@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15, V3 prefill on one H100 (carry .whl): the block-FP8 GEMM paths at prefill sizes (ours beside cuBLAS's
 # block-scaled matmul), the V3 4L FP8 1 x 4096 prefill's kernels, and the one-batch prefill with and without cuBLAS.
-#   bash benchmarks/gpu_prefill_v3.sh [cublas|linear|tests|ab|prefill|all ...]
+#   bash benchmarks/gpu_prefill_v3.sh [cublas|linear|tests|host|ab|prefill|all ...]
 source benchmarks/gpu_v2l_env.sh
 PARTS=${*:-all}
 has() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
@@ -19,6 +19,10 @@ if has linear; then
   timeout 300 python3 benchmarks/probe_fp8_cublas.py --linear --m 96 128 130 4093 \
     > "$OUT/fp8_linear.txt" 2>&1
   grep -v Warning "$OUT/fp8_linear.txt" | tail -34
+fi
+if has host; then
+  timeout 200 python3 benchmarks/probe_fp8_cublas.py --host > "$OUT/fp8_host.txt" 2>&1
+  grep -v Warning "$OUT/fp8_host.txt" | tail -14
 fi
 if has ab; then   # one-batch 1 x 4096 prefill of V3 4L FP8, the Triton GEMM (off) and cuBLAS (on) alternated
   for tag in off on off on; do

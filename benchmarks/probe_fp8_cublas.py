@@ -50,14 +50,42 @@ def linear_sweep(ms):
                   flush=True)
 
 
+def host_sweep():
+    """Host time of one fp8_linear call while the GPU is busy (so the host's own cost shows): the same M every call,
+    a new M every call (eager prefill: a new prompt length each step), those M again; Triton path and cuBLAS path."""
+    import time
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    print(f"{'N':>6} {'K':>6} {'path':>8} | {'same M us':>9} {'new M us':>9} {'again us':>9}")
+    for n, k in V3_SHAPES[:4]:
+        w_q, w_s = block_quant_fp8_ref(torch.randn(n, k, device="cuda") * 0.05)
+        for name, kw in (("triton", dict(cublas=False)), ("cublas", dict(cublas=True, pad=False)),
+                         ("bucketed", dict(cublas=True, pad=True))):
+            cells = []
+            for ms in ([1024] * 24, list(range(1100, 1100 + 24 * 12, 12)), list(range(1100, 1100 + 24 * 12, 12))):
+                xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms]
+                fp8_linear(xs[0], w_q, w_s, **kw)
+                torch.cuda.synchronize()
+                for _ in range(30):
+                    big @ big                                  # the device stays busy while the host launches
+                t = time.perf_counter()
+                for x in xs:
+                    fp8_linear(x, w_q, w_s, **kw)
+                cells.append((time.perf_counter() - t) / len(xs) * 1e6)
+                torch.cuda.synchronize()
+            print(f"{n:6d} {k:6d} {name:>8} | " + " ".join(f"{c:9.0f}" for c in cells), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="+", default=[512, 2048, 4096])
     ap.add_argument("--linear", action="store_true", help="time fp8_linear whole, Triton against cuBLAS")
+    ap.add_argument("--host", action="store_true", help="host time per call, repeated and new token counts")
     ap.add_argument("--seed", type=int, default=None)
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else torch.seed() % 2**31
     torch.manual_seed(seed)
+    if a.host:
+        return host_sweep()
     if a.linear:
         print(f"seed {seed}; torch {torch.__version__} CUDA {torch.version.cuda}; {torch.cuda.get_device_name()}")
         return linear_sweep(a.m)

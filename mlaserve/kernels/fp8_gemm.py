@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv, num_sms
+from mlaserve.kernels.gemv import bucket_rows
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.quant import (block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref,
                                     quant_group_rows)
@@ -265,6 +266,16 @@ def cublas_block_fp8_ok(x2: torch.Tensor, w_q: torch.Tensor) -> bool:
             and x2.stride(1) == 1 and w_q.stride(1) == 1 and cublas_block_fp8_available(x2.device.index or 0))
 
 
+def cublas_rows(m: int, pad: bool | None = None) -> int:
+    """Rows the cuBLAS path runs for M tokens: a multiple of 4 (cuBLAS refuses other counts of M-major scales) and, in
+    eager GPU code, `bucket_rows(m)`: cuBLAS picks its kernel on the host for every new shape (see `cublas_linear`),
+    and eager prefill brings a new token count with nearly every prompt. Not while a CUDA graph captures nor under
+    torch.compile (fixed shapes); `pad` forces the bucket either way."""
+    if pad is None:
+        pad = not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
+    return bucket_rows(m) if pad else -(-m // 4) * 4
+
+
 def cublas_block_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """y [M, N] = (x_q * x_scale) @ (w_q * w_scale_inv)^T through cuBLAS (contract of `fp8_gemm_ref`).
@@ -279,7 +290,7 @@ def cublas_block_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, fuse_quant: bool | None = None,
-               gemv: bool | None = None, cublas: bool | None = None) -> torch.Tensor:
+               gemv: bool | None = None, cublas: bool | None = None, pad: bool | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w_q, w_scale_inv)^T (+ bias), x quantised per token per 128 channels.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); `fp8_linear_ref` on plain CPU. Output dtype: out_dtype or x.dtype.
@@ -288,7 +299,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     fuse_quant (GEMM path): quantise x inside the GEMM (bit-identical codes and scales to `per_token_group_quant_fp8`);
     default for M <= FUSE_QUANT_MAX_M when the tile config's BLOCK_K is the 128-channel group.
     cublas: through cuBLAS's block-scaled FP8 matmul (`cublas_block_fp8`); default where `cublas_block_fp8_ok`
-    holds. True forces it (an error where the GPU or torch lacks it), False forces the Triton GEMM.
+    holds. True forces it (an error where the GPU or torch lacks it), False forces the Triton GEMM. pad: its rows
+    bucketed (`cublas_rows`; default in eager code).
     """
     if not _use_triton(x):
         return fp8_linear_ref(x, w_q, w_scale_inv, bias, out_dtype)
@@ -304,7 +316,7 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
         cublas = cublas_block_fp8_ok(x2, w_q)
     if cublas:
         _check_weight(w_q, w_scale_inv, k, (128, 128))
-        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=True, pad_rows_to=4)
+        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=True, out_rows=cublas_rows(m, pad))
         y = cublas_block_fp8(x_q, x_scale, w_q, w_scale_inv, out_dtype or x.dtype)[:m]
         if bias is not None:
             y += bias

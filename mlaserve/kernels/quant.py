@@ -134,25 +134,24 @@ def _quant_launch_shape(m: int, g: int, block_g: int) -> tuple[int, int]:
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, dtype: torch.dtype = torch.float8_e4m3fn,
-                              scale_m_major: bool = False, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                              scale_m_major: bool = False, out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `per_token_group_quant_fp8_ref` (same contract and rounding).
 
     Args:
         x: [M, K] float (any strides). K need not be a multiple of `group`; any `group` >= 1.
         scale_m_major: store the scale M-major (strides (1, M)), the layout cuBLAS's block-scaled FP8 matmul reads.
-        pad_rows_to: outputs of M rounded up to a multiple of this, the extra rows quantised zeros (codes 0, the
-            scale of an all-zero group): cuBLAS wants M-major scales of a row count divisible by 4.
+        out_rows: rows of the outputs, Mp >= M (default M), the extra ones quantised zeros (codes 0, the scale of an
+            all-zero group): cuBLAS wants M-major scales of a row count divisible by 4.
     Returns:
-        (x_q [Mp, K] `dtype`, contiguous; scale [Mp, G] float32, contiguous or M-major) with x ~= x_q * scale,
-        Mp = M rounded up to pad_rows_to.
+        (x_q [Mp, K] `dtype`, contiguous; scale [Mp, G] float32, contiguous or M-major) with x ~= x_q * scale.
     """
     assert x.dim() == 2, f"x must be [M, K], got shape {tuple(x.shape)}"
     assert x.is_floating_point() and x.element_size() >= 2, f"x must be fp16/bf16/fp32, got {x.dtype}"
     assert dtype in _FP8_GRID, f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}"
     assert group >= 1, f"group must be >= 1, got {group}"
-    assert pad_rows_to >= 1, f"pad_rows_to must be >= 1, got {pad_rows_to}"
     m_in, k = x.shape
-    m = -(-m_in // pad_rows_to) * pad_rows_to
+    m = m_in if out_rows is None else out_rows
+    assert m >= m_in, f"out_rows must be at least the {m_in} rows of x, got {out_rows}"
     g = -(-k // group)
     x_q = torch.empty((m, k), dtype=dtype, device=x.device)
     if scale_m_major:

@@ -70,7 +70,7 @@ def test_quant_scale_m_major(device: str) -> None:
     x_qm, scale_m = per_token_group_quant_fp8(x, scale_m_major=True)
     assert scale_m.shape == (6, 3) and scale_m.stride() == (1, 6)
     assert torch.equal(x_qm.view(torch.uint8), x_q.view(torch.uint8)) and torch.equal(scale_m, scale)
-    x_qp, scale_p = per_token_group_quant_fp8(x, scale_m_major=True, pad_rows_to=4)   # 6 rows -> 8, the 2 extra zeros
+    x_qp, scale_p = per_token_group_quant_fp8(x, scale_m_major=True, out_rows=8)      # 6 rows -> 8, the 2 extra zeros
     assert x_qp.shape == (8, 384) and scale_p.shape == (8, 3) and scale_p.stride() == (1, 8)
     assert torch.equal(x_qp[:6].view(torch.uint8), x_q.view(torch.uint8)) and torch.equal(scale_p[:6], scale)
     _, scale_zero = per_token_group_quant_fp8_ref(torch.zeros(2, 384, device=device))
