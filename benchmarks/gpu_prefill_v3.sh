@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15, V3 prefill on one H100 (carry .whl): the block-FP8 GEMM paths at prefill sizes (ours beside cuBLAS's
 # block-scaled matmul), the V3 4L FP8 1 x 4096 prefill's kernels, and the one-batch prefill with and without cuBLAS.
-#   bash benchmarks/gpu_prefill_v3.sh [cublas|linear|tests|host|ab|prefill|all ...]
+#   bash benchmarks/gpu_prefill_v3.sh [cublas|linear|tests|host|ab|piecewise|prefill|all ...]
 source benchmarks/gpu_v2l_env.sh
 PARTS=${*:-all}
 has() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
@@ -31,6 +31,21 @@ if has ab; then   # one-batch 1 x 4096 prefill of V3 4L FP8, the Triton GEMM (of
     timeout 150 python3 -c "import sys; $patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
       --load-format dummy --model-config $V3_4L --batch-size 1 --input-len 4096 --output-len 4 \
       --output-file "$OUT/one_batch_prefill_$tag.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3-9 | sed "s/^/$tag /"
+  done
+fi
+if has piecewise; then   # the same prefill through piecewise CUDA graphs (host out of the way), then V3 4L decode at
+  # bs 128 (the first graph size whose linears reach the cuBLAS path), Triton GEMM (off) and cuBLAS (on)
+  for tag in off on off on; do
+    patch="import mlaserve.kernels.fp8_gemm as f"
+    [ $tag = off ] && patch="$patch; f.CUBLAS_BLOCK_FP8_MIN_M = 1 << 40"
+    timeout 200 python3 -c "import sys; $patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
+      --load-format dummy --model-config $V3_4L --batch-size 1 --input-len 4096 --output-len 4 \
+      --enable-piecewise-cuda-graph --output-file "$OUT/one_batch_piecewise_$tag.md" 2>&1 | grep "^| mlaserve" \
+      | cut -d'|' -f3-9 | sed "s/^/$tag piecewise /"
+    timeout 150 python3 -c "import sys; $patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
+      --load-format dummy --model-config $V3_4L --batch-size 128 --input-len 256 --output-len 32 \
+      --output-file "$OUT/one_batch_bs128_$tag.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3,9,10,12,13,14 \
+      | sed "s/^/$tag decode /"
   done
 fi
 if has prefill; then

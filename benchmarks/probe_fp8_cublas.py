@@ -58,8 +58,7 @@ def host_sweep():
     print(f"{'N':>6} {'K':>6} {'path':>8} | {'same M us':>9} {'new M us':>9} {'again us':>9}")
     for n, k in V3_SHAPES[:4]:
         w_q, w_s = block_quant_fp8_ref(torch.randn(n, k, device="cuda") * 0.05)
-        for name, kw in (("triton", dict(cublas=False)), ("cublas", dict(cublas=True, pad=False)),
-                         ("bucketed", dict(cublas=True, pad=True))):
+        for name, kw in (("triton", dict(cublas=False)), ("cublas", dict(cublas=True))):
             cells = []
             for ms in ([1024] * 24, list(range(1100, 1100 + 24 * 12, 12)), list(range(1100, 1100 + 24 * 12, 12))):
                 xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms]

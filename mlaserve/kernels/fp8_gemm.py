@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv, num_sms
-from mlaserve.kernels.gemv import bucket_rows
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.quant import (block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref,
                                     quant_group_rows)
@@ -266,14 +265,12 @@ def cublas_block_fp8_ok(x2: torch.Tensor, w_q: torch.Tensor) -> bool:
             and x2.stride(1) == 1 and w_q.stride(1) == 1 and cublas_block_fp8_available(x2.device.index or 0))
 
 
-def cublas_rows(m: int, pad: bool | None = None) -> int:
-    """Rows the cuBLAS path runs for M tokens: a multiple of 4 (cuBLAS refuses other counts of M-major scales) and, in
-    eager GPU code, `bucket_rows(m)`: cuBLAS picks its kernel on the host for every new shape (see `cublas_linear`),
-    and eager prefill brings a new token count with nearly every prompt. Not while a CUDA graph captures nor under
-    torch.compile (fixed shapes); `pad` forces the bucket either way."""
-    if pad is None:
-        pad = not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
-    return bucket_rows(m) if pad else -(-m // 4) * 4
+def cublas_rows(m: int) -> int:
+    """Rows the cuBLAS path runs for M tokens: M rounded up to a multiple of 4 (cuBLAS refuses other counts of M-major
+    scales). Not bucketed as `cublas_linear`'s bf16 rows are: a token count cuBLASLt has not seen costs this path
+    30-100 us more host time once, not bf16's 0.8-2.3 ms (benchmarks/probe_fp8_cublas.py --host, H100), and padded
+    rows cost GPU time at prefill sizes."""
+    return -(-m // 4) * 4
 
 
 def cublas_block_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
@@ -290,7 +287,7 @@ def cublas_block_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, fuse_quant: bool | None = None,
-               gemv: bool | None = None, cublas: bool | None = None, pad: bool | None = None) -> torch.Tensor:
+               gemv: bool | None = None, cublas: bool | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w_q, w_scale_inv)^T (+ bias), x quantised per token per 128 channels.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); `fp8_linear_ref` on plain CPU. Output dtype: out_dtype or x.dtype.
@@ -299,8 +296,7 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     fuse_quant (GEMM path): quantise x inside the GEMM (bit-identical codes and scales to `per_token_group_quant_fp8`);
     default for M <= FUSE_QUANT_MAX_M when the tile config's BLOCK_K is the 128-channel group.
     cublas: through cuBLAS's block-scaled FP8 matmul (`cublas_block_fp8`); default where `cublas_block_fp8_ok`
-    holds. True forces it (an error where the GPU or torch lacks it), False forces the Triton GEMM. pad: its rows
-    bucketed (`cublas_rows`; default in eager code).
+    holds. True forces it (an error where the GPU or torch lacks it), False forces the Triton GEMM.
     """
     if not _use_triton(x):
         return fp8_linear_ref(x, w_q, w_scale_inv, bias, out_dtype)
@@ -316,7 +312,7 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
         cublas = cublas_block_fp8_ok(x2, w_q)
     if cublas:
         _check_weight(w_q, w_scale_inv, k, (128, 128))
-        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=True, out_rows=cublas_rows(m, pad))
+        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=True, out_rows=cublas_rows(m))
         y = cublas_block_fp8(x_q, x_scale, w_q, w_scale_inv, out_dtype or x.dtype)[:m]
         if bias is not None:
             y += bias

@@ -188,21 +188,15 @@ def test_fp8_linear_cublas_rule(device: str) -> None:
 
 
 def test_cublas_rows() -> None:
-    """cuBLAS's row count: a multiple of 4 always; bucketed (at most 25% more, few distinct sizes) when padding."""
-    assert [fp8_gemm_mod.cublas_rows(m, pad=False) for m in (128, 129, 515, 4096)] == [128, 132, 516, 4096]
-    padded = [fp8_gemm_mod.cublas_rows(m, pad=True) for m in range(128, 4097)]
-    assert all(m <= p <= 1.25 * m and p % 4 == 0 for m, p in zip(range(128, 4097), padded))
-    assert len(set(padded)) <= 4 * 5 + 1                               # four sizes per power of two, 128 .. 4096
+    assert [fp8_gemm_mod.cublas_rows(m) for m in (128, 129, 515, 4096)] == [128, 132, 516, 4096]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS block-FP8 needs a GPU")
 @pytest.mark.parametrize("m", [512, 515, 1000])
 @pytest.mark.parametrize("n,k", [(2112, 1024), (512, 512)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("pad", [False, True])
-def test_fp8_linear_cublas_matches_triton(m: int, n: int, k: int, out_dtype: torch.dtype, pad: bool) -> None:
-    """cuBLAS's path against the reference and the Triton GEMM, M not a multiple of 4 and N not of 128 included, rows
-    bucketed or not."""
+def test_fp8_linear_cublas_matches_triton(m: int, n: int, k: int, out_dtype: torch.dtype) -> None:
+    """cuBLAS's path against the reference and the Triton GEMM, M not a multiple of 4 and N not of 128 included."""
     if not fp8_gemm_mod.cublas_block_fp8_available(torch.cuda.current_device()):
         pytest.skip("this GPU / torch lacks cuBLAS block-scaled FP8 (CUDA >= 12.9, compute capability 9.0)")
     seed = random.randrange(2**31)
@@ -212,7 +206,7 @@ def test_fp8_linear_cublas_matches_triton(m: int, n: int, k: int, out_dtype: tor
     w_q, w_s = block_quant_fp8_ref(torch.randn(n, k, device="cuda") * 0.05)
     bias = torch.randn(n, device="cuda", dtype=out_dtype)
     ref = fp8_linear_ref(x, w_q, w_s, bias, out_dtype=torch.float32)
-    y = fp8_linear(x, w_q, w_s, bias, out_dtype=out_dtype, cublas=True, pad=pad)
+    y = fp8_linear(x, w_q, w_s, bias, out_dtype=out_dtype, cublas=True)
     assert y.dtype == out_dtype and y.shape == (m, n)
     assert _rel_max(y, ref) <= _tol(out_dtype, "cuda")
     assert _rel_max(y, fp8_linear(x, w_q, w_s, bias, out_dtype=out_dtype, cublas=False)) <= _tol(out_dtype, "cuda")
