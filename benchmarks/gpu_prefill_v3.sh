@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15, V3 prefill on one H100 (carry .whl): the block-FP8 GEMM paths at prefill sizes (ours beside cuBLAS's
 # block-scaled matmul), the V3 4L FP8 1 x 4096 prefill's kernels, and the one-batch prefill with and without cuBLAS.
-#   bash benchmarks/gpu_prefill_v3.sh [cublas|linear|tests|host|ab|piecewise|prefill|all ...]
+#   bash benchmarks/gpu_prefill_v3.sh [cublas|linear|tests|host|align|ab|piecewise|prefill|all ...]
 source benchmarks/gpu_v2l_env.sh
 PARTS=${*:-all}
 has() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
@@ -32,6 +32,12 @@ if has ab; then   # one-batch 1 x 4096 prefill of V3 4L FP8, the Triton GEMM (of
       --load-format dummy --model-config $V3_4L --batch-size 1 --input-len 4096 --output-len 4 \
       --output-file "$OUT/one_batch_prefill_$tag.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3-9 | sed "s/^/$tag /"
   done
+fi
+if has align; then   # the MoE align's three paths forced, prefill sizes included; its GPU tests
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py -k align > "$OUT/align_tests.txt" 2>&1
+  tail -2 "$OUT/align_tests.txt"
+  timeout 300 python3 benchmarks/bench_moe_align.py --tokens 64 256 1024 2048 4096 8192 > "$OUT/align.txt" 2>&1
+  grep -v Warning "$OUT/align.txt" | tail -20
 fi
 if has piecewise; then   # the same prefill through piecewise CUDA graphs (host out of the way), then V3 4L decode at
   # bs 128 (the first graph size whose linears reach the cuBLAS path), Triton GEMM (off) and cuBLAS (on)

@@ -78,7 +78,8 @@ if cli.cprofile:
 if cli.syncs:
     api = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda")
            and e.time_range.end - e.time_range.start > 20]
-    print(f"host CUDA API calls over 20 us: {len(api)}, {sum(e.time_range.end - e.time_range.start for e in api):.0f} us")
+    busy = sum(e.time_range.end - e.time_range.start for e in api)
+    print(f"host CUDA API calls over 20 us: {len(api)}, {busy:.0f} us")
     t0 = min(e.time_range.start for e in prof.events())
     for e in sorted(api, key=lambda e: e.time_range.start)[:40]:
         frames = [f for f in (e.stack or []) if "mlaserve" in f or "benchmarks" in f][:3]

@@ -160,37 +160,39 @@ def _moe_count_kernel(topk_ids_ptr, partial_ptr, num_slots, num_experts, BLOCK_E
     tl.store(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(onehot, axis=1))
 
 
-@triton.jit(do_not_specialize=["num_slots", "num_blocks", "num_chunks"])
-def _moe_scan_kernel(partial_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
-                     num_chunks, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                     BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-    # One program: totals per expert, block labels, then partial[c, e] := first sorted position of chunk c's
-    # slots of expert e (in place).
+@triton.jit(do_not_specialize=["num_chunks"])
+def _moe_colscan_kernel(partial_ptr, totals_ptr, num_chunks, BLOCK_E: tl.constexpr, GROUP_E: tl.constexpr,
+                        BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    # One program per GROUP_E experts (columns of the count's partial [chunks, BE]): partial[c, e] := slots of
+    # expert e in the chunks before c (in place), totals[e] := all of them.
     pdl_enter(PDL)
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    experts = tl.program_id(0) * GROUP_E + tl.arange(0, GROUP_E)
+    run = tl.zeros([GROUP_E], dtype=tl.int32)
     for p0 in range(0, num_chunks, BLOCK_P):
         rows = p0 + tl.arange(0, BLOCK_P)
         ptrs = partial_ptr + rows[:, None] * BLOCK_E + experts[None, :]
-        counts += tl.sum(tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0), axis=0)
-    run = _label_blocks(counts, expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr, num_slots, num_blocks,
-                        num_experts, 0, 1, BLOCK_M, BLOCK_E, CHUNK)
-    for p0 in range(0, num_chunks, BLOCK_P):
-        rows = p0 + tl.arange(0, BLOCK_P)
-        ptrs = partial_ptr + rows[:, None] * BLOCK_E + experts[None, :]
-        tile = tl.load(ptrs, mask=(rows < num_chunks)[:, None], other=0)             # [BP, BE]
-        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + run[None, :], mask=(rows < num_chunks)[:, None])
+        ok = (rows < num_chunks)[:, None]
+        tile = tl.load(ptrs, mask=ok, other=0)                                        # [BP, GE]
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + run[None, :], mask=ok)
         run += tl.sum(tile, axis=0)
+    tl.store(totals_ptr + experts, run)
 
 
-@triton.jit(do_not_specialize=["num_slots"])
-def _moe_scatter_kernel(topk_ids_ptr, partial_ptr, sorted_ids_ptr, num_slots, num_experts,
-                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_slots", "num_blocks", "num_chunks"])
+def _moe_label_scatter_kernel(topk_ids_ptr, partial_ptr, totals_ptr, sorted_ids_ptr, expert_ids_ptr,
+                              num_post_pad_ptr, num_slots, num_blocks, num_chunks, num_experts,
+                              BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                              LABEL_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    # One program per chunk, after the column scan: the experts' padded starts from their totals, this program's
+    # share of the block labels, then its chunk scattered from starts + the slots of earlier chunks.
     pdl_enter(PDL)
     chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    starts = _label_blocks(tl.load(totals_ptr + experts), expert_ids_ptr, sorted_ids_ptr, num_post_pad_ptr,
+                           num_slots, num_blocks, num_experts, chunk, num_chunks, BLOCK_M, BLOCK_E, LABEL_CHUNK)
+    before = tl.load(partial_ptr + chunk * BLOCK_E + experts)
     offs, onehot = _chunk_onehot(topk_ids_ptr, chunk, num_slots, num_experts, BLOCK_E, CHUNK)
-    base = tl.load(partial_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E))
-    _scatter_chunk(sorted_ids_ptr, offs, onehot, base, num_slots)
+    _scatter_chunk(sorted_ids_ptr, offs, onehot, starts + before, num_slots)
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_blocks", "num_chunks"])
@@ -231,8 +233,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
         expert_ids [P / block_m] int32: the expert of each block; -1 for the blocks of id -1 slots and past the
             used blocks.
         num_tokens_post_pad [1] int32: used length of sorted_token_ids (stays on device, no host sync).
-    `launches` forces the single program (1), count + scan-and-scatter (2) or count / scan / scatter (3); by default
-    `align_launches` picks. All give the same outputs.
+    `launches` forces the single program (1), count + scan-and-scatter (2) or count / column scan / label-and-scatter
+    (3); by default `align_launches` picks. All give the same outputs.
     """
     assert topk_ids.dim() == 2 and not topk_ids.is_floating_point(), \
         f"topk_ids must be [T, k] int, got {tuple(topk_ids.shape)} {topk_ids.dtype}"
@@ -267,11 +269,16 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
             LABEL_CHUNK=max(16, min(triton.next_power_of_2(triton.cdiv(num_blocks, num_chunks)), 8192 // block_e)),
             **pdl, num_warps=4)
         return sorted_ids, expert_ids, num_post_pad
-    _moe_scan_kernel[(1,)](partial, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks, num_experts,
-                           BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, BLOCK_P=max(1, 8192 // block_e),
-                           **pdl, num_warps=8)
-    _moe_scatter_kernel[(num_chunks,)](ids, partial, sorted_ids, s, num_experts, BLOCK_E=block_e, CHUNK=chunk,
-                                       **pdl, num_warps=4)
+    group_e = min(block_e, 16)
+    totals = torch.empty(block_e, dtype=torch.int32, device=dev)
+    _moe_colscan_kernel[(block_e // group_e,)](partial, totals, num_chunks, BLOCK_E=block_e, GROUP_E=group_e,
+                                               BLOCK_P=min(triton.next_power_of_2(num_chunks), 256), **pdl,
+                                               num_warps=4)
+    _moe_label_scatter_kernel[(num_chunks,)](
+        ids, partial, totals, sorted_ids, expert_ids, num_post_pad, s, num_blocks, num_chunks, num_experts,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
+        LABEL_CHUNK=max(16, min(triton.next_power_of_2(triton.cdiv(num_blocks, num_chunks)), 8192 // block_e)),
+        **pdl, num_warps=4)
     return sorted_ids, expert_ids, num_post_pad
 
 

@@ -134,7 +134,8 @@ def _quant_launch_shape(m: int, g: int, block_g: int) -> tuple[int, int]:
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, dtype: torch.dtype = torch.float8_e4m3fn,
-                              scale_m_major: bool = False, out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              scale_m_major: bool = False,
+                              out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `per_token_group_quant_fp8_ref` (same contract and rounding).
 
     Args:

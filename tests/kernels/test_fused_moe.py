@@ -275,9 +275,9 @@ class AlignSpy:
 @pytest.mark.parametrize("size", ["below", "at", "above", "far"])                   # S vs the one-program bound
 def test_moe_align_paths_agree(num_experts: int, top_k: int, n_shared: int, block_m: int, size: str, device: str,
                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The single-launch align and count + scan-and-scatter write exactly what count / scan / scatter write
-    (sorted ids, padding, block labels, used length), on random ids with repeats and -1 sentinels; the default
-    path follows the bounds ("far": past the two-launch bound, made small for the test)."""
+    """The single-launch align and count + scan-and-scatter write exactly what count / column scan /
+    label-and-scatter write (sorted ids, padding, block labels, used length), on random ids with repeats and -1
+    sentinels; the default path follows the bounds ("far": past the two-launch bound, made small for the test)."""
     seed = int(torch.randint(0, 2**31, ()).item())
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
@@ -300,7 +300,7 @@ def test_moe_align_paths_agree(num_experts: int, top_k: int, n_shared: int, bloc
     launched: list[str] = []
     monkeypatch.setattr(fm, "_moe_align_kernel", AlignSpy(fm._moe_align_kernel, launched, "one"))
     monkeypatch.setattr(fm, "_moe_scan_scatter_kernel", AlignSpy(fm._moe_scan_scatter_kernel, launched, "two"))
-    monkeypatch.setattr(fm, "_moe_scan_kernel", AlignSpy(fm._moe_scan_kernel, launched, "three"))
+    monkeypatch.setattr(fm, "_moe_colscan_kernel", AlignSpy(fm._moe_colscan_kernel, launched, "three"))
     default = moe_align_block_size(ids, block_m, e)
     assert launched == [{"below": "one", "at": "one", "above": "two", "far": "three"}[size]]
     assert all(torch.equal(a, b) for a, b in zip(default, one))
