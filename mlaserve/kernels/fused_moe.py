@@ -38,18 +38,19 @@ SUM_DIM1_MAX_TOKENS = 64
 SUM_DIM1_MAX_TOKENS_WIDE = 4            # hidden above SUM_DIM1_NARROW_HIDDEN
 SUM_DIM1_NARROW_HIDDEN = 2048
 # How the S = T * k slots are aligned (`align_launches`), from benchmarks/bench_moe_align.py on an H100
-# (benchmarks/results/decode-host-h100.md): one program (`_moe_align_kernel`) while S x BE (BE: the expert bins, a
-# power of two above E) is at most ALIGN_ONE_PROGRAM_MAX_WORK, as its per-chunk work grows with both; then a count and
-# a scan-and-scatter, whose every program reads the count's whole partial [chunks, BE], while those reads (chunks x
-# chunks x BE values) are at most ALIGN_TWO_LAUNCH_MAX_READS; else count, scan, scatter. Measured (us, one / two /
-# three launches):
-#   V2-Lite (BE 128): 1 token 2.4 / 7.7 / 13.7; 16 tokens 9.1 / 9.7 / 15.3; 32 tokens 12.5 / 8.4 / 15.4
-#   V3 (BE 512):      1 token 4.1 / 7.1 / 10.3; 8 tokens 12.9 / 7.8 / 16.2; 64 tokens 46.3 / 9.6 / 43.1
-# Two beat three at every size measured; the largest, V3 1024 tokens (576 chunks: 170M values read), took 62.9 against
-# 146.0 us, and sets the bound: past it three launches run.
+# (benchmarks/results/decode-host-h100.md, prefill-v3-h100.md): one program (`_moe_align_kernel`) while S x BE (BE:
+# the expert bins, a power of two above E) is at most ALIGN_ONE_PROGRAM_MAX_WORK, as its per-chunk work grows with
+# both; then a count and a scan-and-scatter, whose every program reads the count's whole partial [chunks, BE], while
+# those reads (chunks x chunks x BE values) are at most ALIGN_TWO_LAUNCH_MAX_READS; else count, column scan,
+# label-and-scatter. Measured (us, one / two / three launches):
+#   V2-Lite (BE 128): 1 token 2.4 / 7.7 / 13.7; 16 tokens 9.1 / 9.7 / 15.3; 1024 tokens (2.1M values read) 224 / 9.9
+#                     / 11.1; 2048 tokens (8.4M) 438 / 14.7 / 12.2
+#   V3 (BE 512):      1 token 4.1 / 7.1 / 10.3; 64 tokens (0.66M) 46 / 9.5 / 9.8; 256 tokens (10.6M) 124 / 12.9 /
+#                     10.9; 4096 tokens 1632 / 867 / 56
+# Two launches beat three up to 2.1M values read on every shape, and lost from 8.4M: the bound.
 ALIGN_ONE_PROGRAM_MAX_WORK = 16384
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
-ALIGN_TWO_LAUNCH_MAX_READS = 576 * 576 * 512
+ALIGN_TWO_LAUNCH_MAX_READS = 128 * 128 * 128
 
 
 def align_launches(num_slots: int, num_experts: int) -> int:
