@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15, V3 prefill on one H100 (carry .whl): the block-FP8 GEMM paths at prefill sizes (ours beside cuBLAS's
 # block-scaled matmul), the V3 4L FP8 1 x 4096 prefill's kernels, and the one-batch prefill with and without cuBLAS.
-#   bash benchmarks/gpu_prefill_v3.sh [cublas|linear|tests|host|align|ab|piecewise|prefill|all ...]
+#   bash benchmarks/gpu_prefill_v3.sh [tests|models|cublas|linear|host|align|ab|piecewise|prefill|all ...]
 source benchmarks/gpu_v2l_env.sh
 PARTS=${*:-all}
 has() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
@@ -10,6 +10,11 @@ if has tests; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/kernels/test_quant.py \
     tests/kernels/test_fp8_gemv.py > "$OUT/tests.txt" 2>&1
   tail -5 "$OUT/tests.txt"
+fi
+if has models; then   # the model paths the changes touch: greedy equality against the reference, log-probs against HF
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/models/test_gpu_fastpath.py \
+    > "$OUT/model_tests.txt" 2>&1
+  tail -3 "$OUT/model_tests.txt"
 fi
 if has cublas; then
   timeout 300 python3 benchmarks/probe_fp8_cublas.py > "$OUT/fp8_cublas.txt" 2>&1

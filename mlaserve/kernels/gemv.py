@@ -99,20 +99,29 @@ def bucket_rows(m: int) -> int:
 
 
 def cublas_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  pad: bool | None = None) -> torch.Tensor:
+                  pad: bool | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear with a 2-D `x`'s rows padded to `bucket_rows` (zeros; the extra output rows are dropped) in eager
     GPU code. cuBLAS picks its kernel on the host for every new shape: 0.8-2.3 ms a call for a token count it has
     not seen, 25-35 us for one it has (H100, benchmarks/probe_gemm_host.py), and eager prefill brings a new count
     with nearly every prompt. Buckets keep the shapes few. Not while a CUDA graph captures (its shapes are fixed
-    and replay skips the host) nor under torch.compile; `pad` forces it either way (tests)."""
+    and replay skips the host) nor under torch.compile; `pad` forces it either way (tests).
+    out_dtype: a wider output than x's (fp32 from bf16 / fp16 operands, on CUDA): the tensor cores' products of
+    16-bit operands are exact in fp32 and summed in fp32, so the result is the fp32 GEMM of the upcast operands up to
+    summation order (the MoE router's logits), without its fp32-FMA kernel's time (0.3 ms for V3's router at 4096
+    tokens, benchmarks/results/prefill-v3-h100.md)."""
     if pad is None:      # NOTE: not inside torch.compile (decode graphs: fixed shapes; no SymInt arithmetic)
         pad = x.is_cuda and torch.cuda.is_available() and not torch.compiler.is_compiling() \
             and not torch.cuda.is_current_stream_capturing()
     m = x.shape[0] if x.dim() == 2 else 0
     mp = bucket_rows(m) if pad else m
-    if mp == m:
-        return F.linear(x, w, bias)
-    return F.linear(F.pad(x, (0, 0, 0, mp - m)), w, bias)[:m]
+    if mp != m:
+        x = F.pad(x, (0, 0, 0, mp - m))
+    if out_dtype is None or out_dtype == x.dtype:
+        y = F.linear(x, w, bias)
+    else:
+        assert x.dim() == 2 and x.is_cuda and bias is None, "out_dtype takes a 2-D CUDA x and no bias"
+        y = torch.mm(x, w.t(), out_dtype=out_dtype)
+    return y if mp == m else y[:m]
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

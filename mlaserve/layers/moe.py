@@ -82,8 +82,11 @@ class Router(torch.nn.Module):
         c, kw = self.cfg, self._routing(n_shared)
         if x.shape[0] <= self.route_max_tokens:    # the gate weight as stored: upcasting it is exact
             return self.ops.moe_route(x, self.weight, c.num_experts_per_tok, sync=self.route_sync, **kw)
-        w = getattr(self, "weight_f32", None)
-        logits = cublas_linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
+            logits = cublas_linear(x, self.weight, out_dtype=torch.float32)          # [T, E]: exact products, fp32 sums
+        else:
+            w = getattr(self, "weight_f32", None)
+            logits = cublas_linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
         return self.ops.moe_topk(logits, c.num_experts_per_tok, **kw)
 
     def route_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,

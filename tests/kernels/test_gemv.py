@@ -45,3 +45,19 @@ def test_padded_cublas_linear_equals_linear(m: int) -> None:
     y = cublas_linear(x, w, b, pad=True)
     assert y.shape == (m, 40) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="out_dtype runs torch.mm's CUDA dtype overload")
+@pytest.mark.parametrize("m", [300, 4096])
+def test_cublas_linear_fp32_out_of_bf16_is_the_fp32_gemm(m: int) -> None:
+    """bf16 operands, fp32 output (the MoE router's logits): the fp32 GEMM of the upcast operands up to summation
+    order, padded rows or not."""
+    seed = torch.seed()
+    print("seed", seed)
+    x = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(256, 7168, device="cuda") * 0.02).to(torch.bfloat16)
+    ref = x.double() @ w.double().t()
+    for pad in (False, True):
+        y = cublas_linear(x, w, pad=pad, out_dtype=torch.float32)
+        assert y.dtype == torch.float32 and y.shape == (m, 256)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
