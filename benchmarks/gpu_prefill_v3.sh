@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15, V3 prefill on one H100 (carry .whl): the block-FP8 GEMM paths at prefill sizes (ours beside cuBLAS's
 # block-scaled matmul), the V3 4L FP8 1 x 4096 prefill's kernels, and the one-batch prefill with and without cuBLAS.
-#   bash benchmarks/gpu_prefill_v3.sh [tests|models|cublas|linear|host|align|ab|piecewise|prefill|all ...]
+#   bash benchmarks/gpu_prefill_v3.sh [tests|models|cublas|linear|host|align|ab|piecewise|final|prefill|all ...]
 source benchmarks/gpu_v2l_env.sh
 PARTS=${*:-all}
 has() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
@@ -58,6 +58,20 @@ if has piecewise; then   # the same prefill through piecewise CUDA graphs (host 
       --output-file "$OUT/one_batch_bs128_$tag.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3,9,10,12,13,14 \
       | sed "s/^/$tag decode /"
   done
+fi
+if has final; then   # issue 15's one-batch table at this tree, and the kernel tests the session's changes touch
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/kernels/test_quant.py \
+    tests/kernels/test_fused_moe.py tests/kernels/test_gemv.py > "$OUT/final_tests.txt" 2>&1
+  tail -2 "$OUT/final_tests.txt"
+  B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
+  timeout 150 $B --model-config $V2L --batch-size 1 16 64 --input-len 256 --output-len 32 \
+    --output-file "$OUT/final_v2l.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3-14
+  timeout 150 $B --model-config $V2L --batch-size 1 --input-len 4096 --output-len 4 \
+    --output-file "$OUT/final_v2l_prefill.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3-9
+  timeout 200 $B --model-config $V3_4L --batch-size 1 16 64 --input-len 256 --output-len 32 \
+    --output-file "$OUT/final_v3.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3-14
+  timeout 150 $B --model-config $V3_4L --batch-size 1 --input-len 4096 --output-len 4 \
+    --output-file "$OUT/final_v3_prefill.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3-9
 fi
 if has prefill; then
   timeout 200 python3 benchmarks/profile_prefill.py --model-config $V3_4L --len 4096 --syncs > "$OUT/prefill_v3_4096.txt" 2>&1
