@@ -268,7 +268,7 @@ def cublas_block_fp8_ok(x2: torch.Tensor, w_q: torch.Tensor) -> bool:
 def cublas_rows(m: int) -> int:
     """Rows the cuBLAS path runs for M tokens: M rounded up to a multiple of 4 (cuBLAS refuses other counts of M-major
     scales). Not bucketed as `cublas_linear`'s bf16 rows are: a token count cuBLASLt has not seen costs this path
-    30-100 us more host time once, not bf16's 0.8-2.3 ms (benchmarks/probe_fp8_cublas.py --host, H100), and padded
+    20-130 us more host time once, not bf16's 0.8-2.3 ms (benchmarks/probe_fp8_cublas.py --host, H100), and padded
     rows cost GPU time at prefill sizes."""
     return -(-m // 4) * 4
 
@@ -278,8 +278,8 @@ def cublas_block_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
     """y [M, N] = (x_q * x_scale) @ (w_q * w_scale_inv)^T through cuBLAS (contract of `fp8_gemm_ref`).
 
     x_scale [M, K/128] M-major with M a multiple of 4 (`per_token_group_quant_fp8(..., scale_m_major=True,
-    pad_rows_to=4)`: cuBLAS refuses other row counts); w_scale_inv [ceil(N/128),
-    K/128] as checkpoints store it (its transpose is the K-major [K/128, N/128] cuBLAS reads: a view)."""
+    out_rows=cublas_rows(m))`: cuBLAS refuses other row counts); w_scale_inv [ceil(N/128), K/128] as checkpoints
+    store it (its transpose is the K-major [K/128, N/128] cuBLAS reads: a view)."""
     f = torch.nn.functional
     return f.scaled_mm(x_q, w_q.t(), x_scale, f.ScalingType.BlockWise1x128, w_scale_inv.t(),
                        f.ScalingType.BlockWise128x128, output_dtype=out_dtype)
