@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15, V3 prefill on one H100 (carry .whl): the block-FP8 GEMM paths at prefill sizes (ours beside cuBLAS's
 # block-scaled matmul), the V3 4L FP8 1 x 4096 prefill's kernels, and the one-batch prefill with and without cuBLAS.
-#   bash benchmarks/gpu_prefill_v3.sh [tests|models|cublas|linear|host|align|ab|piecewise|final|prefill|all ...]
+#   bash benchmarks/gpu_prefill_v3.sh [tests|models|cublas|linear|host|align|ab|piecewise|final|table|prefill|all ...]
 source benchmarks/gpu_v2l_env.sh
 PARTS=${*:-all}
 has() { [[ " $PARTS " == *" $1 "* || " $PARTS " == *" all "* ]]; }
@@ -59,10 +59,12 @@ if has piecewise; then   # the same prefill through piecewise CUDA graphs (host 
       | sed "s/^/$tag decode /"
   done
 fi
-if has final; then   # issue 15's one-batch table at this tree, and the kernel tests the session's changes touch
+if has final; then   # the kernel tests the session's changes touch, then the table below
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py tests/kernels/test_quant.py \
     tests/kernels/test_fused_moe.py tests/kernels/test_gemv.py > "$OUT/final_tests.txt" 2>&1
   tail -2 "$OUT/final_tests.txt"
+fi
+if has final || has table; then   # issue 15's one-batch table at this tree
   B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
   timeout 150 $B --model-config $V2L --batch-size 1 16 64 --input-len 256 --output-len 32 \
     --output-file "$OUT/final_v2l.md" 2>&1 | grep "^| mlaserve" | cut -d'|' -f3-14
