@@ -82,7 +82,9 @@ class Router(torch.nn.Module):
         c, kw = self.cfg, self._routing(n_shared)
         if x.shape[0] <= self.route_max_tokens:    # the gate weight as stored: upcasting it is exact
             return self.ops.moe_route(x, self.weight, c.num_experts_per_tok, sync=self.route_sync, **kw)
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
+        # NOTE: not under torch.compile (decode batches up to its max bs): mm's out_dtype overload is left to eager
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype \
+                and not torch.compiler.is_compiling():
             logits = cublas_linear(x, self.weight, out_dtype=torch.float32)          # [T, E]: exact products, fp32 sums
         else:
             w = getattr(self, "weight_f32", None)
