@@ -31,9 +31,9 @@ def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) 
     for t, h in shapes:
         g = torch.Generator().manual_seed(1000 * t + h + group.info.rank)
         x = torch.randn(t, h, generator=g).to(dtype)
-        parts = [torch.empty_like(x) for _ in range(group.size)]
-        dist.all_gather(parts, x.to(device), group=tp.group)
         x = x.to(device)
+        parts = [torch.empty_like(x) for _ in range(group.size)]     # on the device: NCCL gathers there
+        dist.all_gather(parts, x, group=tp.group)
         res, w = torch.randn(t, h, device=device).to(dtype), torch.ones(h, dtype=dtype, device=device)
         want = peer_all_reduce_ref([p.cpu() for p in parts])
         got = x.clone()
