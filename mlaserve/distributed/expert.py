@@ -65,7 +65,7 @@ class ExpertParallel:
         """[n * M, ...] on every rank -> [M, ...]: rank r gets the sum over ranks of rows r * M .. (r + 1) * M - 1."""
         if self.size == 1:
             return x
-        return _reduce_scatter_rows(x, self.size, self.group)
+        return reduce_scatter_rows(x, self.size, self.group)
 
     def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """Rows x[sum(send[:d]) : sum(send[:d + 1])] go to rank d; returns the rows received, rank by rank
@@ -107,7 +107,7 @@ def _all_gather_rows(x: torch.Tensor, size: int, group) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _reduce_scatter_rows(x: torch.Tensor, size: int, group) -> torch.Tensor:
+def reduce_scatter_rows(x: torch.Tensor, size: int, group) -> torch.Tensor:
     assert x.shape[0] % size == 0, f"reduce_scatter: {x.shape[0]} rows do not split over {size} ranks"
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x.contiguous(), group=group)

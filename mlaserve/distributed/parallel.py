@@ -251,6 +251,8 @@ def init_distributed(info: ParallelInfo, init_addr: str, timeout_s: float | None
         group.tp.all_reduce(torch.zeros(1, device=device))
     if peer_all_reduce is not False:
         _attach_peer(info, group.tp, cpu_group, device, required=bool(peer_all_reduce))
+        if group.dp is not None:            # the MoE's all-reduce over every rank (DP attention, decode sizes)
+            _attach_peer(info, group.dp.world, cpu_group, device, required=bool(peer_all_reduce), what="MoE")
     logger.info("rank %d of %d joined (%s, node %d of %d)", info.rank, info.world_size, backend, info.node_rank,
                 info.nnodes)
     return group
@@ -273,7 +275,8 @@ def _dp_attention_group(info: ParallelInfo, world: TensorParallel, cpu_group, ba
     return RankGroup(info, attn, cpu_group, dp=dp, leader_cpu_group=attn_cpu)
 
 
-def _attach_peer(info: ParallelInfo, tp: TensorParallel, cpu_group, device: torch.device, required: bool) -> None:
+def _attach_peer(info: ParallelInfo, tp: TensorParallel, cpu_group, device: torch.device, required: bool,
+                 what: str = "tensor-parallel") -> None:
     """Give `tp` its peer all-reduce when every group of the world can have one (collective over the world)."""
     from mlaserve.distributed.peer import PeerAllReduce, peer_members, why_not_peer
 
@@ -291,11 +294,12 @@ def _attach_peer(info: ParallelInfo, tp: TensorParallel, cpu_group, device: torc
         if required:
             raise ValueError(f"the peer all-reduce cannot run: {why}")
         if device.type == "cuda" and info.rank == 0:
-            logger.info("small all-reduces run on NCCL (no peer buffers: %s)", why)
+            logger.info("small %s all-reduces run on NCCL (no peer buffers: %s)", what, why)
         return
     tp.peer = PeerAllReduce(tp.rank, members, cpu_group, device)
     if info.rank == 0:
-        logger.info("small all-reduces (<= %d rows) run over peer buffers in one launch", tp.peer.peers.max_rows)
+        logger.info("small %s all-reduces (<= %d rows) run over peer buffers in one launch", what,
+                    tp.peer.peers.max_rows)
 
 
 def shutdown_distributed() -> None:
