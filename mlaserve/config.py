@@ -274,6 +274,12 @@ class ParallelConfig:
     enable_dp_attention: bool = opt(False, "data-parallel attention: --dp-size groups of tp / dp ranks each run "
                                     "attention on their own requests (one latent KV cache, scheduler and radix "
                                     "tree per group); the MoE runs over all ranks")
+    moe_dense_tp_size: int | None = opt(None, "tensor-parallel size of the dense MLP layers (the first "
+                                        "first_k_dense_replace): 1 keeps them whole on every rank, with no "
+                                        "all-reduce after them; default: split like attention (over the "
+                                        "attention group under --enable-dp-attention)")
+    enable_dp_lm_head: bool = opt(False, "with --enable-dp-attention: lm_head vocab-parallel within each "
+                                  "attention group, no gather across groups (always so here)")
     load_balance_method: str = opt("shortest_queue", "how requests are spread over the DP-attention groups: "
                                    "shortest_queue (fewest running + waiting tokens) or round_robin",
                                    choices=("round_robin", "shortest_queue"))

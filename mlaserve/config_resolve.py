@@ -145,8 +145,10 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
         _reject(f"--dist-timeout {p.dist_timeout}: must be > 0")
     if p.base_gpu_id < 0 or (p.base_gpu_id and device.type != "cuda"):
         _reject(f"--base-gpu-id {p.base_gpu_id}: must be >= 0, and picks GPUs only (the device is {device.type})")
+    _check_dense_and_head(p, model)
     check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8,
-                    attn_tp=p.tp_size // p.dp_size if p.enable_dp_attention else None)
+                    attn_tp=p.tp_size // p.dp_size if p.enable_dp_attention else None,
+                    dense_tp=p.moe_dense_tp_size)
     check_ep(p, model)
     return replace(p, dist_timeout=p.dist_timeout or DEFAULT_DIST_TIMEOUT)
 
@@ -172,10 +174,24 @@ def _check_dp_attention(p: ParallelConfig) -> None:
                 "implemented yet (every group's leader must be on node 0)")
 
 
-def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool, attn_tp: int | None = None) -> None:
+def _check_dense_and_head(p: ParallelConfig, model: ModelConfig) -> None:
+    """SGLang's --moe-dense-tp-size (unset or 1: whole dense layers) and --enable-dp-lm-head (this layout)."""
+    if p.moe_dense_tp_size is not None:
+        if p.moe_dense_tp_size != 1:
+            _reject(f"--moe-dense-tp-size {p.moe_dense_tp_size}: only 1 (the dense MLP layers whole on every rank) "
+                    "or unset (split like attention)")
+        if all(model.is_moe_layer(i) for i in range(model.num_hidden_layers)):
+            _reject("--moe-dense-tp-size 1: this model has no dense MLP layers (first_k_dense_replace is 0)")
+    if p.enable_dp_lm_head and not p.enable_dp_attention:
+        _reject("--enable-dp-lm-head: acts only with --enable-dp-attention (lm_head split within each attention "
+                "group)")
+
+
+def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool, attn_tp: int | None = None,
+                    dense_tp: int | None = None) -> None:
     """One line naming the first checkpoint tensor that does not split into its shards (of whole 128-blocks
     for block-FP8 weights): `tp` ways, except attention, embedding, lm_head and dense MLPs under DP attention,
-    which split `attn_tp` (tp / dp) ways."""
+    which split `attn_tp` (tp / dp) ways, and dense MLPs under --moe-dense-tp-size (`dense_tp`)."""
     a = tp if attn_tp is None else attn_tp
     h, block = model.num_attention_heads, 128
     attn = "model.layers.0.self_attn."
@@ -190,7 +206,7 @@ def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool, attn_tp: int | None 
     if len(moe) < model.num_hidden_layers:
         dense = next(i for i in range(model.num_hidden_layers) if not model.is_moe_layer(i))
         parts.append((f"model.layers.{dense}.mlp.down_proj.weight", "columns", model.intermediate_size,
-                      block if fp8 else 0, a))
+                      block if fp8 else 0, a if dense_tp is None else dense_tp))
     if moe:
         parts.append((f"model.layers.{moe[0]}.mlp.experts.0.down_proj.weight", "columns",
                       model.moe_intermediate_size, block if fp8 else 0, tp))

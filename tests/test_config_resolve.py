@@ -16,6 +16,7 @@ from mlaserve.config_resolve import (CPU_DEFAULT_TOKENS, DeviceInfo, default_bat
 CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
 V2_LITE = ModelConfig.from_dict(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()))
 V3_FP8 = ModelConfig.from_dict(json.loads((CONFIGS / "deepseek-v3.json").read_text()))
+ALL_MOE = ModelConfig.from_dict(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()) | {"first_k_dense_replace": 0})
 CPU = DeviceInfo("cpu", triton=False)
 CPU_INTERPRETED = DeviceInfo("cpu", triton=True)
 H100 = DeviceInfo("cuda", 0, "NVIDIA H100 80GB HBM3", 80 * 2**30, (9, 0), triton=True)
@@ -112,6 +113,11 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (CPU, V2_LITE, dict(tp_size=4, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="h:1"),
      "--enable-dp-attention with --nnodes 2"),
     (CPU, V2_LITE, dict(load_balance_method="round_robin"), "--load-balance-method round_robin"),
+    (CPU, V2_LITE, dict(tp_size=2, moe_dense_tp_size=2), "--moe-dense-tp-size 2: only 1"),
+    (CPU, ALL_MOE, dict(tp_size=2, moe_dense_tp_size=1), "--moe-dense-tp-size 1: this model has no dense MLP"),
+    (H100, V3_FP8, dict(tp_size=32, moe_dense_tp_size=1),
+     "--tp-size 32: model.layers.3.mlp.experts.0.down_proj.weight has 2048 columns"),
+    (CPU, V2_LITE, dict(tp_size=2, enable_dp_lm_head=True), "--enable-dp-lm-head: acts only with --enable-dp-attention"),
     (CPU, V2_LITE, dict(load_balance_method="random"), "--load-balance-method random: choose one of"),
     (H100, V3_FP8, dict(tp_size=2, dp_size=2, enable_dp_attention=True, cuda_graph_max_bs=8,
                         disable_cuda_graph=True), "--cuda-graph-max-bs: these act on CUDA graphs, which are off "
@@ -171,6 +177,10 @@ def test_dp_attention_configs_resolve():
                 enable_torch_compile=True)                                    # draft + verify graphs too
     assert not r.sched.disable_cuda_graph and r.sched.torch_compile_max_bs > 0
     assert resolve(H100, V3_FP8, tp_size=16, dp_size=2, enable_dp_attention=True).parallel.dp_size == 2
+    # SGLang's DP-attention flags for the dense layers and lm_head
+    r = resolve(H100, V3_FP8, tp_size=16, dp_size=2, enable_dp_attention=True, moe_dense_tp_size=1,
+                enable_dp_lm_head=True)
+    assert (r.parallel.moe_dense_tp_size, r.parallel.enable_dp_lm_head) == (1, True)
 
 
 def test_triton_on_the_cpu_needs_the_interpreter():

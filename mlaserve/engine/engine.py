@@ -112,7 +112,8 @@ class ModelRunner:
                                          load_mtp=spec_steps > 0, max_pos=self.context_len + 2 * spec_steps + 2,
                                          tp=self.group.tp, dp=self.group.dp,
                                          ep=expert_parallel(self.group.dp.world if self.group.dp else self.group.tp,
-                                                            server.parallel.ep_size))
+                                                            server.parallel.ep_size),
+                                         dense_tp=TensorParallel() if server.parallel.moe_dense_tp_size == 1 else None)
         load_weights(self.model, self.cfg, model_path, load_format=load.load_format, dequant_fp8=load.dequant_fp8,
                      seed=load.seed, progress=self.group.info.is_leader, draft=draft)
         if spec_steps and sched.speculative_token_map:

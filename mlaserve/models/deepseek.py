@@ -32,18 +32,21 @@ class ModelOutput(NamedTuple):
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *, dtype: torch.dtype,
                  device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool, tp: TensorParallel,
-                 dp: DPAttention | None = None, ep: ExpertParallel | None = None):
+                 dp: DPAttention | None = None, ep: ExpertParallel | None = None,
+                 dense_tp: TensorParallel | None = None):
         super().__init__()
         quant = None if dequant_fp8 else cfg.quant
         self.tp = tp
+        self.mlp_tp = tp            # the group the MLP's partial outputs are summed over (reduce_out)
         self.self_attn = MLAAttention(cfg, layer_id, rotary, dtype=dtype, device=device, ops=ops, absorb=absorb,
                                       dequant_fp8=dequant_fp8, tp=tp)
         self.dp = dp if cfg.is_moe_layer(layer_id) else None        # dense layers stay within the attention group
         if cfg.is_moe_layer(layer_id):
             self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=dp.world if dp else tp, ep=ep)
         else:
+            self.mlp_tp = tp if dense_tp is None else dense_tp         # --moe-dense-tp-size 1: whole on every rank
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device,
-                                ops=ops, tp=tp)
+                                ops=ops, tp=self.mlp_tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, ops=ops)
 
@@ -85,11 +88,12 @@ class DecoderLayer(torch.nn.Module):
 
     def reduce_out(self, h: torch.Tensor, residual: torch.Tensor,
                    next_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The block's output from this rank's share h: (all_reduce(h), residual, False), or, where the peer
-        all-reduce takes h and the next norm, (next_norm(sum + residual), sum + residual, True)."""
-        if next_norm is not None and self.tp.fuses_norm(h):
-            return *self.tp.all_reduce_add_norm(h, residual, next_norm.weight, next_norm.eps), True
-        return self.tp.all_reduce(h), residual, False
+        """The block's output from this rank's share h of the MLP: (all_reduce(h), residual, False), or, where the
+        peer all-reduce takes h and the next norm, (next_norm(sum + residual), sum + residual, True)."""
+        tp = self.mlp_tp
+        if next_norm is not None and tp.fuses_norm(h):
+            return *tp.all_reduce_add_norm(h, residual, next_norm.weight, next_norm.eps), True
+        return tp.all_reduce(h), residual, False
 
     def dp_moe(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The MoE under DP attention: h [n, h] of this group -> all groups' [N, h] -> MoE -> this group's [n, h]."""
@@ -170,20 +174,21 @@ class DeepseekForCausalLM(torch.nn.Module):
     non-absorbed too (`--disable-mla`); `dequant_fp8=True` keeps an FP8 checkpoint's weights as `dtype`;
     `load_mtp` builds the NextN layer; `tp` is this rank's tensor-parallel group (default: one process), its
     attention group under data-parallel attention (`dp`); `ep` its expert-parallel group (over every rank under
-    data-parallel attention)."""
+    data-parallel attention); `dense_tp` the group of the dense MLP layers (default `tp`; `TensorParallel()`:
+    whole on every rank, --moe-dense-tp-size 1)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", kernels: str = "torch", absorb: bool = True,
                  dequant_fp8: bool = False, load_mtp: bool = False, max_pos: int | None = None,
                  tp: TensorParallel | None = None, dp: DPAttention | None = None,
-                 ep: ExpertParallel | None = None):
+                 ep: ExpertParallel | None = None, dense_tp: TensorParallel | None = None):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.tp, self.dp = tp or TensorParallel(), dp
         self.ops = get_ops(kernels)
         self.rotary = RotaryEmbedding(cfg, max_pos, device)
         kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp,
-                  dp=dp, ep=ep)
+                  dp=dp, ep=ep, dense_tp=dense_tp)
         self.model = DeepseekModel(cfg, self.rotary, **kw)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=self.tp, ops=self.ops)
         self.mtp = None

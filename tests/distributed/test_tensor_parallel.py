@@ -2,8 +2,10 @@
 (V2-Lite, V2 and V3 FP8 shapes), and the scheduler's radix hits, chunked prefill, retraction and aborts."""
 from __future__ import annotations
 
+import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +119,30 @@ def test_cached_prompt_as_a_decode_step_under_tp2(checkpoint):
     for m in msgs:
         assert_greedy_equal_before_ties(one["results"][m.rid], two["results"][m.rid], m.rid)
         assert_greedy_equal_before_ties(cold["results"][m.rid], two["results"][m.rid], m.rid)
+
+
+def _dense_whole_on_ranks(group, path: str, msgs: list) -> dict:
+    sched = _scheduler(path, group, moe_dense_tp_size=1)
+    layers = sched.runner.model.model.layers
+    shapes = {"dense down_proj": tuple(layers[0].mlp.down_proj.weight.shape),
+              "o_proj": tuple(layers[0].self_attn.o_proj.weight.shape)}
+    return {"results": drive_scheduler(sched, msgs), "shapes": shapes}
+
+
+def test_dense_layers_whole_on_every_rank_under_tp2(checkpoint):
+    """--moe-dense-tp-size 1 at tp 2 (V2 shape, one dense first layer): the dense MLP is whole on both ranks (no
+    all-reduce after it) while attention stays split, and the tokens equal one process's."""
+    _, prompts = seeded_prompts(8, (2, 10), (2, 5, 30))
+    msgs = [_msg(f"r{i}", p, 8) for i, p in enumerate(prompts)]
+    path = checkpoint("v2")
+    one = drive_on_ranks(None, path, {}, msgs, {}, {})
+    ranks = spawn_ranks(_dense_whole_on_ranks, 2, path, msgs, timeout=300)
+    assert ranks[0] == ranks[1], "the two ranks disagree"
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    assert ranks[0]["shapes"] == {"dense down_proj": (h, inter), "o_proj": (h, heads // 2 * cfg["v_head_dim"])}
+    for m in msgs:
+        assert_greedy_equal_before_ties(one["results"][m.rid], ranks[0]["results"][m.rid], m.rid)
 
 
 def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
