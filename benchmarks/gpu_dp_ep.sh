@@ -2,7 +2,7 @@
 # Issue 12 on nvidia-h200-x2: DP attention and EP against tp 2. DeepSeek-V3 full width, block FP8, $V3_LAYERS layers
 # (default 12: ~68 GB of weights per rank at tp 2, the rest for graphs and the KV pool), dummy weights, our tokenizer.
 #   bash benchmarks/gpu_dp_ep.sh collectives   the gather + scatter vs tp's two all-reduces per layer (dp_collectives.py)
-#   bash benchmarks/gpu_dp_ep.sh serve A B ..  for each configuration named (tp2 tp2-ep2 dp2 dp2-ep2): start the server,
+#   bash benchmarks/gpu_dp_ep.sh serve A B ..  for each configuration named (tp2 tp2-ep2 dp2 dp2-ep2 dp2-ep2-a2a): start the server,
 #                                              time it to the first served token, read its KV capacity, run
 #                                              `bench serving` random 256 in / 128 out at $CONCURRENCY (16 128 512)
 # One call can hold two configurations (startup ~1-2 min each). Results under $OUT: serving_NAME.jsonl,
@@ -47,6 +47,7 @@ flags_of() {
     tp2-ep2) echo "--tp-size 2 --ep-size 2" ;;
     dp2) echo "--tp-size 2 --dp-size 2 --enable-dp-attention" ;;
     dp2-ep2) echo "--tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2" ;;
+    dp2-ep2-a2a) echo "--tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2 --moe-dispatch all_to_all" ;;
     *) echo "unknown configuration $1" >&2; return 1 ;;
   esac
 }

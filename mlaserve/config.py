@@ -274,6 +274,11 @@ class ParallelConfig:
     enable_dp_attention: bool = opt(False, "data-parallel attention: --dp-size groups of tp / dp ranks each run "
                                     "attention on their own requests (one latent KV cache, scheduler and radix "
                                     "tree per group); the MoE runs over all ranks")
+    moe_dispatch: str = opt("gather", "how DP attention's token rows reach the experts under --ep-size: gather "
+                            "(all-gather, every rank's experts over all rows, reduce-scatter: fixed shapes, captured "
+                            "in CUDA graphs) or all_to_all (each row only to the ranks holding its experts, and back: "
+                            "eager forwards; graph-replayed steps keep the gather; the shared experts are then also "
+                            "held whole on every rank)", choices=("gather", "all_to_all"))
     moe_dense_tp_size: int | None = opt(None, "tensor-parallel size of the dense MLP layers (the first "
                                         "first_k_dense_replace): 1 keeps them whole on every rank, with no "
                                         "all-reduce after them; default: split like attention (over the "

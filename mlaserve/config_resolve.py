@@ -223,6 +223,9 @@ def check_ep(p: ParallelConfig, model: ModelConfig) -> None:
     if ep < 1:
         _reject(f"--ep-size {ep}: must be >= 1")
     if ep == 1:
+        if p.moe_dispatch == "all_to_all":
+            _reject("--moe-dispatch all_to_all: needs expert parallelism (--ep-size equal to --tp-size), whose "
+                    "ranks the rows are sent to")
         return
     # NOTE: without DP attention every TP rank sees every token, so EP over the TP group needs no dispatch (the
     # all-reduce after the MoE sums the ranks' experts); EP over a subset of the TP ranks would need a second
@@ -232,6 +235,9 @@ def check_ep(p: ParallelConfig, model: ModelConfig) -> None:
                 "tensor-parallel ranks)")
     if not any(model.is_moe_layer(i) for i in range(model.num_hidden_layers + 1)):
         _reject(f"--ep-size {ep}: this model has no routed experts to split")
+    if p.moe_dispatch == "all_to_all" and not p.enable_dp_attention:
+        _reject("--moe-dispatch all_to_all: acts only with --enable-dp-attention (without it every rank holds "
+                "every token and no rows travel)")
     if model.n_routed_experts % ep:
         _reject(f"--ep-size {ep}: n_routed_experts ({model.n_routed_experts}) does not split into {ep} equal parts")
 

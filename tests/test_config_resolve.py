@@ -114,6 +114,11 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
      "--enable-dp-attention with --nnodes 2"),
     (CPU, V2_LITE, dict(load_balance_method="round_robin"), "--load-balance-method round_robin"),
     (CPU, V2_LITE, dict(tp_size=2, moe_dense_tp_size=2), "--moe-dense-tp-size 2: only 1"),
+    (CPU, V2_LITE, dict(tp_size=2, dp_size=2, enable_dp_attention=True, moe_dispatch="all_to_all"),
+     "--moe-dispatch all_to_all: needs expert parallelism"),
+    (CPU, V2_LITE, dict(tp_size=2, ep_size=2, moe_dispatch="all_to_all"),
+     "--moe-dispatch all_to_all: acts only with --enable-dp-attention"),
+    (CPU, V2_LITE, dict(moe_dispatch="deepep"), "--moe-dispatch deepep: choose one of gather, all_to_all"),
     (CPU, ALL_MOE, dict(tp_size=2, moe_dense_tp_size=1), "--moe-dense-tp-size 1: this model has no dense MLP"),
     (H100, V3_FP8, dict(tp_size=32, moe_dense_tp_size=1),
      "--tp-size 32: model.layers.3.mlp.experts.0.down_proj.weight has 2048 columns"),
@@ -181,6 +186,8 @@ def test_dp_attention_configs_resolve():
     r = resolve(H100, V3_FP8, tp_size=16, dp_size=2, enable_dp_attention=True, moe_dense_tp_size=1,
                 enable_dp_lm_head=True)
     assert (r.parallel.moe_dense_tp_size, r.parallel.enable_dp_lm_head) == (1, True)
+    r = resolve(H100, V3_FP8, tp_size=8, dp_size=8, enable_dp_attention=True, ep_size=8, moe_dispatch="all_to_all")
+    assert r.parallel.moe_dispatch == "all_to_all" and not r.sched.disable_cuda_graph   # graphs keep the gather
 
 
 def test_triton_on_the_cpu_needs_the_interpreter():

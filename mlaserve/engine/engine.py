@@ -113,7 +113,8 @@ class ModelRunner:
                                          tp=self.group.tp, dp=self.group.dp,
                                          ep=expert_parallel(self.group.dp.world if self.group.dp else self.group.tp,
                                                             server.parallel.ep_size),
-                                         dense_tp=TensorParallel() if server.parallel.moe_dense_tp_size == 1 else None)
+                                         dense_tp=TensorParallel() if server.parallel.moe_dense_tp_size == 1 else None,
+                                         moe_all_to_all=server.parallel.moe_dispatch == "all_to_all")
         load_weights(self.model, self.cfg, model_path, load_format=load.load_format, dequant_fp8=load.dequant_fp8,
                      seed=load.seed, progress=self.group.info.is_leader, draft=draft)
         if spec_steps and sched.speculative_token_map:
@@ -169,13 +170,18 @@ class ModelRunner:
     def init_cuda_graphs(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
         """Capture decode graphs unless the resolved config turned them off (CPU, torch kernels, --disable-mla,
         --disable-cuda-graph)."""
-        from mlaserve.engine.graph import DecodeGraphRunner
-
         sched = self.server.sched
         if sched.enable_mixed_chunk and self.device.type == "cuda":
             self.warm_mixed_decode(req_to_token, dummy_req)
         if sched.disable_cuda_graph:
             return
+        with self.model.moe_gather():             # graphs capture the MoE's gather, never its all-to-all
+            self._capture_graphs(req_to_token, dummy_req)
+
+    def _capture_graphs(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
+        from mlaserve.engine.graph import DecodeGraphRunner
+
+        sched = self.server.sched
         if sched.piecewise_cuda_graph_max_tokens:
             from mlaserve.engine.piecewise import PiecewiseGraphRunner, default_token_sizes
 

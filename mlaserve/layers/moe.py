@@ -12,7 +12,7 @@ import torch
 
 from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.distributed import TensorParallel
-from mlaserve.distributed.expert import ExpertParallel
+from mlaserve.distributed.expert import AllToAllDispatcher, ExpertParallel
 from mlaserve.kernels.fused_moe import COMBINE_MAX_TOKENS
 from mlaserve.kernels.gemv import cublas_linear
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
@@ -165,10 +165,12 @@ class RoutedExperts(ExpertStack):
     routed and shared experts (every token routed to the shared slots with weight 1).
     Expert parallel (`ep`, over the TP ranks): the stack holds E / ep whole experts (`ExpertParallel` says which);
     the shared experts stay TP-split in their own stack `shared` (a different width), computed as dense GEMMs.
+    `whole_shared` (the all-to-all dispatch) adds `shared_whole`: the shared experts whole, for a rank's own rows.
     """
 
     def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE, ep: ExpertParallel | None = None):
+                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE, ep: ExpertParallel | None = None,
+                 whole_shared: bool = False):
         ep = ep or ExpertParallel()
         h, n_shared, n_local = cfg.hidden_size, cfg.n_shared_experts, ep.split(cfg.n_routed_experts)
         fused = ep.size == 1
@@ -179,10 +181,12 @@ class RoutedExperts(ExpertStack):
         # NOTE: fused_moe's per-tile arrival counts (its in-GEMM combine), zero between launches
         self.register_buffer("combine_sync", torch.zeros(cdiv(h, 16), dtype=torch.int32, device=device),
                              persistent=False)
-        self.shared = None
+        self.shared = self.shared_whole = None
         if not fused and n_shared:
             self.shared = ExpertStack(n_shared, h, tp.split(cfg.moe_intermediate_size, "moe_intermediate_size"),
                                       **kw)
+        if whole_shared and n_shared:
+            self.shared_whole = ExpertStack(n_shared, h, cfg.moe_intermediate_size, **kw)
 
     def holds(self, expert: int) -> bool:
         """Whether global routed expert `expert` lives on this rank (the loader reads no other)."""
@@ -203,6 +207,8 @@ class RoutedExperts(ExpertStack):
         stack, first = (self, self.n_routed) if self.shared is None else (self.shared, 0)
         for s, part in enumerate(parts):
             stack.load_slot(name, first + s, proj, part, scale, self.tp)
+            if self.shared_whole is not None:
+                self.shared_whole.load_slot(name, s, proj, part, scale, SINGLE)
 
     def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts as dense GEMMs (large batches: better than the grouped GEMM; always under EP)."""
@@ -227,13 +233,23 @@ class RoutedExperts(ExpertStack):
 
 class MoE(torch.nn.Module):
     """Router (replicated) + routed and shared experts; returns this rank's partial sum under TP / EP (the caller
-    all-reduces): under EP the experts of other ranks contribute zero here and their own share there."""
+    all-reduces): under EP the experts of other ranks contribute zero here and their own share there.
+
+    `all_to_all` (DP attention + EP, --moe-dispatch all_to_all): `forward_all_to_all` routes this rank's own rows
+    and sends each to the ranks holding its experts (`AllToAllDispatcher`); while `all_to_all_on` (eager forwards:
+    the model turns it off while CUDA graphs are captured) the decoder layer takes that path instead of the gather.
+    """
 
     def __init__(self, cfg: ModelConfig, *, quant: QuantConfig | None, dtype: torch.dtype,
-                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE, ep: ExpertParallel | None = None):
+                 device: torch.device | str, ops: Ops, tp: TensorParallel = SINGLE, ep: ExpertParallel | None = None,
+                 all_to_all: bool = False):
         super().__init__()
         self.gate = Router(cfg, dtype, device, ops=ops)
-        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp, ep=ep)
+        self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp, ep=ep,
+                                     whole_shared=all_to_all)
+        ex = self.experts
+        self.dispatcher = AllToAllDispatcher(ex.ep, ex.n_total) if all_to_all else None
+        self.all_to_all_on = all_to_all
 
     def takes_norm(self, num_tokens: int) -> bool:
         """Whether `forward_normed` folds the post-attention norm into the router's launch (decode sizes)."""
@@ -253,6 +269,24 @@ class MoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x, None)[0]
+
+    # NOTE: the row counts come to the host (a sync): never inside a CUDA graph or a torch.compile trace
+    @torch.compiler.disable
+    def forward_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, h] this rank's rows (n may be 0: an IDLE forward) -> [n, h] their whole MoE output: the routed
+        experts on the ranks holding them (rows sent there and back), the shared experts here, whole."""
+        ex, k = self.experts, self.gate.cfg.num_experts_per_tok
+        if x.shape[0]:
+            weights, ids = self.gate(x)                                      # [n, K] f32, [n, K] global ids
+        else:
+            weights = torch.empty(0, k, dtype=torch.float32, device=x.device)
+            ids = torch.empty(0, k, dtype=torch.int32, device=x.device)
+        d = self.dispatcher.dispatch(x, weights, ids)                        # [R, h] rows from every rank
+        y = ex(d.x, d.weights, d.ids) if d.x.shape[0] else d.x               # [R, h] this rank's experts' sum
+        out = self.dispatcher.combine(y, d)                                  # [n, h] summed over every expert
+        if ex.shared_whole is not None and x.shape[0]:
+            out = out + ex.shared_whole.dense_forward(x, range(ex.n_shared))
+        return out
 
     def _forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, RMSNorm] | None,
                  next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

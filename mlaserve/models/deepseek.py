@@ -7,6 +7,8 @@ each MoE runs over all ranks on every group's tokens: gathered before it, each g
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -33,7 +35,7 @@ class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *, dtype: torch.dtype,
                  device: torch.device | str, ops: Ops, absorb: bool, dequant_fp8: bool, tp: TensorParallel,
                  dp: DPAttention | None = None, ep: ExpertParallel | None = None,
-                 dense_tp: TensorParallel | None = None):
+                 dense_tp: TensorParallel | None = None, moe_all_to_all: bool = False):
         super().__init__()
         quant = None if dequant_fp8 else cfg.quant
         self.tp = tp
@@ -42,7 +44,8 @@ class DecoderLayer(torch.nn.Module):
                                       dequant_fp8=dequant_fp8, tp=tp)
         self.dp = dp if cfg.is_moe_layer(layer_id) else None        # dense layers stay within the attention group
         if cfg.is_moe_layer(layer_id):
-            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=dp.world if dp else tp, ep=ep)
+            self.mlp = MoE(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=dp.world if dp else tp, ep=ep,
+                           all_to_all=moe_all_to_all and dp is not None)
         else:
             self.mlp_tp = tp if dense_tp is None else dense_tp         # --moe-dense-tp-size 1: whole on every rank
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, quant=quant, dtype=dtype, device=device,
@@ -96,7 +99,10 @@ class DecoderLayer(torch.nn.Module):
         return tp.all_reduce(h), residual, False
 
     def dp_moe(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The MoE under DP attention: h [n, h] of this group -> all groups' [N, h] -> MoE -> this group's [n, h]."""
+        """The MoE under DP attention: h [n, h] of this group -> all groups' [N, h] -> MoE -> this group's [n, h];
+        or, with the all-to-all dispatch on (eager forwards), each row only to the ranks holding its experts."""
+        if self.mlp.all_to_all_on:
+            return self.mlp.forward_all_to_all(h)
         return self.dp.scatter(self.mlp(self.dp.gather(h, counts)), counts)
 
 
@@ -175,20 +181,22 @@ class DeepseekForCausalLM(torch.nn.Module):
     `load_mtp` builds the NextN layer; `tp` is this rank's tensor-parallel group (default: one process), its
     attention group under data-parallel attention (`dp`); `ep` its expert-parallel group (over every rank under
     data-parallel attention); `dense_tp` the group of the dense MLP layers (default `tp`; `TensorParallel()`:
-    whole on every rank, --moe-dense-tp-size 1)."""
+    whole on every rank, --moe-dense-tp-size 1); `moe_all_to_all` the all-to-all dispatch of the MoE layers
+    under DP attention + EP in eager forwards (`moe_gather` turns it off while graphs are captured)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", kernels: str = "torch", absorb: bool = True,
                  dequant_fp8: bool = False, load_mtp: bool = False, max_pos: int | None = None,
                  tp: TensorParallel | None = None, dp: DPAttention | None = None,
-                 ep: ExpertParallel | None = None, dense_tp: TensorParallel | None = None):
+                 ep: ExpertParallel | None = None, dense_tp: TensorParallel | None = None,
+                 moe_all_to_all: bool = False):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.tp, self.dp = tp or TensorParallel(), dp
         self.ops = get_ops(kernels)
         self.rotary = RotaryEmbedding(cfg, max_pos, device)
         kw = dict(dtype=dtype, device=device, ops=self.ops, absorb=absorb, dequant_fp8=dequant_fp8, tp=self.tp,
-                  dp=dp, ep=ep, dense_tp=dense_tp)
+                  dp=dp, ep=ep, dense_tp=dense_tp, moe_all_to_all=moe_all_to_all)
         self.model = DeepseekModel(cfg, self.rotary, **kw)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, tp=self.tp, ops=self.ops)
         self.mtp = None
@@ -208,6 +216,19 @@ class DeepseekForCausalLM(torch.nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
         return self.head(self.model(input_ids, positions, ctx), ctx)
+
+    @contextmanager
+    def moe_gather(self) -> Iterator[None]:
+        """Every MoE layer dispatches by gather + scatter inside (CUDA-graph capture: the all-to-all's row counts
+        need a host sync). Every rank captures the same graphs, so the ranks' collectives still pair up."""
+        moes = [m for m in self.modules() if isinstance(m, MoE) and m.dispatcher is not None]
+        for m in moes:
+            m.all_to_all_on = False
+        try:
+            yield
+        finally:
+            for m in moes:
+                m.all_to_all_on = True
 
     def head(self, hidden: torch.Tensor, ctx: ForwardContext) -> ModelOutput:
         """The logits of the final-normed hidden states [T, h] at ctx.logits_indices (all rows when None)."""

@@ -203,13 +203,19 @@ def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]],
             "piece_steps": piece_steps, "piece_runs": sched.runner.pieces.runs if piece_sizes else 0}
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-graphs"])
-def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, graphs):
+A2A = dict(ep_size=2, moe_dispatch="all_to_all")
+
+
+@pytest.mark.parametrize("graphs,extra", [(False, {}), (True, {}), (False, A2A), (True, A2A)],
+                         ids=["eager", "padded-graphs", "eager-ep2-all-to-all", "padded-graphs-ep2-all-to-all"])
+def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, graphs, extra):
     """Group 0: one long request decoding alone, a shared-prefix pair (radix hit) and an abort; group 1: a burst
     that retracts in its small pool, with the same kind of shared-prefix pair. Each group's outputs equal the same
     requests run by one process; the group without work runs IDLE steps (no hang). With decode graphs (sizes
     1 2 4 8, their padded forward run eagerly on the CPU): every rank replays the size agreed for the step, an
-    idle group padding rows only; steps with a prefill anywhere, or more than 8 requests in a group, run eagerly."""
+    idle group padding rows only; steps with a prefill anywhere, or more than 8 requests in a group, run eagerly.
+    With ep 2 and the all-to-all dispatch every step's rows travel to their experts' ranks (the padded "graphs"
+    run eagerly here, so they take it too; an idle group sends none and still takes part)."""
     rng = _seeded()
     tok = lambda n: [rng.randrange(5, 4000) for _ in range(n)]   # noqa: E731
     shared0, shared1 = tok(40), tok(40)
@@ -225,8 +231,9 @@ def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, g
     small = dict(max_total_tokens=220, max_running_requests=16, chunked_prefill_size=64,
                  init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     path = checkpoint("v3")
+    ranks = spawn_ranks(drive_dp, 2, path, small | extra, work, [1, 2, 4, 8] if graphs else None, timeout=300,
+                        dp_size=2)
     alone = [drive_scheduler(_scheduler(path, **small), m, a, ab) for m, a, ab in work]
-    ranks = spawn_ranks(drive_dp, 2, path, small, work, [1, 2, 4, 8] if graphs else None, timeout=300, dp_size=2)
     assert [r["dp_rank"] for r in ranks] == [0, 1]
     sizes = [bs for _, bs in ranks[0]["graph_steps"]]
     assert sizes == [bs for _, bs in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
@@ -319,13 +326,14 @@ def _demo_prompts() -> list[list[int]]:
                                     "import os\n\ndef list_files(root):\n", "def fibonacci(n):\n")]
 
 
-def test_speculative_decoding_under_dp_attention_and_ep_equals_one_process():
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_speculative_decoding_under_dp_attention_and_ep_equals_one_process(dispatch):
     from mlaserve.demo import DEMO_DIR
 
     path, prompts = str(DEMO_DIR), _demo_prompts()
     ref, _ = generate(path, prompts, dtype="float32")
     got, info = generate(path, prompts, dtype="float32", speculative_algorithm="EAGLE", load_balance_method="round_robin",
-                         ep_size=2, **DP)                       # and the experts split over the two ranks
+                         ep_size=2, moe_dispatch=dispatch, **DP)  # and the experts split over the two ranks
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     diffs = [abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))]
     assert max(diffs) <= 1e-4
@@ -333,15 +341,17 @@ def test_speculative_decoding_under_dp_attention_and_ep_equals_one_process():
     assert info["avg_spec_accept_length"] > 1.5
 
 
-def test_dp_attention_with_expert_parallelism_equals_tp1(checkpoint):
-    """tp 2 dp 2 ep 2: each rank holds half of the routed experts whole and runs them on every group's gathered
-    tokens; the scatter's all-reduce sums the two halves."""
+@pytest.mark.parametrize("variant,dispatch", [("v3", "gather"), ("v3", "all_to_all"), ("v2-lite", "all_to_all")])
+def test_dp_attention_with_expert_parallelism_equals_tp1(checkpoint, variant, dispatch):
+    """tp 2 dp 2 ep 2: each rank holds half of the routed experts whole. gather: they run on every group's gathered
+    tokens and the scatter sums the two halves; all_to_all: each group routes its own tokens and sends each to the
+    ranks holding its experts (V3: one shared expert, V2-Lite: two, run whole on each rank's own rows)."""
     rng = _seeded()
     prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(4)]
-    path = checkpoint("v3")
+    path = checkpoint(variant)
     ref, _ = generate(path, prompts)
-    got, info = generate(path, prompts, ep_size=2, load_balance_method="round_robin", **DP)
-    assert info["ep_size"] == 2
+    got, info = generate(path, prompts, ep_size=2, load_balance_method="round_robin", moe_dispatch=dispatch, **DP)
+    assert (info["ep_size"], info["moe_dispatch"]) == (2, dispatch)
     diffs = [abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))]
     assert max(diffs) <= 1e-4
     assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
