@@ -6,7 +6,8 @@ Factors and their values (CPU):
 
     model    demo (the trained demo model: its MTP head drafts well, accept length ~2.8)
              random (a random-weight V3-shape checkpoint with an MTP layer: drafts rejected at nearly every step)
-    layout   tp1 | tp2 | tp2-ep2 (tp 2, ep 2) | dp2 (tp 2, dp 2, DP attention) | dp2-ep2
+    layout   tp1 | tp2 | tp2-ep2 (tp 2, ep 2) | dp2 (tp 2, dp 2, DP attention) | dp2-ep2 |
+             dp2-ep2-a2a (the MoE's rows sent by all-to-all: --moe-dispatch all_to_all)
     radix    on (default) | off (disable_radix_cache)
     spec     off | EAGLE (a chain of 3 drafts from the MTP layer)
     overlap  on (default) | off (disable_overlap_schedule); with speculation too (accept lengths stay on the
@@ -21,7 +22,7 @@ two-GPU rows also without a second GPU). Under DP attention decode graphs (and t
 by the size all ranks agree on each step (on the CPU their padded functions run eagerly in
 tests/distributed/test_dp_attention.py).
 
-The 11 rows below cover every pair of factor values (with 5 layouts each needs two rows of opposite binary
+The 13 rows below cover every pair of factor values (with 6 layouts each needs two rows of opposite binary
 values). One row has everything on at once: demo, dp2-ep2, radix, spec, overlap, fp8 kv, chunked prefill.
 
     model   layout   radix spec  overlap fp8kv chunk
@@ -36,6 +37,8 @@ values). One row has everything on at once: demo, dp2-ep2, radix, spec, overlap,
     random  tp2-ep2  on    EAGLE off     off   off
     random  dp2      off   off   on      off   8
     random  dp2-ep2  off   off   off     off   off
+    demo    dp2-ep2-a2a off EAGLE off    off   8
+    random  dp2-ep2-a2a on  off   on     on    off
 
 The baselines are the plain single process (tp 1, radix and overlap on, no speculation, no chunking) per model,
 with the row's KV dtype: the FP8 cache rounds what it stores to e4m3, which changes the numbers by itself (see
@@ -70,7 +73,9 @@ GPU_TIE_MARGIN = 0.05
 
 LAYOUTS = {"tp1": {}, "tp2": {"tp_size": 2}, "tp2-ep2": {"tp_size": 2, "ep_size": 2},
            "dp2": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True},
-           "dp2-ep2": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2}}
+           "dp2-ep2": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2},
+           "dp2-ep2-a2a": {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "ep_size": 2,
+                           "moe_dispatch": "all_to_all"}}
 
 
 class Combo(NamedTuple):
@@ -108,7 +113,9 @@ ROWS = [Combo("demo", "tp1", False, False, False, True, False),
         Combo("random", "tp2", False, True, False, True, True),
         Combo("random", "tp2-ep2", True, True, False, False, False),
         Combo("random", "dp2", False, False, True, False, True),
-        Combo("random", "dp2-ep2", False, False, False, False, False)]
+        Combo("random", "dp2-ep2", False, False, False, False, False),
+        Combo("demo", "dp2-ep2-a2a", False, True, False, False, True),
+        Combo("random", "dp2-ep2-a2a", True, False, True, True, False)]
 VALUES = {"model": ["demo", "random"], "layout": list(LAYOUTS)} | {f: [False, True] for f in Combo._fields[2:]}
 
 
