@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Issue 12 on nvidia-h200-x2: DP attention and EP against tp 2. DeepSeek-V3 full width, block FP8, $V3_LAYERS layers
-# (default 12: ~68 GB of weights per rank at tp 2, the rest for graphs and the KV pool), dummy weights, our tokenizer.
+# Issue 12 on nvidia-h200-x2 (and issue 18 with GPUS=8): DP attention and EP against plain TP over $GPUS GPUs (default
+# 2). DeepSeek-V3 full width, block FP8, $V3_LAYERS layers (default 12: ~68 GB of weights per rank at tp 2, the rest
+# for graphs and the KV pool; 61 is the whole model), dummy weights, our tokenizer.
 #   bash benchmarks/gpu_dp_ep.sh collectives   the gather + scatter vs tp's two all-reduces per layer (dp_collectives.py)
-#   bash benchmarks/gpu_dp_ep.sh serve A B ..  for each configuration named (tp2 tp2-ep2 dp2 dp2-ep2 dp2-ep2-a2a): start the server,
+#   bash benchmarks/gpu_dp_ep.sh serve A B ..  for each configuration named (tp tp-ep dp dp-ep dp-ep-a2a: N = $GPUS
+#                                              ranks, DP attention with N groups of one rank): start the server,
 #                                              time it to the first served token, read its KV capacity, run
 #                                              `bench serving` random 256 in / 128 out at $CONCURRENCY (16 128 512)
 # One call can hold two configurations (startup ~1-2 min each). Results under $OUT: serving_NAME.jsonl,
 # capacity.txt (KV tokens and startup per configuration), serve_NAME.log, and the summary on stdout.
-# CPU dry run of the plumbing: DRY_CPU=1 V3_LAYERS=2 CONCURRENCY="2 4" NUM_PROMPTS=8 bash benchmarks/gpu_dp_ep.sh serve dp2
+# CPU dry run of the plumbing: DRY_CPU=1 V3_LAYERS=2 CONCURRENCY="2 4" NUM_PROMPTS=8 bash benchmarks/gpu_dp_ep.sh serve dp
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site MLASERVE_CACHE=${MLASERVE_CACHE:-/tmp/mlaserve-cache}
@@ -15,39 +17,35 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=${1:-collectives}; shift || true
 PORT=${PORT:-30000}
+N=${GPUS:-2}
 CONCURRENCY=${CONCURRENCY:-16 128 512}
 if [ -z "${DRY_CPU:-}" ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/env.txt" 2>&1
 fi
 
 if [ "$PART" = collectives ]; then
-  timeout 120 python3 benchmarks/dp_collectives.py --tp-size 2 $([ -n "${DRY_CPU:-}" ] && echo --cpu) \
+  timeout 120 python3 benchmarks/dp_collectives.py --tp-size $N $([ -n "${DRY_CPU:-}" ] && echo --cpu) \
     2>&1 | tee "$OUT/dp_collectives.md"
   exit 0
 fi
 
 M=/tmp/v3_dp; mkdir -p $M
 if [ -n "${DRY_CPU:-}" ]; then     # a small V3-shape config (fp32 CPU ranks): the plumbing, not the figures
-  python3 -c "
-import json; d = json.load(open('mlaserve/tools/configs/deepseek-v3.json'))
-d.update(num_hidden_layers=${V3_LAYERS:-2}, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-         n_routed_experts=16, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128, vocab_size=8192, n_group=4,
-         topk_group=2, first_k_dense_replace=1)
-d.pop('quantization_config', None); json.dump(d, open('$M/config.json', 'w'))"
+  python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-2} --tiny --out $M/config.json
   DEVICE_FLAGS="--device cpu"
 else
-  python3 -c "import json; d=json.load(open('mlaserve/tools/configs/deepseek-v3.json')); d['num_hidden_layers']=${V3_LAYERS:-12}; json.dump(d, open('$M/config.json','w'))"
+  python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-12} --out $M/config.json
   DEVICE_FLAGS=""
 fi
 python3 -m mlaserve.tools.tokenizer $M > /dev/null
 
 flags_of() {
   case $1 in
-    tp2) echo "--tp-size 2" ;;
-    tp2-ep2) echo "--tp-size 2 --ep-size 2" ;;
-    dp2) echo "--tp-size 2 --dp-size 2 --enable-dp-attention" ;;
-    dp2-ep2) echo "--tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2" ;;
-    dp2-ep2-a2a) echo "--tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2 --moe-dispatch all_to_all" ;;
+    tp) echo "--tp-size $N" ;;
+    tp-ep) echo "--tp-size $N --ep-size $N" ;;
+    dp) echo "--tp-size $N --dp-size $N --enable-dp-attention" ;;
+    dp-ep) echo "--tp-size $N --dp-size $N --enable-dp-attention --ep-size $N" ;;
+    dp-ep-a2a) echo "--tp-size $N --dp-size $N --enable-dp-attention --ep-size $N --moe-dispatch all_to_all" ;;
     *) echo "unknown configuration $1" >&2; return 1 ;;
   esac
 }
