@@ -1,6 +1,7 @@
 """The decode path's small all-reduce alone, [tokens, hidden] bf16, 50 back to back inside a CUDA graph, per-call
-time by replaying the graph: NCCL, the one-shot all-reduce over peer buffers (`distributed/peer.py`), and each
-followed by the residual add + RMSNorm (NCCL + the norm kernel vs the peer kernel with the norm fused in).
+time by replaying the graph: NCCL, the one-shot all-reduce over peer buffers (`distributed/peer.py`), its push
+variant (rows <= 16: `kernels/allreduce.peer_all_reduce_ll`), and each followed by the residual add + RMSNorm
+(NCCL + the norm kernel vs the peer kernels with the norm fused in).
 Every rank checks its sums against the others' parts.
 
     python benchmarks/allreduce.py --tp-size 2            # on a machine with >= 2 GPUs (NCCL, CUDA IPC)
@@ -18,7 +19,7 @@ from mlaserve.distributed import RankGroup, spawn_ranks
 from mlaserve.kernels.allreduce import peer_all_reduce_ref
 from mlaserve.kernels.norm import fused_add_rmsnorm
 
-SHAPES = [(1, 2048), (1, 7168), (16, 7168), (64, 7168)]
+SHAPES = [(1, 2048), (1, 7168), (4, 7168), (8, 7168), (16, 7168), (64, 7168)]
 CALLS = 50
 
 
@@ -45,9 +46,16 @@ def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) 
             "peer": lambda: peer.all_reduce(y),
             f"{lib} + norm": lambda: fused_add_rmsnorm(dist.all_reduce(y, group=tp.group) or y, res, w, 1e-6),
             "peer + norm (one launch)": lambda: peer.all_reduce_add_norm(y, res, w, 1e-6),
+            "push": lambda: peer.all_reduce_push(y),
+            "push + norm": lambda: peer.all_reduce_push(y, res, w, 1e-6),
         }
-        row = {"tokens": t, "hidden": h, "bytes": t * h * x.element_size(),
-               "peer_equals_ref": bool(torch.equal(got.cpu(), want))}
+        if not peer.fits_push(x):
+            del ways["push"], ways["push + norm"]
+        exact = torch.equal(got.cpu(), want)
+        if peer.fits_push(x):
+            pushed = peer.all_reduce_push(x.clone())
+            exact = exact and torch.equal(pushed.cpu(), want)
+        row = {"tokens": t, "hidden": h, "bytes": t * h * x.element_size(), "peer_equals_ref": bool(exact)}
         for name, fn in ways.items():
             row[name] = _time(lambda: [fn() for _ in range(calls)], cuda) * 1e6 / calls
         rows.append(row)
@@ -78,10 +86,10 @@ def main() -> None:
     print(f"### all-reduce alone, {name}, {calls} back to back{' in a CUDA graph' if not args.cpu else ''}, "
           f"us per call\n")
     ways = [k for k in rows[0] if k not in ("tokens", "hidden", "bytes", "peer_equals_ref")]
-    print("| shape | bytes | " + " | ".join(ways) + " | peer sum exact |\n|---|---|" + "---|" * (len(ways) + 1))
+    print("| shape | bytes | " + " | ".join(ways) + " | peer sums exact |\n|---|---|" + "---|" * (len(ways) + 1))
     for r in rows:
-        print(f"| {r['tokens']} x {r['hidden']} | {r['bytes']} | " + " | ".join(f"{r[k]:.1f}" for k in ways)
-              + f" | {r['peer_equals_ref']} |")
+        cells = [f"{r[k]:.1f}" if k in r else "-" for k in ways]
+        print(f"| {r['tokens']} x {r['hidden']} | {r['bytes']} | " + " | ".join(cells) + f" | {r['peer_equals_ref']} |")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from multiprocessing import shared_memory
 import torch
 import torch.distributed as dist
 
-from mlaserve.kernels.allreduce import PeerPointers, buffer_bytes, peer_all_reduce, sig_pad_ints
+from mlaserve.kernels.allreduce import (LL_ROWS, LLPointers, PeerPointers, buffer_bytes, ll_buffer_bytes,
+                                        peer_all_reduce, peer_all_reduce_ll, sig_pad_ints)
 
 logger = logging.getLogger(__name__)
 
@@ -38,45 +39,45 @@ class PeerAllReduce:
                  max_rows: int = MAX_ROWS, half_bytes: int = HALF_BYTES):
         self.rank, self.world, self.device = group_rank, len(members), device
         self._keep: list = []                        # shared-memory segments and their tensors (CPU)
-        nbytes, nsig = buffer_bytes(half_bytes), sig_pad_ints(len(members), max_rows) * 4
+        # staging buffer, signal pad, the push variant's receive buffer
+        sizes = (buffer_bytes(half_bytes), sig_pad_ints(len(members), max_rows) * 4, ll_buffer_bytes(len(members)))
         if device.type == "cuda":
             self._cu = _Driver()
             torch.cuda.synchronize(device)           # torch has made this device's primary context current
-            own_buf, own_sig = self._cu.alloc_zeroed(nbytes), self._cu.alloc_zeroed(nsig)
-            mine = (self._cu.ipc_handle(own_buf), self._cu.ipc_handle(own_sig))
+            own_ptrs = [self._cu.alloc_zeroed(n) for n in sizes]
+            mine = tuple(self._cu.ipc_handle(ptr) for ptr in own_ptrs)
         else:
-            own = [shared_memory.SharedMemory(create=True, size=n) for n in (nbytes, nsig)]
+            own = [shared_memory.SharedMemory(create=True, size=n) for n in sizes]
             self._keep += own
-            tensors = [_shm_tensor(seg, n) for seg, n in zip(own, (nbytes, nsig))]
-            tensors[1].zero_()
+            tensors = [_shm_tensor(seg, n) for seg, n in zip(own, sizes)]
+            for t in tensors[1:]:
+                t.zero_()
             self._keep += tensors
-            own_buf, own_sig = (t.data_ptr() for t in tensors)
-            mine = (own[0].name, own[1].name)
+            own_ptrs = [t.data_ptr() for t in tensors]
+            mine = tuple(seg.name for seg in own)
         everyone: list = [None] * dist.get_world_size(cpu_group)
         dist.all_gather_object(everyone, pickle.dumps(mine), group=cpu_group)
         theirs = [pickle.loads(everyone[dist.get_group_rank(cpu_group, m)]) for m in members]
-        bufs, sigs = [], []
-        for i, (b, s) in enumerate(theirs):
-            if i == group_rank:
-                bufs.append(own_buf)
-                sigs.append(own_sig)
-            elif device.type == "cuda":
-                bufs.append(self._cu.ipc_open(b))
-                sigs.append(self._cu.ipc_open(s))
-            else:
-                segs = [shared_memory.SharedMemory(name=n) for n in (b, s)]
-                tensors = [_shm_tensor(seg, n) for seg, n in zip(segs, (nbytes, nsig))]
-                self._keep += segs + tensors
-                bufs.append(tensors[0].data_ptr())
-                sigs.append(tensors[1].data_ptr())
+        ptrs: list[list[int]] = [[] for _ in sizes]           # [kind][member]
+        for i, handles in enumerate(theirs):
+            for kind, (h, n) in enumerate(zip(handles, sizes)):
+                if i == group_rank:
+                    ptrs[kind].append(own_ptrs[kind])
+                elif device.type == "cuda":
+                    ptrs[kind].append(self._cu.ipc_open(h))
+                else:
+                    seg = shared_memory.SharedMemory(name=h)
+                    t = _shm_tensor(seg, n)
+                    self._keep += [seg, t]
+                    ptrs[kind].append(t.data_ptr())
         dist.barrier(group=cpu_group)                # every rank has mapped every segment
         if device.type != "cuda":
             for seg in own:
                 seg.unlink()                         # the mappings stay; nothing is left behind at exit
-        self.peers = PeerPointers(
-            group_rank, self.world, torch.tensor(bufs, dtype=torch.int64, device=device),
-            torch.tensor(sigs, dtype=torch.int64, device=device),
-            torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
+        bufs, sigs, lls = (torch.tensor(p, dtype=torch.int64, device=device) for p in ptrs)
+        self.peers = PeerPointers(group_rank, self.world, bufs, sigs,
+                                  torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
+        self.ll = LLPointers(lls, torch.zeros(LL_ROWS, dtype=torch.int32, device=device))
 
     def __repr__(self) -> str:
         return f"PeerAllReduce(rank={self.rank}, world={self.world}, {self.device.type})"
@@ -96,6 +97,17 @@ class PeerAllReduce:
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
         return peer_all_reduce(x, self.peers, residual, weight, eps), residual
+
+    # NOTE: the push variant is not on the model's path until two GPUs have timed it against the pull one
+    # (benchmarks/allreduce.py); tests hold it to the same bits
+    def fits_push(self, x: torch.Tensor) -> bool:
+        return self.fits(x) and self.ll.fits(x)
+
+    @torch.compiler.disable
+    def all_reduce_push(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                        weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """`all_reduce` (no residual) or `all_reduce_add_norm`'s normed output by the push variant (`fits_push`)."""
+        return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps)
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

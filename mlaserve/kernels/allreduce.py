@@ -18,8 +18,18 @@ starts after its read of the half has finished. Flags only grow (compared with w
 fast peer's next flag cannot be mistaken for a missing one.
 
 Shapes: `T` rows (<= max_rows), `D` hidden size; each half of a staging buffer holds T x D elements.
+
+The push variant (`peer_all_reduce_ll`, NCCL's "LL" idea: each 8-byte store carries 4 bytes of data and a 4-byte
+flag, so data and flag arrive together): one program per row converts its row to fp32 and writes it, each value
+packed with the epoch, straight into every peer's receive slot [source rank, row]; each rank then polls its own
+slots (local memory) until every word of every peer carries this epoch, and sums in rank order, its own row from
+x. No staging copy, no fence, no remote read: one NVLink write latency instead of a flag round trip and a read.
+Each value travels as 8 bytes (4x bf16's), so it is for a few rows. Receive slots are fixed per (source, row)
+(`LL_DMAX` values), in two halves by epoch parity as above, with their own epoch counters.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -68,6 +78,72 @@ def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, 
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = (w * n).to(x.dtype)
     tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=mask)
+
+
+@triton.jit
+def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ll_ptrs, epoch_ptr, rank, D, half, eps,
+                               stride_x, stride_res, stride_out,
+                               WORLD: tl.constexpr, ROWS: tl.constexpr, DMAX: tl.constexpr, BLOCK: tl.constexpr,
+                               NORM: tl.constexpr):
+    row = tl.program_id(0)
+    e = tl.load(epoch_ptr + row) + 1
+    tl.store(epoch_ptr + row, e)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    packed = (e.to(tl.int64) << 32) | (xf.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    parity = (e & 1).to(tl.int64) * half
+    mine = parity + (rank * ROWS + row).to(tl.int64) * DMAX              # my slot on every peer
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            dst = tl.load(ll_ptrs + p).to(tl.pointer_type(tl.int64))
+            tl.store(dst + mine + offs, packed, mask=mask)
+    own = tl.load(ll_ptrs + rank).to(tl.pointer_type(tl.int64))
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in tl.static_range(WORLD):                     # rank order: the same sum on every rank
+        if p == rank:
+            acc += xf
+        else:
+            src = own + parity + (p * ROWS + row).to(tl.int64) * DMAX
+            v = tl.load(src + offs, mask=mask, other=0, volatile=True)
+            late = tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32)
+            while tl.max(late, axis=0) > 0:
+                v = tl.load(src + offs, mask=mask, other=0, volatile=True)
+                late = tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32)
+            acc += (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    y = acc.to(x.dtype)
+    if NORM:
+        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(x.dtype)
+        tl.store(res_ptr + row.to(tl.int64) * stride_res + offs, y, mask=mask)
+        y32 = y.to(tl.float32)
+        var = tl.sum(y32 * y32, axis=0) / D
+        n = (y32 * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (w * n).to(x.dtype)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=mask)
+
+
+LL_ROWS = 16            # rows of one push call (receive slots per source rank)
+LL_DMAX = 8192          # values of one row's slot: DeepSeek's hidden sizes (2048, 5120, 7168) fit
+
+
+class LLPointers(NamedTuple):
+    """The push variant's receive buffers: every rank's address (in this process) and this rank's epochs [LL_ROWS]."""
+
+    ll_ptrs: torch.Tensor
+    epochs: torch.Tensor
+
+    @staticmethod
+    def fits(x: torch.Tensor) -> bool:
+        t, d = x.shape
+        return 0 < t <= LL_ROWS and d <= LL_DMAX
+
+
+def ll_buffer_bytes(world: int) -> int:
+    """Bytes of one rank's receive buffer: two halves of [world sources, LL_ROWS rows, LL_DMAX] int64 words."""
+    return 2 * world * LL_ROWS * LL_DMAX * 8
 
 
 class PeerPointers:
@@ -123,6 +199,28 @@ def peer_all_reduce(x: torch.Tensor, peers: PeerPointers, residual: torch.Tensor
         x, residual if norm else x, weight if norm else x, out, peers.buf_ptrs, peers.sig_ptrs, peers.epochs,
         peers.rank, d, half, float(eps), x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
         WORLD=peers.world, MAX_ROWS=peers.max_rows, BLOCK=block, NORM=norm, num_warps=num_warps_for(block))
+    return out
+
+
+def peer_all_reduce_ll(x: torch.Tensor, peers: PeerPointers, ll: LLPointers, residual: torch.Tensor | None = None,
+                       weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """`peer_all_reduce` by the push variant (rows <= LL_ROWS, D <= LL_DMAX): the same results, bit for bit."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] with contiguous rows, got {tuple(x.shape)}"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x must be bf16/fp16/fp32, got {x.dtype}"
+    assert ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
+    norm = residual is not None
+    if norm:
+        assert weight is not None, "a residual needs the norm weight"
+        check_norm_operands(x, weight, residual)
+        out = torch.empty_like(x)
+    else:
+        out = x
+    t, d = x.shape
+    block = triton.next_power_of_2(d)
+    _peer_all_reduce_ll_kernel[(t,)](
+        x, residual if norm else x, weight if norm else x, out, ll.ll_ptrs, ll.epochs, peers.rank, d,
+        peers.world * LL_ROWS * LL_DMAX, float(eps), x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
+        WORLD=peers.world, ROWS=LL_ROWS, DMAX=LL_DMAX, BLOCK=block, NORM=norm, num_warps=num_warps_for(block))
     return out
 
 

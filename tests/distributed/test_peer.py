@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mlaserve.distributed import spawn_ranks
-from mlaserve.kernels.allreduce import peer_all_reduce_ref
+from mlaserve.kernels.allreduce import LL_ROWS, peer_all_reduce_ref
 
 # (rows, hidden, dtype) of consecutive calls: repeats reuse both staging halves and row flags at several epochs;
 # the last does not fit the buffers' 128 rows and must take gloo. No bf16: the interpreter rounds it otherwise (the
@@ -44,6 +44,10 @@ def _calls_on_rank(group, seed: int, calls: list = CALLS) -> list[dict]:
             want_n, want_r = peer_all_reduce_ref(parts, residual, weight, EPS)
             row |= {"normed": normed, "res": res_out, "res_in_place": res_out is res, "want_n": want_n,
                     "want_r": want_r}
+        if tp.peer.fits_push(x):                                  # the push variant, interleaved with the pull one
+            pushed, res = tp.peer.all_reduce_push(x.clone()), residual.clone()
+            row |= {"push": pushed, "push_normed": tp.peer.all_reduce_push(x.clone(), res, weight, EPS),
+                    "push_res": res}
         out.append({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in row.items()})
     return out
 
@@ -74,6 +78,11 @@ def _check_calls(calls: list, ranks: list) -> None:
         if not a["fits"]:
             assert "normed" not in a
             continue
+        assert ("push" in a) == (t <= LL_ROWS), (i, t, d)
+        if "push" in a:                                           # the push variant: the same bits
+            assert torch.equal(a["push"], a["sum"]) and torch.equal(b["push"], b["sum"]), f"call {i}: push sum"
+            assert torch.equal(a["push_res"], a["res"]) and torch.equal(a["push_normed"], a["normed"]), \
+                f"call {i}: push norm"
         assert a["res_in_place"]
         assert torch.equal(a["res"], a["want_r"]) and torch.equal(a["res"], b["res"]), f"call {i}: residual"
         assert torch.equal(a["normed"], b["normed"]), f"call {i}: the ranks' norms differ"
