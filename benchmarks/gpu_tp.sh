@@ -10,12 +10,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
 timeout 60 python3 benchmarks/allreduce.py --tp-size 2 | tee "$OUT/allreduce.md"
-timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 tests/distributed tests/server/test_parallel_server.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" tests/distributed tests/server/test_parallel_server.py \
   2>&1 | tail -5 | tee "$OUT/tests.txt"
 B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
 timeout 200 $B --model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 \
   --output-len 32 --tp-size 1 2 --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -7
-python3 -c "import json; d=json.load(open('mlaserve/tools/configs/deepseek-v3.json')); d['num_hidden_layers']=${V3_LAYERS:-20}; json.dump(d, open('/tmp/v3_tp.json','w'))"
+python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
 timeout 300 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
   --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -4
 M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
