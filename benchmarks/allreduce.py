@@ -10,11 +10,11 @@ Every rank checks its sums against the others' parts.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
 
+from mlaserve.bench.timing import time_graph_or_wall
 from mlaserve.distributed import RankGroup, spawn_ranks
 from mlaserve.kernels.allreduce import peer_all_reduce_ref
 from mlaserve.kernels.norm import fused_add_rmsnorm
@@ -57,21 +57,9 @@ def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) 
             exact = exact and torch.equal(pushed.cpu(), want)
         row = {"tokens": t, "hidden": h, "bytes": t * h * x.element_size(), "peer_equals_ref": bool(exact)}
         for name, fn in ways.items():
-            row[name] = _time(lambda: [fn() for _ in range(calls)], cuda) * 1e6 / calls
+            row[name] = time_graph_or_wall(lambda: [fn() for _ in range(calls)], cuda) * 1e6 / calls
         rows.append(row)
     return rows
-
-
-def _time(fn, cuda: bool) -> float:
-    """Seconds of one fn() (CUDA graph replays on GPUs, wall time on the CPU)."""
-    if cuda:
-        from mlaserve.bench.timing import time_cuda
-
-        return time_cuda(fn, warmup=3, iters=20, flush_l2=False) / 1e3
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:

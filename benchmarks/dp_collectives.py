@@ -16,11 +16,11 @@ The MoE between the gather and the scatter is not run: this is the collectives' 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
 
+from mlaserve.bench.timing import time_graph_or_wall
 from mlaserve.distributed import RankGroup, spawn_ranks
 from mlaserve.distributed.dp_attention import _all_gather_rows
 from mlaserve.distributed.expert import reduce_scatter_rows
@@ -52,21 +52,9 @@ def time_layers(group: RankGroup, batches: list[int], hidden: int, layers: int) 
                "dp path": "reduce-scatter" if dp.reduce_scatters(z) else "all-reduce",
                "tp peer": world.fuses_norm(z)}
         for name, fn in ways.items():
-            row[name] = _time(lambda: [fn() for _ in range(layers)], cuda) * 1e6 / layers
+            row[name] = time_graph_or_wall(lambda: [fn() for _ in range(layers)], cuda) * 1e6 / layers
         rows.append(row)
     return rows
-
-
-def _time(fn, cuda: bool) -> float:
-    """Seconds of one fn() (CUDA graph replays on GPUs, wall time on the CPU)."""
-    if cuda:
-        from mlaserve.bench.timing import time_cuda
-
-        return time_cuda(fn, warmup=3, iters=20, flush_l2=False) / 1e3
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:

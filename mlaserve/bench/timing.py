@@ -61,6 +61,17 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50,
     return statistics.median(times)
 
 
+def time_graph_or_wall(fn: Callable[[], object], cuda: bool) -> float:
+    """Seconds of one fn(): its CUDA graph's replays on a GPU (`time_cuda`, L2 kept), else the wall time of one call
+    after one warm-up call (the CPU: scripts' plumbing runs, not figures)."""
+    if cuda:
+        return time_cuda(fn, warmup=3, iters=20, flush_l2=False) / 1e3
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def kernel_breakdown(fn: Callable[[], object], calls: int = 5, top: int = 8) -> list[str]:
     """GPU time per call of each kernel `fn` launches (torch.profiler over `calls` calls after warm-up), as lines
     "<us per call> x<launches per call> <kernel name>", largest first."""

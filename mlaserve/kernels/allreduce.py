@@ -181,17 +181,9 @@ def peer_all_reduce(x: torch.Tensor, peers: PeerPointers, residual: torch.Tensor
     Without `residual`: the sum, written over x (returned). With `residual` and `weight`: residual += sum (in
     place) and returns rmsnorm(residual) * weight as a new tensor, x left as is.
     """
-    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] with contiguous rows, got {tuple(x.shape)}"
-    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x must be bf16/fp16/fp32, got {x.dtype}"
     assert peers.fits(x), f"x {tuple(x.shape)} {x.dtype} exceeds the peer buffers ({peers.max_rows} rows, " \
                           f"{peers.half_bytes} bytes)"
-    norm = residual is not None
-    if norm:
-        assert weight is not None, "a residual needs the norm weight"
-        check_norm_operands(x, weight, residual)
-        out = torch.empty_like(x)
-    else:
-        out = x
+    norm, out = _operands(x, residual, weight)
     t, d = x.shape
     block = triton.next_power_of_2(d)
     half = peers.half_bytes // x.element_size()
@@ -202,19 +194,23 @@ def peer_all_reduce(x: torch.Tensor, peers: PeerPointers, residual: torch.Tensor
     return out
 
 
+def _operands(x: torch.Tensor, residual: torch.Tensor | None,
+              weight: torch.Tensor | None) -> tuple[bool, torch.Tensor]:
+    """Checks x [T, D] (and the norm's operands); returns (whether the norm runs, the output: x, or a new tensor)."""
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] with contiguous rows, got {tuple(x.shape)}"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x must be bf16/fp16/fp32, got {x.dtype}"
+    if residual is None:
+        return False, x
+    assert weight is not None, "a residual needs the norm weight"
+    check_norm_operands(x, weight, residual)
+    return True, torch.empty_like(x)
+
+
 def peer_all_reduce_ll(x: torch.Tensor, peers: PeerPointers, ll: LLPointers, residual: torch.Tensor | None = None,
                        weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """`peer_all_reduce` by the push variant (rows <= LL_ROWS, D <= LL_DMAX): the same results, bit for bit."""
-    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] with contiguous rows, got {tuple(x.shape)}"
-    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x must be bf16/fp16/fp32, got {x.dtype}"
     assert ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
-    norm = residual is not None
-    if norm:
-        assert weight is not None, "a residual needs the norm weight"
-        check_norm_operands(x, weight, residual)
-        out = torch.empty_like(x)
-    else:
-        out = x
+    norm, out = _operands(x, residual, weight)
     t, d = x.shape
     block = triton.next_power_of_2(d)
     _peer_all_reduce_ll_kernel[(t,)](
