@@ -40,16 +40,41 @@ from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 
 
 @triton.jit
-def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, epoch_ptr, rank, D, half, eps,
-                            stride_x, stride_res, stride_out,
-                            WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                            NORM: tl.constexpr):
+def _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK: tl.constexpr):
+    """This program's row, its epoch (advanced and stored), its lanes and its values of x."""
     row = tl.program_id(0)
     e = tl.load(epoch_ptr + row) + 1
     tl.store(epoch_ptr + row, e)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
+    return row, e, offs, mask, x
+
+
+@triton.jit
+def _finish_row(acc, like, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out,
+                NORM: tl.constexpr):
+    """The row's fp32 sum `acc` rounded to the dtype of `like` (x), stored: alone, or with NORM residual += sum
+    (in place) and out = rmsnorm(residual) * w."""
+    y = acc.to(like.dtype)                               # what the all-reduce alone returns
+    if NORM:
+        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(like.dtype)        # residual_out, rounded to x.dtype
+        tl.store(res_ptr + row.to(tl.int64) * stride_res + offs, y, mask=mask)
+        y32 = y.to(tl.float32)
+        var = tl.sum(y32 * y32, axis=0) / D
+        n = (y32 * tl.math.rsqrt(var + eps)).to(like.dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (w * n).to(like.dtype)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=mask)
+
+
+@triton.jit
+def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, epoch_ptr, rank, D, half, eps,
+                            stride_x, stride_res, stride_out,
+                            WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                            NORM: tl.constexpr):
+    row, e, offs, mask, x = _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK)
     slot = (e & 1).to(tl.int64) * half + row.to(tl.int64) * D
     mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(x.dtype))
     tl.store(mine + slot + offs, x, mask=mask)
@@ -67,17 +92,7 @@ def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, 
     for p in tl.static_range(WORLD):                     # rank order: the same sum on every rank
         src = tl.load(buf_ptrs + p).to(tl.pointer_type(x.dtype))
         acc += tl.load(src + slot + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
-    y = acc.to(x.dtype)                                  # what the all-reduce alone returns
-    if NORM:
-        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (y.to(tl.float32) + r).to(x.dtype)           # residual_out, rounded to x.dtype
-        tl.store(res_ptr + row.to(tl.int64) * stride_res + offs, y, mask=mask)
-        y32 = y.to(tl.float32)
-        var = tl.sum(y32 * y32, axis=0) / D
-        n = (y32 * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (w * n).to(x.dtype)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=mask)
+    _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
 
 
 @triton.jit
@@ -85,12 +100,7 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ll_ptrs, epoch_pt
                                stride_x, stride_res, stride_out,
                                WORLD: tl.constexpr, ROWS: tl.constexpr, DMAX: tl.constexpr, BLOCK: tl.constexpr,
                                NORM: tl.constexpr):
-    row = tl.program_id(0)
-    e = tl.load(epoch_ptr + row) + 1
-    tl.store(epoch_ptr + row, e)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
+    row, e, offs, mask, x = _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK)
     xf = x.to(tl.float32)
     packed = (e.to(tl.int64) << 32) | (xf.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
     parity = (e & 1).to(tl.int64) * half
@@ -112,17 +122,7 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ll_ptrs, epoch_pt
                 v = tl.load(src + offs, mask=mask, other=0, volatile=True)
                 late = tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32)
             acc += (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    y = acc.to(x.dtype)
-    if NORM:
-        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (y.to(tl.float32) + r).to(x.dtype)
-        tl.store(res_ptr + row.to(tl.int64) * stride_res + offs, y, mask=mask)
-        y32 = y.to(tl.float32)
-        var = tl.sum(y32 * y32, axis=0) / D
-        n = (y32 * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (w * n).to(x.dtype)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=mask)
+    _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
 
 
 LL_ROWS = 16            # rows of one push call (receive slots per source rank)
