@@ -169,9 +169,10 @@ def _check_dp_attention(p: ParallelConfig) -> None:
     if p.tp_size % p.dp_size:
         _reject(f"--tp-size {p.tp_size} --dp-size {p.dp_size}: --dp-size must divide --tp-size "
                 "(each DP group runs attention over tp / dp ranks)")
-    if p.nnodes > 1:
-        _reject(f"--enable-dp-attention with --nnodes {p.nnodes}: DP attention over several nodes is not "
-                "implemented yet (every group's leader must be on node 0)")
+    if p.nnodes > 1 and p.dist_init_addr and p.dist_init_addr.rpartition(":")[2].isdigit() \
+            and int(p.dist_init_addr.rpartition(":")[2]) + p.dp_size + 1 > 65535:
+        _reject(f"--dist-init-addr {p.dist_init_addr}: DP attention over several nodes takes the {p.dp_size + 1} "
+                "ports after it (each group's requests, the outputs); choose a lower port")
 
 
 def _check_dense_and_head(p: ParallelConfig, model: ModelConfig) -> None:

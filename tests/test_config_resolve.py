@@ -110,8 +110,8 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (H100, V2_LITE, dict(tp_size=4, dp_size=3, enable_dp_attention=True), "--tp-size 4 --dp-size 3"),
     (H100, V2_LITE, dict(tp_size=64, dp_size=2, enable_dp_attention=True),
      "--tp-size 64 --dp-size 2: model.layers.0.self_attn.q_proj.weight has 16 heads"),
-    (CPU, V2_LITE, dict(tp_size=4, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="h:1"),
-     "--enable-dp-attention with --nnodes 2"),
+    (CPU, V2_LITE, dict(tp_size=4, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="h:65534"),
+     "--dist-init-addr h:65534: DP attention over several nodes takes the 3 ports after it"),
     (CPU, V2_LITE, dict(load_balance_method="round_robin"), "--load-balance-method round_robin"),
     (CPU, V2_LITE, dict(tp_size=2, moe_dense_tp_size=2), "--moe-dense-tp-size 2: only 1"),
     (CPU, V2_LITE, dict(tp_size=2, dp_size=2, enable_dp_attention=True, moe_dispatch="all_to_all"),
@@ -182,6 +182,10 @@ def test_dp_attention_configs_resolve():
                 enable_torch_compile=True)                                    # draft + verify graphs too
     assert not r.sched.disable_cuda_graph and r.sched.torch_compile_max_bs > 0
     assert resolve(H100, V3_FP8, tp_size=16, dp_size=2, enable_dp_attention=True).parallel.dp_size == 2
+    # two nodes of 8 GPUs, 16 groups (SGLang's --tp 16 --dp 16 --enable-dp-attention --nnodes 2)
+    r = resolve(H100, V3_FP8, tp_size=16, dp_size=16, enable_dp_attention=True, nnodes=2, node_rank=1,
+                dist_init_addr="10.0.0.1:5000")
+    assert (r.parallel.nnodes, r.parallel.dp_size) == (2, 16)
     # SGLang's DP-attention flags for the dense layers and lm_head
     r = resolve(H100, V3_FP8, tp_size=16, dp_size=2, enable_dp_attention=True, moe_dense_tp_size=1,
                 enable_dp_lm_head=True)

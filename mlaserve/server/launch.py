@@ -19,9 +19,12 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
+
+import zmq
 
 from mlaserve import demo
-from mlaserve.config import ModelConfig, ServerConfig
+from mlaserve.config import ModelConfig, ParallelConfig, ServerConfig
 from mlaserve.config_resolve import precheck
 from mlaserve.scheduler.entry import EXIT_LOST_RANK, run_scheduler
 from mlaserve.server.dp_controller import dp_addresses
@@ -57,7 +60,33 @@ def ipc_addresses() -> tuple[str, str]:
 
 def remove_ipc_files(*addrs: str) -> None:
     for addr in addrs:
-        Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)
+        if addr.startswith("ipc://"):
+            Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+class ZmqAddresses(NamedTuple):
+    """Where node 0's tokenizer manager binds its sockets and where the schedulers' leaders connect to them: the
+    request socket (one per DP-attention group: a list) and the output socket."""
+
+    bind_send: str | list[str]
+    bind_recv: str
+    send: str | list[str]
+    recv: str
+
+
+def zmq_addresses(p: ParallelConfig) -> ZmqAddresses:
+    """ipc files on node 0; under DP attention over several nodes TCP on the ports after --dist-init-addr's
+    (groups 0 .. D-1's requests on port + 1 .. port + D, outputs on port + D + 1), as leaders on other nodes
+    read their group's requests there."""
+    if not (p.enable_dp_attention and p.nnodes > 1):
+        send, recv = ipc_addresses()
+        sends = dp_addresses(send, p.dp_size)
+        send_to = sends if len(sends) > 1 else send
+        return ZmqAddresses(send_to, recv, send_to, recv)
+    host, _, port = p.dist_init_addr.rpartition(":")
+    ports = [int(port) + 1 + d for d in range(p.dp_size + 1)]
+    return ZmqAddresses([f"tcp://*:{q}" for q in ports[:-1]], f"tcp://*:{ports[-1]}",
+                        [f"tcp://{host}:{q}" for q in ports[:-1]], f"tcp://{host}:{ports[-1]}")
 
 
 # --- the scheduler processes (one per rank of this node) -----------------------------------------------
@@ -261,8 +290,13 @@ def _checked_model_path(server: ServerConfig) -> str:
 
 
 def launch_ranks(server: ServerConfig) -> SchedulerHandle:
-    """A node other than node 0 (`--node-rank N`): start its ranks only (no HTTP, no tokenizer, no ZeroMQ)."""
-    return start_scheduler(server, _checked_model_path(server), None, None)
+    """A node other than node 0 (`--node-rank N`): start its ranks only (no HTTP, no tokenizer; under DP attention
+    its groups' leaders connect to node 0's manager over TCP)."""
+    path = _checked_model_path(server)
+    if not server.parallel.enable_dp_attention:
+        return start_scheduler(server, path, None, None)
+    addrs = zmq_addresses(server.parallel)
+    return start_scheduler(server, path, addrs.send, addrs.recv)
 
 
 def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, TokenizerManager]:
@@ -272,19 +306,40 @@ def launch_backend(server: ServerConfig) -> tuple[str, SchedulerHandle, Tokenize
         raise LaunchError(f"--node-rank {server.parallel.node_rank}: only node 0 serves requests; start the other "
                           "nodes with `mlaserve serve --node-rank N`")
     tokenizer = _load_tokenizer(server.load.tokenizer_path or path)
-    send_addr, recv_addr = ipc_addresses()
-    sends = dp_addresses(send_addr, server.parallel.dp_size)
-    to_schedulers = sends if len(sends) > 1 else send_addr
+    addrs = zmq_addresses(server.parallel)
+    _check_ports_free(addrs, server.parallel)
     handle = None
     try:
-        handle = start_scheduler(server, path, to_schedulers, recv_addr)
-        return path, handle, TokenizerManager(tokenizer, to_schedulers, recv_addr, handle.info,
-                                              seed=server.load.seed, alive=handle.alive)
+        handle = start_scheduler(server, path, addrs.send, addrs.recv)
+        try:
+            manager = TokenizerManager(tokenizer, addrs.bind_send, addrs.bind_recv, handle.info,
+                                       seed=server.load.seed, alive=handle.alive)
+        except zmq.ZMQError as e:
+            raise LaunchError(f"cannot open the schedulers' sockets ({', '.join(_listed(addrs))}): {e}") from None
+        return path, handle, manager
     except BaseException:
         if handle is not None:
             handle.stop()
-        remove_ipc_files(*sends, recv_addr)
+        remove_ipc_files(*_listed(addrs))
         raise
+
+
+def _check_ports_free(addrs: ZmqAddresses, p: ParallelConfig) -> None:
+    """Before any rank starts: one line for a TCP port of the manager's that another program holds."""
+    for addr in _listed(addrs):
+        if addr.startswith("tcp://"):
+            port = int(addr.rpartition(":")[2])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("", port))
+                except OSError as e:
+                    raise LaunchError(f"--dist-init-addr {p.dist_init_addr}: port {port}, which DP attention over "
+                                      f"several nodes uses for the groups' messages, is in use ({e.strerror})") from None
+
+
+def _listed(addrs: ZmqAddresses) -> list[str]:
+    sends = addrs.bind_send if isinstance(addrs.bind_send, list) else [addrs.bind_send]
+    return [*sends, addrs.bind_recv]
 
 
 # --- the demo model ------------------------------------------------------------------------------------

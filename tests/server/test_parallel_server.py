@@ -1,6 +1,6 @@
 """Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2 (with and
 without --ep-size 2) and against data-parallel attention (--tp-size 2 --dp-size 2, with and without --ep-size 2),
-two "nodes" on loopback, a rank killed while serving, and a busy --dist-init-addr."""
+two "nodes" on loopback (tensor parallel, and DP attention with a group on each node), a rank killed while serving, and a busy --dist-init-addr."""
 from __future__ import annotations
 
 import os
@@ -126,6 +126,68 @@ def test_two_nodes_on_loopback_equal_one_process(start_server, demo_cache, refer
     assert node1.wait(timeout=60) != 0
     lines = [ln for ln in node1_log.read_text().splitlines() if "ERROR" in ln or "error" in ln.lower()]
     assert any("rank 1" in ln for ln in lines), node1_log.read_text()[-2000:]
+
+
+def _free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free (the store, then DP attention's ZeroMQ ports after it)."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            socks = []
+            for q in range(p, p + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def test_dp_attention_over_two_nodes_on_loopback_equals_one_process(start_server, demo_cache, reference, tmp_path):
+    """tp 2 dp 2 over two "nodes" of one rank: group 1's leader is on node 1 and reads its requests from node 0's
+    manager over TCP (the ports after --dist-init-addr's); both groups serve the single process's completions."""
+    import httpx
+
+    path, expected = reference
+    addr = f"127.0.0.1:{_free_ports(4)}"
+    common = ["--model-path", path, "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--nnodes", "2",
+              "--dist-init-addr", addr, "--load-balance-method", "round_robin", *CPU_ARGS]
+    env = {**os.environ, "MLASERVE_CACHE": str(demo_cache)}
+    node1_log = tmp_path / "node1.log"
+    with open(node1_log, "w") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", *common, "--node-rank", "1"],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env)
+    node0 = start_server(*common, "--node-rank", "0", "--served-model-name", MODEL, wait=False)
+    try:
+        node0.wait_healthy()
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(lambda p: complete(node0.url, p), PROMPTS)) == expected
+        assert [complete(node0.url, p) for p in PROMPTS] == expected
+        groups = httpx.get(node0.url + "/get_server_info").json()["dp_groups"]
+        assert [g["dp_rank"] for g in groups] == [0, 1] and all(g["prompt_tokens"] > 0 for g in groups), groups
+    finally:
+        node0.stop()
+    assert node1.wait(timeout=60) != 0                 # node 0 went away: node 1's rank ends, in one line
+    assert any("rank 1" in ln for ln in node1_log.read_text().splitlines() if "ERROR" in ln), \
+        node1_log.read_text()[-2000:]
+
+
+def test_busy_dp_attention_port_is_one_line(demo_cache):
+    """Node 0 checks the ZeroMQ ports after --dist-init-addr's before starting any rank."""
+    port = _free_ports(4)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port + 2))
+        busy.listen(1)
+        out = subprocess.run([sys.executable, "-m", "mlaserve.cli", "serve", "--tp-size", "2", "--dp-size", "2",
+                              "--enable-dp-attention", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr",
+                              f"127.0.0.1:{port}", "--port", str(free_port()), *CPU_ARGS], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "MLASERVE_CACHE": str(demo_cache)})
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    assert out.returncode != 0 and len(lines) == 1 and f"port {port + 2}" in lines[0], lines
 
 
 def test_busy_dist_init_addr_is_one_line(demo_cache, tmp_path):
