@@ -268,8 +268,8 @@ class LoadConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tp_size: int = opt(1, "tensor-parallel ranks (one process per GPU, or per CPU rank with gloo)")
-    ep_size: int = opt(1, "expert-parallel ranks: each holds n_routed_experts / ep of the routed experts, whole "
-                          "(1, or equal to --tp-size)")
+    ep_size: int = opt(1, "expert-parallel size (dividing --tp-size): ep sets of tp / ep ranks, each set holding "
+                          "n_routed_experts / ep of the routed experts (whole on each rank when ep = tp)")
     dp_size: int = opt(1, "data-parallel attention groups (with --enable-dp-attention; must divide --tp-size)")
     enable_dp_attention: bool = opt(False, "data-parallel attention: --dp-size groups of tp / dp ranks each run "
                                     "attention on their own requests (one latent KV cache, scheduler and radix "

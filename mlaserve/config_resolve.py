@@ -148,7 +148,7 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
     _check_dense_and_head(p, model)
     check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8,
                     attn_tp=p.tp_size // p.dp_size if p.enable_dp_attention else None,
-                    dense_tp=p.moe_dense_tp_size)
+                    dense_tp=p.moe_dense_tp_size, ep=p.ep_size if p.ep_size > 0 and p.tp_size % p.ep_size == 0 else 1)
     check_ep(p, model)
     return replace(p, dist_timeout=p.dist_timeout or DEFAULT_DIST_TIMEOUT)
 
@@ -189,10 +189,11 @@ def _check_dense_and_head(p: ParallelConfig, model: ModelConfig) -> None:
 
 
 def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool, attn_tp: int | None = None,
-                    dense_tp: int | None = None) -> None:
+                    dense_tp: int | None = None, ep: int = 1) -> None:
     """One line naming the first checkpoint tensor that does not split into its shards (of whole 128-blocks
     for block-FP8 weights): `tp` ways, except attention, embedding, lm_head and dense MLPs under DP attention,
-    which split `attn_tp` (tp / dp) ways, and dense MLPs under --moe-dense-tp-size (`dense_tp`)."""
+    which split `attn_tp` (tp / dp) ways, dense MLPs under --moe-dense-tp-size (`dense_tp`), and routed experts
+    under --ep-size (`ep`: tp / ep ways)."""
     a = tp if attn_tp is None else attn_tp
     h, block = model.num_attention_heads, 128
     attn = "model.layers.0.self_attn."
@@ -209,31 +210,35 @@ def check_tp_shapes(model: ModelConfig, tp: int, fp8: bool, attn_tp: int | None 
         parts.append((f"model.layers.{dense}.mlp.down_proj.weight", "columns", model.intermediate_size,
                       block if fp8 else 0, a if dense_tp is None else dense_tp))
     if moe:
-        parts.append((f"model.layers.{moe[0]}.mlp.experts.0.down_proj.weight", "columns",
-                      model.moe_intermediate_size, block if fp8 else 0, tp))
+        mlp = f"model.layers.{moe[0]}.mlp."
+        parts.append((f"{mlp}experts.0.down_proj.weight", "columns", model.moe_intermediate_size, block if fp8 else 0,
+                      tp // ep))
+        if ep > 1 and model.n_shared_experts:          # each shared expert stays split over all tp ranks
+            parts.append((f"{mlp}shared_experts.down_proj.weight", "columns per shared expert",
+                          model.moe_intermediate_size, block if fp8 else 0, tp))
     for name, what, n, unit, ways in parts:
         if ways > 1 and (n % ways or (unit and (n // ways) % unit)):
             blocks = f" of whole {unit}-wide blocks (block FP8)" if unit else ""
-            flags = f"--tp-size {tp}" if ways == tp else f"--tp-size {tp} --dp-size {tp // ways}"
+            flags = f"--tp-size {tp}" + (f" --ep-size {ep}" if "experts" in name and ep > 1 else "") + \
+                (f" --dp-size {tp // ways}" if ways == a and a != tp else "")
             _reject(f"{flags}: {name} has {n} {what}, which do not split into {ways} equal parts{blocks}")
 
 
 def check_ep(p: ParallelConfig, model: ModelConfig) -> None:
-    """--ep-size: 1, or every TP rank holding n_routed_experts / ep whole experts (one line when not)."""
+    """--ep-size: 1, or ep expert sets of tp / ep ranks, each holding n_routed_experts / ep experts (split along
+    the intermediate dimension over its ranks; whole at ep = tp); one line when not."""
     ep = p.ep_size
     if ep < 1:
         _reject(f"--ep-size {ep}: must be >= 1")
     if ep == 1:
         if p.moe_dispatch == "all_to_all":
-            _reject("--moe-dispatch all_to_all: needs expert parallelism (--ep-size equal to --tp-size), whose "
+            _reject("--moe-dispatch all_to_all: needs expert parallelism (--ep-size > 1), whose "
                     "ranks the rows are sent to")
         return
     # NOTE: without DP attention every TP rank sees every token, so EP over the TP group needs no dispatch (the
-    # all-reduce after the MoE sums the ranks' experts); EP over a subset of the TP ranks would need a second
-    # split of the tokens or experts that no path implements.
-    if ep != p.tp_size:
-        _reject(f"--ep-size {ep}: must equal --tp-size {p.tp_size} or be 1 (expert parallelism runs over the "
-                "tensor-parallel ranks)")
+    # all-reduce after the MoE sums the ranks' partial outputs, experts and their intermediate shares alike)
+    if p.tp_size % ep:
+        _reject(f"--ep-size {ep}: must divide --tp-size {p.tp_size} (expert sets of --tp-size / --ep-size ranks)")
     if not any(model.is_moe_layer(i) for i in range(model.num_hidden_layers + 1)):
         _reject(f"--ep-size {ep}: this model has no routed experts to split")
     if p.moe_dispatch == "all_to_all" and not p.enable_dp_attention:

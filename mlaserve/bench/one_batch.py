@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "torch"))
     ap.add_argument("--tp-size", type=int, nargs="+", default=[1], help="tensor-parallel sizes to run in turn")
     ap.add_argument("--ep-size", type=int, nargs="+", default=[1],
-                    help="expert-parallel sizes to run each TP size with (1, or equal to it; others are skipped)")
+                    help="expert-parallel sizes to run each TP size with (dividing it; others are skipped)")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="every all-reduce on NCCL (default: decode's over peer buffers where the GPUs allow)")
@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "fp8_flops": float("nan")}
     rows, cfg, startup = [], None, {}
     for tp, ep in [(tp, ep) for tp in args.tp_size for ep in args.ep_size]:
-        if ep not in (1, tp):
-            print(f"skipping --tp-size {tp} --ep-size {ep}: --ep-size must be 1 or equal --tp-size", flush=True)
+        if tp % ep:
+            print(f"skipping --tp-size {tp} --ep-size {ep}: --ep-size must divide --tp-size", flush=True)
             continue
         run, label = argparse.Namespace(**vars(args), ep=ep), f"tp {tp}" + (f" ep {ep}" if ep > 1 else "")
         if tp == 1:

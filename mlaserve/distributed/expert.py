@@ -1,14 +1,16 @@
 """Expert parallelism: which routed experts a rank holds, the collectives between the ranks of the EP group, and
 the dispatch / combine of token rows to the ranks holding their experts (DESIGN.md sec. 6).
 
-Legend: `n` ranks in the EP group, `T` this rank's tokens, `M` the largest T over the group (the padded size),
-`h` hidden, `K` top-k, `E` routed experts, `E_r = E / n` per rank. Experts are partitioned in contiguous ranges:
+Legend: `n` ranks in the MoE's group, `m` = moe_tp ranks per expert set (n / --ep-size), `T` this rank's tokens,
+`M` the largest T over the group (the padded size), `h` hidden, `K` top-k, `E` routed experts, `E_r = E / (n / m)`
+per expert set. Experts are partitioned in contiguous ranges over the n / m expert sets of m consecutive ranks,
+which split each of their experts' intermediate dimension m ways (m = 1 when --ep-size equals --tp-size):
 
-    rank:        0                      1                          n - 1
-    experts:   | 0 .. E_r - 1         | E_r .. 2 E_r - 1        | ... | (n - 1) E_r .. E - 1 |
-    local id:  | 0 .. E_r - 1         | 0 .. E_r - 1            | ... | 0 .. E_r - 1         |
+    ep rank (rank // m):  0                      1                          n / m - 1
+    experts:            | 0 .. E_r - 1         | E_r .. 2 E_r - 1        | ... | E - E_r .. E - 1 |
+    local id:           | 0 .. E_r - 1         | 0 .. E_r - 1            | ... | 0 .. E_r - 1     |
 
-A global id maps to `id - rank * E_r` on its owner and to -1 (the fused-MoE sentinel: contributes nothing)
+A global id maps to `id - ep_rank * E_r` on its holders and to -1 (the fused-MoE sentinel: contributes nothing)
 everywhere else. Without data-parallel attention every rank has every token and the layer's existing all-reduce
 sums the ranks' partial outputs, so no dispatch is needed; with it, each rank has its own tokens and a
 `BaseDispatcher` moves rows to the experts and back.
@@ -25,31 +27,47 @@ from mlaserve.distributed.parallel import TensorParallel
 
 
 class ExpertParallel:
-    """This rank's place in the EP group and the group's collectives. `ExpertParallel()` is one process (every
-    expert local, every collective the identity)."""
+    """This rank's place among the MoE's `size` ranks (`group`: the collectives), which form size / moe_tp expert
+    sets of moe_tp consecutive ranks. `ExpertParallel()` is one process (every expert local, every collective the
+    identity)."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group: "dist.ProcessGroup | None" = None):
-        self.rank, self.size, self.group = rank, size, group
+    def __init__(self, rank: int = 0, size: int = 1, group: "dist.ProcessGroup | None" = None, moe_tp: int = 1):
+        assert size % moe_tp == 0, f"{size} ranks do not form expert sets of {moe_tp}"
+        self.rank, self.size, self.group, self.moe_tp = rank, size, group, moe_tp
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(rank={self.rank}, size={self.size})"
+        return f"ExpertParallel(rank={self.rank}, size={self.size}, moe_tp={self.moe_tp})"
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.moe_tp
+
+    @property
+    def ep_size(self) -> int:
+        """Expert sets (--ep-size): 1 is no expert parallelism."""
+        return self.size // self.moe_tp
+
+    @property
+    def inter(self) -> TensorParallel:
+        """This rank's share of its experts' intermediate dimension (for slicing checkpoint tensors only)."""
+        return TensorParallel(self.rank % self.moe_tp, self.moe_tp)
 
     def split(self, n_experts: int) -> int:
-        """E_r = n_experts / size (ValueError naming --ep-size when it does not divide)."""
-        if n_experts % self.size:
-            raise ValueError(f"n_routed_experts ({n_experts}) cannot be split across --ep-size {self.size}")
-        return n_experts // self.size
+        """E_r = n_experts / ep_size (ValueError naming --ep-size when it does not divide)."""
+        if n_experts % self.ep_size:
+            raise ValueError(f"n_routed_experts ({n_experts}) cannot be split across --ep-size {self.ep_size}")
+        return n_experts // self.ep_size
 
     def first(self, n_experts: int) -> int:
         """Global id of this rank's local expert 0."""
-        return self.rank * self.split(n_experts)
+        return self.ep_rank * self.split(n_experts)
 
     def holds(self, expert: int, n_experts: int) -> bool:
         return 0 <= expert - self.first(n_experts) < self.split(n_experts)
 
     def to_local(self, ids: torch.Tensor, n_experts: int) -> torch.Tensor:
         """Global expert ids [..] -> local ids on this rank, -1 for experts it does not hold (and for ids -1)."""
-        if self.size == 1:
+        if self.ep_size == 1:
             return ids
         local = ids - self.first(n_experts)
         return torch.where((local >= 0) & (local < self.split(n_experts)), local, -1).to(torch.int32)
@@ -84,13 +102,13 @@ class ExpertParallel:
 
 
 def expert_parallel(tp: TensorParallel, ep_size: int) -> ExpertParallel:
-    """The EP group from the tensor-parallel one: --ep-size 1 is one process per expert set;
-    --ep-size equal to --tp-size makes every TP rank an EP rank (the only other layout config resolution allows)."""
+    """Expert parallelism over the MoE's ranks `tp`: --ep-size 1 is none (every rank every expert, split along the
+    intermediate dimension); else ep_size expert sets of tp.size / ep_size consecutive ranks."""
     if ep_size == 1:
         return ExpertParallel()
-    if ep_size != tp.size:
-        raise ValueError(f"--ep-size {ep_size}: must equal --tp-size {tp.size} or 1")
-    return ExpertParallel(tp.rank, tp.size, tp.group)
+    if tp.size % ep_size:
+        raise ValueError(f"--ep-size {ep_size}: must divide --tp-size {tp.size}")
+    return ExpertParallel(tp.rank, tp.size, tp.group, moe_tp=tp.size // ep_size)
 
 
 # NOTE: gloo (torch 2.13) implements all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single on the
@@ -177,15 +195,15 @@ class GatherDispatcher(BaseDispatcher):
 
 
 class AllToAllDispatcher(BaseDispatcher):
-    """Each token row goes once to every rank holding at least one of its experts (with its whole routing row),
-    and the partial outputs come back the same way. Sends only what is used, but its sizes are data-dependent:
+    """Each token row goes once to every rank holding (a share of) at least one of its experts (with its whole
+    routing row), and the partial outputs come back the same way. Sends only what is used, but its sizes are data-dependent:
     one host sync per dispatch (the counts), so it runs eagerly."""
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Dispatched:
-        n, per_rank = self.ep.size, self.ep.split(self.n_experts)
-        owner = torch.where(ids >= 0, ids // per_rank, -1)                       # [T, K] rank of each expert
-        ranks = torch.arange(n, device=x.device)
-        wanted = (owner[:, None, :] == ranks[None, :, None]).any(-1)             # [T, n] token t -> rank d
+        n, per_set = self.ep.size, self.ep.split(self.n_experts)
+        owner = torch.where(ids >= 0, ids // per_set, -1)                        # [T, K] expert set of each expert
+        sets = torch.arange(n, device=x.device) // self.ep.moe_tp                # [n] expert set of each rank
+        wanted = (owner[:, None, :] == sets[None, :, None]).any(-1)              # [T, n] token t -> rank d
         dest, tok = wanted.t().nonzero(as_tuple=True)                            # grouped by destination rank
         send = torch.bincount(dest, minlength=n)                                 # [n]
         recv = self.ep.all_to_all_counts(send)

@@ -4,7 +4,8 @@ Legend: `T` tokens, `h` hidden, `I` moe_intermediate_size / tp (this rank's shar
 `K` experts per token. Routed experts are stacked at load time: w13 [E, 2I, h] (gate rows then up rows),
 w2 [E, h, I]. Under tensor parallelism every expert (shared ones too) and the dense MLP are split along the
 intermediate dimension: gate/up rows and down columns; the caller all-reduces the partial outputs. Under expert
-parallelism (--ep-size = --tp-size) each rank holds E / ep whole routed experts instead (shared ones stay split).
+parallelism (--ep-size) each expert set of tp / ep ranks holds E / ep routed experts, split over its ranks (whole at
+ep = tp; shared ones stay split over all ranks).
 """
 from __future__ import annotations
 
@@ -163,7 +164,8 @@ class RoutedExperts(ExpertStack):
     along as slots E .. E + n_shared - 1: a shared MLP of intermediate size n_shared * I is n_shared experts of
     size I side by side (SwiGLU is elementwise over the intermediate dimension), so one fused-MoE call computes
     routed and shared experts (every token routed to the shared slots with weight 1).
-    Expert parallel (`ep`, over the TP ranks): the stack holds E / ep whole experts (`ExpertParallel` says which);
+    Expert parallel (`ep`, over the TP ranks): the stack holds E / ep experts (`ExpertParallel` says which), whole or
+    split over the ranks of this rank's expert set;
     the shared experts stay TP-split in their own stack `shared` (a different width), computed as dense GEMMs.
     `whole_shared` (the all-to-all dispatch) adds `shared_whole`: the shared experts whole, for a rank's own rows.
     """
@@ -173,8 +175,9 @@ class RoutedExperts(ExpertStack):
                  whole_shared: bool = False):
         ep = ep or ExpertParallel()
         h, n_shared, n_local = cfg.hidden_size, cfg.n_shared_experts, ep.split(cfg.n_routed_experts)
-        fused = ep.size == 1
-        i = tp.split(cfg.moe_intermediate_size, "moe_intermediate_size") if fused else cfg.moe_intermediate_size
+        fused = ep.ep_size == 1
+        # under EP each expert set's moe_tp ranks split its experts' intermediate dimension (whole at ep = tp)
+        i = (tp if fused else ep.inter).split(cfg.moe_intermediate_size, "moe_intermediate_size")
         kw = dict(quant=quant, dtype=dtype, device=device, ops=ops)
         super().__init__(n_local + (n_shared if fused else 0), h, i, **kw)
         self.n_total, self.n_routed, self.n_shared, self.tp, self.ep = cfg.n_routed_experts, n_local, n_shared, tp, ep
@@ -196,9 +199,9 @@ class RoutedExperts(ExpertStack):
         """Copy checkpoint tensor `mlp.experts.{expert}.{proj}.weight[_scale_inv]` into its slot (this rank's TP
         share under tensor parallelism, whole under expert parallelism)."""
         if not self.holds(expert):
-            raise ValueError(f"{name}: expert {expert} is not held by EP rank {self.ep.rank} of {self.ep.size}")
-        ep_on = self.ep.size > 1
-        self.load_slot(name, expert - self.ep.first(self.n_total), proj, loaded, scale, SINGLE if ep_on else self.tp)
+            raise ValueError(f"{name}: expert {expert} is not held by EP rank {self.ep.ep_rank} of {self.ep.ep_size}")
+        share = self.ep.inter if self.ep.ep_size > 1 else self.tp
+        self.load_slot(name, expert - self.ep.first(self.n_total), proj, loaded, scale, share)
 
     def load_shared(self, name: str, proj: str, loaded: torch.Tensor, scale: bool) -> None:
         """Split `mlp.shared_experts.{proj}.weight[_scale_inv]` into n_shared expert slots (after the routed ones,
@@ -258,7 +261,7 @@ class MoE(torch.nn.Module):
     def takes_next_norm(self, num_tokens: int) -> bool:
         """Whether `forward_normed` can also run the next layer's input norm inside the experts' combine (one
         token, experts not split by EP: the caller must not need to all-reduce the output first)."""
-        return num_tokens <= COMBINE_MAX_TOKENS and num_tokens <= FUSE_SHARED_MAX_TOKENS and self.experts.ep.size == 1
+        return num_tokens <= COMBINE_MAX_TOKENS and num_tokens <= FUSE_SHARED_MAX_TOKENS and self.experts.ep.ep_size == 1
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                        next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,7 +296,7 @@ class MoE(torch.nn.Module):
         # norm = (residual, RMSNorm): x is the un-normed attention output; returns (output, x + residual or None),
         # or with next_norm (and norm) the next layer's normed input and residual stream
         ex = self.experts
-        ep = ex.ep.size > 1
+        ep = ex.ep.ep_size > 1
         fuse_shared = not ep and x.shape[0] <= FUSE_SHARED_MAX_TOKENS
         # [T, K (+ n_shared)]: the shared slots E .. E + n_shared - 1 (weight 1) ride along in the fused call
         n_shared = ex.n_shared if fuse_shared else 0

@@ -31,7 +31,7 @@ def shape_from_hf_config(path: Path, tp_size: int, dtype: str, ep_size: int = 1)
     d = json.loads(Path(path).read_text())
     inter, n = d["moe_intermediate_size"], d["n_routed_experts"]
     assert n % ep_size == 0, f"n_routed_experts={n} is not divisible by --ep-size {ep_size}"
-    split = 1 if ep_size > 1 else tp_size
+    split = tp_size // ep_size if ep_size > 1 else tp_size        # each expert set's ranks split its experts
     assert inter % split == 0, f"moe_intermediate_size={inter} is not divisible by --tp-size {tp_size}"
     return MoeShape(d.get("_name_or_path", Path(path).stem), n // ep_size, d["num_experts_per_tok"],
                     d["hidden_size"], inter // split, dtype == "fp8_w8a8", d.get("n_group") or 1,

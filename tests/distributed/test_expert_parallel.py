@@ -103,6 +103,32 @@ def test_ep2_equals_tp1_through_the_engine(checkpoint, case, one_thread):
         assert ids[:n] == o["output_ids"][:n]
 
 
+# case -> (checkpoint, Engine flags): four ranks in two expert sets of two, each set splitting its 8 experts'
+# intermediate dimension over its two ranks; plain tensor parallel, and four DP-attention groups of one rank whose
+# rows reach both ranks of their experts' set by all-to-all
+SETS = {"tp4-ep2": ("v3", dict(tp_size=4, ep_size=2)),
+        "tp4-dp4-ep2-all-to-all": ("v2", dict(tp_size=4, dp_size=4, enable_dp_attention=True, ep_size=2,
+                                              moe_dispatch="all_to_all", load_balance_method="round_robin"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SETS))
+def test_expert_sets_of_two_ranks_equal_tp1(checkpoint, case, one_thread):
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    variant, flags = SETS[case]
+    path = checkpoint(variant)
+    got, info = engine_run(path, prompts, **flags)
+    assert (info["tp_size"], info["ep_size"]) == (4, 2)
+    ref = one_process(path, prompts)
+    diffs = [abs(x - y) for (lps, _, _), o in zip(ref, got)
+             for x, y in zip(lps, [lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]], strict=True)]
+    assert max(diffs) <= 1e-4, max(diffs)
+    assert [ids for _, ids, _ in ref] == [o["output_ids"] for o in got]
+
+
 @pytest.mark.multi_gpu
 def test_ep2_on_two_gpus_equals_one_gpu(checkpoint):
     """NCCL, the Triton fused-MoE with sentinel ids and CUDA graphs, in float32: tp 2 ep 2 == tp 1."""
@@ -233,17 +259,29 @@ def test_memory_per_rank_halves_for_routed_experts_at_full_v3_size() -> None:
                            for p in (m.w13, m.w2, m.w13_scale, m.w2_scale))
     assert 2 * routed(half) == routed(one)
     assert [half.holds(e) for e in (127, 128, 255)] == [False, True, True]
+    # --tp-size 4 --ep-size 2: rank 3 is the second rank of expert set 1: experts 128 .. 255, half their columns
+    sets = moe_layer.RoutedExperts(cfg, quant=cfg.quant, dtype=torch.bfloat16, device="meta", ops=get_ops("torch"),
+                                   tp=TensorParallel(3, 4), ep=ExpertParallel(3, 4, moe_tp=2))
+    assert (sets.n_routed, sets.w13.shape[1], sets.w2.shape[2], sets.shared.w13.shape[1]) == (128, 2 * 1024, 1024, 1024)
+    assert [sets.holds(e) for e in (127, 128, 255)] == [False, True, True]
+    assert 2 * routed(sets) == routed(half)
 
 
 # --- flags ------------------------------------------------------------------------------------------------------
 
 V2_LITE = ModelConfig.from_hf(CONFIGS / "deepseek-v2-lite.json")
+V3 = ModelConfig.from_hf(CONFIGS / "deepseek-v3.json")
 CPU = DeviceInfo("cpu", triton=False)
+H100 = DeviceInfo("cuda", 0, "NVIDIA H100 80GB HBM3", 80 * 2**30, (9, 0), triton=True)
 
 
 @pytest.mark.parametrize("model,flags,words", [
-    (V2_LITE, dict(tp_size=2, ep_size=4), "--ep-size 4: must equal --tp-size 2 or be 1"),
-    (V2_LITE, dict(tp_size=4, ep_size=2), "--ep-size 2: must equal --tp-size 4 or be 1"),
+    (V2_LITE, dict(tp_size=2, ep_size=4), "--ep-size 4: must divide --tp-size 2"),
+    (V2_LITE, dict(tp_size=4, ep_size=3), "--ep-size 3: must divide --tp-size 4"),
+    (V3, dict(tp_size=32, ep_size=32, moe_dense_tp_size=1),
+     "--tp-size 32 --ep-size 32: model.layers.3.mlp.shared_experts.down_proj.weight has 2048 columns per shared"),
+    (V3, dict(tp_size=64, ep_size=2, moe_dense_tp_size=1),
+     "--tp-size 64 --ep-size 2: model.layers.3.mlp.experts.0.down_proj.weight has 2048 columns"),
     (V2_LITE, dict(ep_size=0), "--ep-size 0: must be >= 1"),
     (dataclasses.replace(V2_LITE, n_routed_experts=66), dict(tp_size=4, ep_size=4),
      "--ep-size 4: n_routed_experts (66) does not split into 4 equal parts"),
@@ -252,7 +290,7 @@ CPU = DeviceInfo("cpu", triton=False)
 ])
 def test_bad_ep_flags_fail_in_one_line(model, flags, words) -> None:
     with pytest.raises(ConfigError) as e:
-        resolve_config(ServerConfig.from_flat(**flags), model, CPU)
+        resolve_config(ServerConfig.from_flat(**flags), model, H100 if model is V3 else CPU)
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -261,6 +299,9 @@ def test_ep_flags_resolve() -> None:
     assert (r.parallel.tp_size, r.parallel.ep_size) == (2, 2)
     assert resolve_config(r, V2_LITE, CPU) == r                                        # idempotent
     assert ServerConfig.from_flat().parallel.ep_size == 1
+    # expert sets of several ranks: 4 sets of 2 ranks, each splitting its 64 experts' 2048 columns in two
+    assert resolve_config(ServerConfig.from_flat(tp_size=8, ep_size=4), V3, H100).parallel.ep_size == 4
+    assert resolve_config(ServerConfig.from_flat(tp_size=16, ep_size=16), V3, H100).parallel.ep_size == 16
 
 
 def test_tuned_tables_are_looked_up_by_the_local_expert_count(monkeypatch) -> None:
