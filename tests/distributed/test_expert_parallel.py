@@ -76,12 +76,22 @@ def one_process(path: str, prompts: list[list[int]],
 MAX_NEW = 8
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_ep2_equals_tp1_through_the_engine(checkpoint, case, one_thread):
+def seeded_prompts(n: int) -> list[list[int]]:
     seed = random.randrange(2**31)
     print(f"seed {seed}")
     rng = random.Random(seed)
-    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(3)]
+    return [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def logprob_diffs(ref: list, got: list[dict]) -> list[float]:
+    """|d log p| at every prompt position between `one_process` and the Engine's outputs."""
+    return [abs(x - y) for (lps, _, _), o in zip(ref, got)
+            for x, y in zip(lps, [lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]], strict=True)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ep2_equals_tp1_through_the_engine(checkpoint, case, one_thread):
+    prompts = seeded_prompts(3)
     variant, flags = CASES[case]
     dequant = flags.get("dequant_fp8", False)
     path = checkpoint(variant)
@@ -90,8 +100,7 @@ def test_ep2_equals_tp1_through_the_engine(checkpoint, case, one_thread):
     if "speculative_algorithm" in flags:
         assert info["speculative_num_steps"] == 3 and all(o["meta_info"]["spec_verify_ct"] >= 1 for o in got)
     ref = one_process(path, prompts, dequant)
-    diffs = sorted(abs(x - y) for (lps, _, _), o in zip(ref, got)
-                   for x, y in zip(lps, [lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]], strict=True))
+    diffs = sorted(logprob_diffs(ref, got))
     print(f"|d log p| over {len(diffs)} positions: max {diffs[-1]:.2e}, median {diffs[len(diffs) // 2]:.2e}")
     if dequant or not VARIANTS[variant][2]:
         assert diffs[-1] <= 1e-4, diffs[-1]
@@ -114,17 +123,13 @@ SETS = {"tp4-ep2": ("v3", dict(tp_size=4, ep_size=2)),
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(SETS))
 def test_expert_sets_of_two_ranks_equal_tp1(checkpoint, case, one_thread):
-    seed = random.randrange(2**31)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    prompts = seeded_prompts(4)
     variant, flags = SETS[case]
     path = checkpoint(variant)
     got, info = engine_run(path, prompts, **flags)
     assert (info["tp_size"], info["ep_size"]) == (4, 2)
     ref = one_process(path, prompts)
-    diffs = [abs(x - y) for (lps, _, _), o in zip(ref, got)
-             for x, y in zip(lps, [lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]], strict=True)]
+    diffs = logprob_diffs(ref, got)
     assert max(diffs) <= 1e-4, max(diffs)
     assert [ids for _, ids, _ in ref] == [o["output_ids"] for o in got]
 
@@ -132,10 +137,7 @@ def test_expert_sets_of_two_ranks_equal_tp1(checkpoint, case, one_thread):
 @pytest.mark.multi_gpu
 def test_ep2_on_two_gpus_equals_one_gpu(checkpoint):
     """NCCL, the Triton fused-MoE with sentinel ids and CUDA graphs, in float32: tp 2 ep 2 == tp 1."""
-    seed = random.randrange(2**31)
-    print(f"seed {seed}")
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    prompts = seeded_prompts(4)
     path = checkpoint("v2")
     flags = dict(device="cuda", dtype="float32", max_total_tokens=4096)
     runs = []
