@@ -106,28 +106,6 @@ def test_killing_a_rank_ends_the_server_in_one_line(start_server):
     assert not [p for p in pids if _running(p)], "a rank process was left running"
 
 
-def test_two_nodes_on_loopback_equal_one_process(start_server, demo_cache, reference, tmp_path):
-    """Node 1 (`serve --node-rank 1`: ranks only) and node 0 (HTTP + rank 0) meet at --dist-init-addr."""
-    path, expected = reference
-    addr = f"127.0.0.1:{free_port()}"
-    common = ["--model-path", path, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, *CPU_ARGS]
-    env = {**os.environ, "MLASERVE_CACHE": str(demo_cache)}
-    node1_log = tmp_path / "node1.log"
-    with open(node1_log, "w") as log:
-        node1 = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", *common, "--node-rank", "1"],
-                                 stdout=log, stderr=subprocess.STDOUT, env=env)
-    node0 = start_server(*common, "--node-rank", "0", "--served-model-name", MODEL, wait=False)
-    try:
-        node0.wait_healthy()
-        assert [complete(node0.url, p) for p in PROMPTS] == expected
-    finally:
-        node0.stop()
-    # node 0 went away: node 1's rank loses its collectives and the node exits with one line
-    assert node1.wait(timeout=60) != 0
-    lines = [ln for ln in node1_log.read_text().splitlines() if "ERROR" in ln or "error" in ln.lower()]
-    assert any("rank 1" in ln for ln in lines), node1_log.read_text()[-2000:]
-
-
 def _free_ports(n: int) -> int:
     """A port p with p .. p + n - 1 free (the store, then DP attention's ZeroMQ ports after it)."""
     for _ in range(50):
@@ -147,15 +125,22 @@ def _free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-def test_dp_attention_over_two_nodes_on_loopback_equals_one_process(start_server, demo_cache, reference, tmp_path):
-    """tp 2 dp 2 over two "nodes" of one rank: group 1's leader is on node 1 and reads its requests from node 0's
-    manager over TCP (the ports after --dist-init-addr's); both groups serve the single process's completions."""
+# layout -> the flags of both "nodes" (one rank each): tensor parallel, and DP attention with a group on each node
+# (group 1's leader on node 1 reads its requests from node 0's manager over TCP, the ports after --dist-init-addr's)
+NODE_LAYOUTS = {"tp2": ["--tp-size", "2"],
+                "tp2-dp2": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--load-balance-method",
+                            "round_robin"]}
+
+
+@pytest.mark.parametrize("layout", list(NODE_LAYOUTS))
+def test_two_nodes_on_loopback_equal_one_process(start_server, demo_cache, reference, tmp_path, layout):
+    """Node 1 (`serve --node-rank 1`: ranks only) and node 0 (HTTP + rank 0) meet at --dist-init-addr and serve
+    the single process's completions, requests one at a time and together."""
     import httpx
 
     path, expected = reference
-    addr = f"127.0.0.1:{_free_ports(4)}"
-    common = ["--model-path", path, "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--nnodes", "2",
-              "--dist-init-addr", addr, "--load-balance-method", "round_robin", *CPU_ARGS]
+    common = ["--model-path", path, *NODE_LAYOUTS[layout], "--nnodes", "2", "--dist-init-addr",
+              f"127.0.0.1:{_free_ports(4)}", *CPU_ARGS]
     env = {**os.environ, "MLASERVE_CACHE": str(demo_cache)}
     node1_log = tmp_path / "node1.log"
     with open(node1_log, "w") as log:
@@ -167,13 +152,15 @@ def test_dp_attention_over_two_nodes_on_loopback_equals_one_process(start_server
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             assert list(pool.map(lambda p: complete(node0.url, p), PROMPTS)) == expected
         assert [complete(node0.url, p) for p in PROMPTS] == expected
-        groups = httpx.get(node0.url + "/get_server_info").json()["dp_groups"]
-        assert [g["dp_rank"] for g in groups] == [0, 1] and all(g["prompt_tokens"] > 0 for g in groups), groups
+        if layout == "tp2-dp2":
+            groups = httpx.get(node0.url + "/get_server_info").json()["dp_groups"]
+            assert [g["dp_rank"] for g in groups] == [0, 1] and all(g["prompt_tokens"] > 0 for g in groups), groups
     finally:
         node0.stop()
-    assert node1.wait(timeout=60) != 0                 # node 0 went away: node 1's rank ends, in one line
-    assert any("rank 1" in ln for ln in node1_log.read_text().splitlines() if "ERROR" in ln), \
-        node1_log.read_text()[-2000:]
+    # node 0 went away: node 1's rank loses its collectives and the node exits with one line
+    assert node1.wait(timeout=60) != 0
+    lines = [ln for ln in node1_log.read_text().splitlines() if "ERROR" in ln or "error" in ln.lower()]
+    assert any("rank 1" in ln for ln in lines), node1_log.read_text()[-2000:]
 
 
 def test_busy_dp_attention_port_is_one_line(demo_cache):
