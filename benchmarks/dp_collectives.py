@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from mlaserve.bench.timing import time_graph_or_wall
 from mlaserve.distributed import RankGroup, spawn_ranks
-from mlaserve.distributed.dp_attention import _all_gather_rows
 from mlaserve.distributed.expert import reduce_scatter_rows
 
 BATCHES = [1, 16, 64, 128, 512, 2048]
@@ -43,10 +42,8 @@ def time_layers(group: RankGroup, batches: list[int], hidden: int, layers: int) 
         ways = {
             "tp 2 x all-reduce": lambda: [world.all_reduce(z), world.all_reduce(z)],
             "dp chosen": lambda: dp.scatter(dp.gather(x, counts).mul_(0), counts),
-            "dp + nccl all-reduce": lambda: dist.all_reduce(_all_gather_rows(x, world).view(-1, hidden).mul_(0),
-                                                            group=world.group),
-            "dp + reduce-scatter": lambda: reduce_scatter_rows(_all_gather_rows(x, world).view(-1, hidden),
-                                                               world.size, world.group),
+            "dp + nccl all-reduce": lambda: dist.all_reduce(dp.gather(x, counts).mul_(0), group=world.group),
+            "dp + reduce-scatter": lambda: reduce_scatter_rows(dp.gather(x, counts), world.size, world.group),
         }
         row = {"bs per group": bs, "tokens": d * bs, "bytes per rank": bs * hidden * x.element_size(),
                "dp path": "reduce-scatter" if dp.reduce_scatters(z) else "all-reduce",

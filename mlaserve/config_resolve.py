@@ -141,15 +141,18 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
         host, _, port = p.dist_init_addr.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             _reject(f"--dist-init-addr {p.dist_init_addr}: expected host:port")
+        if p.enable_dp_attention and p.nnodes > 1 and int(port) + p.dp_size + 1 > 65535:
+            _reject(f"--dist-init-addr {p.dist_init_addr}: DP attention over several nodes takes the "
+                    f"{p.dp_size + 1} ports after it (each group's requests, the outputs); choose a lower port")
     if p.dist_timeout is not None and p.dist_timeout <= 0:
         _reject(f"--dist-timeout {p.dist_timeout}: must be > 0")
     if p.base_gpu_id < 0 or (p.base_gpu_id and device.type != "cuda"):
         _reject(f"--base-gpu-id {p.base_gpu_id}: must be >= 0, and picks GPUs only (the device is {device.type})")
     _check_dense_and_head(p, model)
+    check_ep(p, model)
     check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8,
                     attn_tp=p.tp_size // p.dp_size if p.enable_dp_attention else None,
-                    dense_tp=p.moe_dense_tp_size, ep=p.ep_size if p.ep_size > 0 and p.tp_size % p.ep_size == 0 else 1)
-    check_ep(p, model)
+                    dense_tp=p.moe_dense_tp_size, ep=p.ep_size)
     return replace(p, dist_timeout=p.dist_timeout or DEFAULT_DIST_TIMEOUT)
 
 
@@ -169,10 +172,6 @@ def _check_dp_attention(p: ParallelConfig) -> None:
     if p.tp_size % p.dp_size:
         _reject(f"--tp-size {p.tp_size} --dp-size {p.dp_size}: --dp-size must divide --tp-size "
                 "(each DP group runs attention over tp / dp ranks)")
-    if p.nnodes > 1 and p.dist_init_addr and p.dist_init_addr.rpartition(":")[2].isdigit() \
-            and int(p.dist_init_addr.rpartition(":")[2]) + p.dp_size + 1 > 65535:
-        _reject(f"--dist-init-addr {p.dist_init_addr}: DP attention over several nodes takes the {p.dp_size + 1} "
-                "ports after it (each group's requests, the outputs); choose a lower port")
 
 
 def _check_dense_and_head(p: ParallelConfig, model: ModelConfig) -> None:
@@ -230,10 +229,14 @@ def check_ep(p: ParallelConfig, model: ModelConfig) -> None:
     ep = p.ep_size
     if ep < 1:
         _reject(f"--ep-size {ep}: must be >= 1")
+    if p.moe_dispatch == "all_to_all":
+        if ep == 1:
+            _reject("--moe-dispatch all_to_all: needs expert parallelism (--ep-size > 1), whose ranks the rows are "
+                    "sent to")
+        if not p.enable_dp_attention:
+            _reject("--moe-dispatch all_to_all: acts only with --enable-dp-attention (without it every rank holds "
+                    "every token and no rows travel)")
     if ep == 1:
-        if p.moe_dispatch == "all_to_all":
-            _reject("--moe-dispatch all_to_all: needs expert parallelism (--ep-size > 1), whose "
-                    "ranks the rows are sent to")
         return
     # NOTE: without DP attention every TP rank sees every token, so EP over the TP group needs no dispatch (the
     # all-reduce after the MoE sums the ranks' partial outputs, experts and their intermediate shares alike)
@@ -241,9 +244,6 @@ def check_ep(p: ParallelConfig, model: ModelConfig) -> None:
         _reject(f"--ep-size {ep}: must divide --tp-size {p.tp_size} (expert sets of --tp-size / --ep-size ranks)")
     if not any(model.is_moe_layer(i) for i in range(model.num_hidden_layers + 1)):
         _reject(f"--ep-size {ep}: this model has no routed experts to split")
-    if p.moe_dispatch == "all_to_all" and not p.enable_dp_attention:
-        _reject("--moe-dispatch all_to_all: acts only with --enable-dp-attention (without it every rank holds "
-                "every token and no rows travel)")
     if model.n_routed_experts % ep:
         _reject(f"--ep-size {ep}: n_routed_experts ({model.n_routed_experts}) does not split into {ep} equal parts")
 
