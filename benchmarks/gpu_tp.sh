@@ -1,33 +1,50 @@
 #!/usr/bin/env bash
-# Device call for tensor parallelism (nvidia-h200-x2): the multi-GPU tests, the all-reduce alone (NCCL in a CUDA
-# graph), one-batch V2-Lite tp 1 vs tp 2 and V3 full width FP8 at tp 2, startup to first served token at tp 2.
-# Usage (repo root, on the GPU machine, carry .whl): bash benchmarks/gpu_tp.sh
+# Device call for tensor parallelism (nvidia-h200-x2), in parts (default: all, in this order):
+#   allreduce   the all-reduce alone (NCCL, pull and push peer kernels, in a CUDA graph)
+#   one-batch   V2-Lite tp 1 vs tp 2 (tp 2 with the pull kernel, then MLASERVE_PEER_PUSH=1), V3 FP8 at tp 2
+#   tests       the GPU-marked tests of tests/distributed and the parallel server
+#   startup     startup to first served token at tp 2
+# Usage (repo root, on the GPU machine, carry .whl): bash benchmarks/gpu_tp.sh [PART ...]
 set -uo pipefail
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD MLASERVE_CACHE=/tmp/mlaserve-cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PARTS=${*:-allreduce one-batch tests startup}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
-timeout 60 python3 benchmarks/allreduce.py --tp-size 2 | tee "$OUT/allreduce.md"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" tests/distributed tests/server/test_parallel_server.py \
-  2>&1 | tail -5 | tee "$OUT/tests.txt"
 B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
-timeout 200 $B --model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 \
-  --output-len 32 --tp-size 1 2 --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -7
-python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
-timeout 300 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
-  --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -4
-M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
-python3 -m mlaserve.tools.tokenizer $M > /dev/null
-t0=$(date +%s.%N)
-python3 -m mlaserve.cli serve --model-path $M --load-format dummy --tp-size 2 --port 30000 --log-level warning \
-  > "$OUT/serve_tp2.log" 2>&1 &
-pid=$!
-for i in $(seq 1 480); do
-  curl -sf -m 60 http://127.0.0.1:30000/v1/completions -H 'Content-Type: application/json' \
-    -d '{"model": "m", "prompt": "Hello", "max_tokens": 1}' > /dev/null 2>&1 && break
-  sleep 0.5
+for PART in $PARTS; do
+  echo "== $PART $(date +%T)"
+  case $PART in
+    allreduce)
+      timeout 90 python3 benchmarks/allreduce.py --tp-size 2 | tee "$OUT/allreduce.md" ;;
+    one-batch)
+      C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
+      timeout 200 $B $C --tp-size 1 2 --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -7
+      MLASERVE_PEER_PUSH=1 timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push.md" 2>&1 | grep "^|" | tail -4
+      python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
+      timeout 240 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
+        --output-file "$OUT/one_batch_v3.md" 2>&1 | grep "^|" | tail -4 ;;
+    tests)
+      timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" tests/distributed \
+        tests/server/test_parallel_server.py 2>&1 | tail -15 | tee "$OUT/tests.txt" ;;
+    startup)
+      M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
+      python3 -m mlaserve.tools.tokenizer $M > /dev/null
+      t0=$(date +%s.%N)
+      python3 -m mlaserve.cli serve --model-path $M --load-format dummy --tp-size 2 --port 30000 --log-level warning \
+        > "$OUT/serve_tp2.log" 2>&1 &
+      pid=$!
+      for i in $(seq 1 480); do
+        curl -sf -m 60 http://127.0.0.1:30000/v1/completions -H 'Content-Type: application/json' \
+          -d '{"model": "m", "prompt": "Hello", "max_tokens": 1}' > /dev/null 2>&1 && break
+        kill -0 $pid 2> /dev/null || break
+        sleep 0.5
+      done
+      echo "tp 2: startup to first served token $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" \
+        | tee "$OUT/startup.txt"
+      kill -TERM $pid; wait $pid; echo "serve exit code $?" | tee -a "$OUT/startup.txt" ;;
+    *) echo "unknown part $PART"; exit 2 ;;
+  esac
 done
-echo "tp 2: startup to first served token $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" | tee "$OUT/startup.txt"
-kill -TERM $pid; wait $pid; echo "serve exit code $?" | tee -a "$OUT/startup.txt"

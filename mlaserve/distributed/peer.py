@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import pickle
 from multiprocessing import shared_memory
 
@@ -78,6 +79,7 @@ class PeerAllReduce:
         self.peers = PeerPointers(group_rank, self.world, bufs, sigs,
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
         self.ll = LLPointers(lls, torch.zeros(LL_ROWS, dtype=torch.int32, device=device))
+        self.push = os.environ.get("MLASERVE_PEER_PUSH", "0") == "1"     # every rank inherits the same value
 
     def __repr__(self) -> str:
         return f"PeerAllReduce(rank={self.rank}, world={self.world}, {self.device.type})"
@@ -90,16 +92,21 @@ class PeerAllReduce:
     @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the group, in place."""
+        if self.push and self.ll.fits(x):
+            return peer_all_reduce_ll(x, self.peers, self.ll)
         return peer_all_reduce(x, self.peers)
 
     @torch.compiler.disable
     def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
+        if self.push and self.ll.fits(x):
+            return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps), residual
         return peer_all_reduce(x, self.peers, residual, weight, eps), residual
 
-    # NOTE: the push variant is not on the model's path until two GPUs have timed it against the pull one
-    # (benchmarks/allreduce.py); tests hold it to the same bits
+    # NOTE: the push variant takes the calls it fits (<= LL_ROWS rows) only with MLASERVE_PEER_PUSH=1, until two
+    # GPUs have timed it against the pull one in the model (benchmarks/gpu_tp.sh runs both); tests hold it to the
+    # same bits
     def fits_push(self, x: torch.Tensor) -> bool:
         return self.fits(x) and self.ll.fits(x)
 

@@ -134,14 +134,23 @@ def test_expert_sets_of_two_ranks_equal_tp1(checkpoint, case, one_thread):
     assert [ids for _, ids, _ in ref] == [o["output_ids"] for o in got]
 
 
+TWO_GPU_LAYOUTS = {
+    "tp2-ep2": dict(tp_size=2, ep_size=2),
+    "tp2-dp2": dict(tp_size=2, dp_size=2, enable_dp_attention=True),
+    "tp2-dp2-ep2": dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2),
+    "tp2-dp2-ep2-a2a": dict(tp_size=2, dp_size=2, enable_dp_attention=True, ep_size=2, moe_dispatch="all_to_all"),
+}
+
+
 @pytest.mark.multi_gpu
-def test_ep2_on_two_gpus_equals_one_gpu(checkpoint):
-    """NCCL, the Triton fused-MoE with sentinel ids and CUDA graphs, in float32: tp 2 ep 2 == tp 1."""
+@pytest.mark.parametrize("layout", list(TWO_GPU_LAYOUTS))
+def test_two_gpus_equal_one_gpu(checkpoint, layout):
+    """NCCL, peer buffers, the Triton fused-MoE with sentinel ids and CUDA graphs, in float32: == tp 1."""
     prompts = seeded_prompts(4)
     path = checkpoint("v2")
     flags = dict(device="cuda", dtype="float32", max_total_tokens=4096)
     runs = []
-    for par in (dict(tp_size=1), dict(tp_size=2, ep_size=2)):
+    for par in (dict(tp_size=1), TWO_GPU_LAYOUTS[layout]):
         with mlaserve.Engine(model_path=path, log_level="warning", **flags, **par) as engine:
             runs.append(engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 16, "temperature": 0},
                                         return_logprob=True, logprob_start_len=0))

@@ -100,7 +100,7 @@ def _model_on_ranks(group, path: str, msgs: list) -> dict:
     tp.all_reduce_add_norm = _counted(tp.all_reduce_add_norm, fused)
     tp.peer.all_reduce = _counted(tp.peer.all_reduce, plain)
     sched = _scheduler(path, group, max_total_tokens=512)
-    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain)}
+    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain), "push": tp.peer.push}
 
 
 def _counted(fn, calls: list):
@@ -110,9 +110,12 @@ def _counted(fn, calls: list):
     return counted
 
 
-def test_tp2_over_peer_buffers_equals_one_process(tmp_path):
+@pytest.mark.parametrize("kernel", ["pull", "push"])
+def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel):
     """The model's all-reduces over the peer buffers, with the norms after them fused in (V3 shape with a dense
-    first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's."""
+    first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's. `push`:
+    MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant."""
+    monkeypatch.setenv("MLASERVE_PEER_PUSH", "1" if kernel == "push" else "0")    # the spawned ranks inherit it
     from parallel_common import checkpoint_builder
     from test_tensor_parallel import _msg, _scheduler
     from seq_runner import drive_scheduler
@@ -126,6 +129,7 @@ def test_tp2_over_peer_buffers_equals_one_process(tmp_path):
     ranks = spawn_ranks(_model_on_ranks, 2, path, msgs, peer_all_reduce=True, timeout=900)
     assert ranks[0] == ranks[1], "the two ranks disagree"
     assert ranks[0]["fused"] > 0 and ranks[0]["plain"] > 0, ranks[0]
+    assert ranks[0]["push"] == (kernel == "push")
     assert {r: o["ids"] for r, o in ranks[0]["out"].items()} == {r: o["ids"] for r, o in one.items()}
 
 
