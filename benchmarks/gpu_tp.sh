@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call for tensor parallelism (nvidia-h200-x2), in parts (default: all, in this order):
 #   allreduce   the all-reduce alone (NCCL, pull and push peer kernels, in a CUDA graph)
-#   one-batch   V2-Lite tp 1 vs tp 2 (tp 2 with the pull kernel, then MLASERVE_PEER_PUSH=1), V3 FP8 at tp 2
+#   one-batch   V2-Lite tp 1 vs tp 2 (tp 2 with the pull kernel, then MLASERVE_PEER_PUSH=1)
+#   v3          V3 full width FP8, $V3_LAYERS (20) layers, at tp 2
 #   tests       the GPU-marked tests of tests/distributed and the parallel server
 #   startup     startup to first served token at tp 2
 # Usage (repo root, on the GPU machine, carry .whl): bash benchmarks/gpu_tp.sh [PART ...]
@@ -10,7 +11,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD MLASERVE_CACHE=/tmp/mlaserve-cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PARTS=${*:-allreduce one-batch tests startup}
+PARTS=${*:-allreduce one-batch v3 tests startup}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
 B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
@@ -22,7 +23,8 @@ for PART in $PARTS; do
     one-batch)
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
       timeout 200 $B $C --tp-size 1 2 --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -7
-      MLASERVE_PEER_PUSH=1 timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push.md" 2>&1 | grep "^|" | tail -4
+      MLASERVE_PEER_PUSH=1 timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push.md" 2>&1 | grep "^|" | tail -4 ;;
+    v3)
       python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
       timeout 240 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
         --output-file "$OUT/one_batch_v3.md" 2>&1 | grep "^|" | tail -4 ;;
