@@ -2,6 +2,7 @@
 # Device call for tensor parallelism (nvidia-h200-x2), in parts (default: all, in this order):
 #   allreduce   the all-reduce alone (NCCL, pull and push peer kernels, in a CUDA graph)
 #   one-batch   V2-Lite tp 1 vs tp 2 (tp 2 with the pull kernel, then MLASERVE_PEER_PUSH=1)
+#   push        V2-Lite tp 2 with the pull kernel, then with MLASERVE_PEER_PUSH=1 (the same machine)
 #   v3          V3 full width FP8, $V3_LAYERS (20) layers, at tp 2
 #   tests       the GPU-marked tests of tests/distributed and the parallel server
 #   startup     startup to first served token at tp 2
@@ -24,6 +25,11 @@ for PART in $PARTS; do
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
       timeout 200 $B $C --tp-size 1 2 --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -7
       MLASERVE_PEER_PUSH=1 timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push.md" 2>&1 | grep "^|" | tail -4 ;;
+    push)       # tp 2 with each kernel, back to back on the same machine
+      C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
+      for P in 0 1; do
+        MLASERVE_PEER_PUSH=$P timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push$P.md" 2>&1 | grep "^|" | tail -3
+      done ;;
     v3)
       python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
       timeout 240 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \

@@ -116,11 +116,13 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ll_ptrs, epoch_pt
             acc += xf
         else:
             src = own + parity + (p * ROWS + row).to(tl.int64) * DMAX
-            v = tl.load(src + offs, mask=mask, other=0, volatile=True)
-            late = tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32)
-            while tl.max(late, axis=0) > 0:
+            # poll until every word carries epoch e; the loop carries a scalar only (Triton 3.6's layout pass
+            # fails on a tensor carried through it), then read the words once more: they stay until epoch e + 2
+            late = 1
+            while late > 0:
                 v = tl.load(src + offs, mask=mask, other=0, volatile=True)
-                late = tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32)
+                late = tl.max(tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32), axis=0)
+            v = tl.load(src + offs, mask=mask, other=0, volatile=True)
             acc += (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
     _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
 
