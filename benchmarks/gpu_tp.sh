@@ -44,13 +44,14 @@ for PART in $PARTS; do
       python3 -m mlaserve.cli serve --model-path $M --load-format dummy --tp-size 2 --port 30000 --log-level warning \
         > "$OUT/serve_tp2.log" 2>&1 &
       pid=$!
+      up="did not serve"
       for i in $(seq 1 480); do
-        curl -sf -m 60 http://127.0.0.1:30000/v1/completions -H 'Content-Type: application/json' \
-          -d '{"model": "m", "prompt": "Hello", "max_tokens": 1}' > /dev/null 2>&1 && break
+        curl -sf -m 60 http://127.0.0.1:30000/generate -H 'Content-Type: application/json' \
+          -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 1}}' > /dev/null 2>&1 && { up=served; break; }
         kill -0 $pid 2> /dev/null || break
         sleep 0.5
       done
-      echo "tp 2: startup to first served token $(python3 -c "import time; print(round(time.time() - $t0, 1))") s" \
+      echo "tp 2: $up, $(python3 -c "import time; print(round(time.time() - $t0, 1))") s after start" \
         | tee "$OUT/startup.txt"
       kill -TERM $pid; wait $pid; echo "serve exit code $?" | tee -a "$OUT/startup.txt" ;;
     *) echo "unknown part $PART"; exit 2 ;;
