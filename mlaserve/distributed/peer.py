@@ -20,7 +20,7 @@ from multiprocessing import shared_memory
 import torch
 import torch.distributed as dist
 
-from mlaserve.kernels.allreduce import (LL_ROWS, LLPointers, PeerPointers, buffer_bytes, ll_buffer_bytes,
+from mlaserve.kernels.allreduce import (LL_DMAX, LL_ROWS, LLPointers, PeerPointers, buffer_bytes, ll_buffer_bytes,
                                         peer_all_reduce, peer_all_reduce_ll, sig_pad_ints)
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class PeerAllReduce:
         self.peers = PeerPointers(group_rank, self.world, bufs, sigs,
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
         self.ll = LLPointers(lls, torch.zeros(LL_ROWS, dtype=torch.int32, device=device))
-        self.push = os.environ.get("MLASERVE_PEER_PUSH", "0") == "1"     # every rank inherits the same value
+        self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "auto"))   # every rank inherits it
 
     def __repr__(self) -> str:
         return f"PeerAllReduce(rank={self.rank}, world={self.world}, {self.device.type})"
@@ -92,7 +92,7 @@ class PeerAllReduce:
     @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the group, in place."""
-        if self.push and self.ll.fits(x):
+        if self._pushes(x):
             return peer_all_reduce_ll(x, self.peers, self.ll)
         return peer_all_reduce(x, self.peers)
 
@@ -100,13 +100,14 @@ class PeerAllReduce:
     def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
-        if self.push and self.ll.fits(x):
+        if self._pushes(x):
             return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps), residual
         return peer_all_reduce(x, self.peers, residual, weight, eps), residual
 
-    # NOTE: the push variant takes the calls it fits (<= LL_ROWS rows) only with MLASERVE_PEER_PUSH=1, until two
-    # GPUs have timed it against the pull one in the model (benchmarks/gpu_tp.sh runs both); tests hold it to the
-    # same bits
+    def _pushes(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self.push_elems and self.ll.fits(x)
+
+    # NOTE: tests hold the push variant to the pull one's bits
     def fits_push(self, x: torch.Tensor) -> bool:
         return self.fits(x) and self.ll.fits(x)
 
@@ -118,6 +119,21 @@ class PeerAllReduce:
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# The push variant is faster for the smallest calls only. Two H100s (NV18), 50 calls in a CUDA graph, us per call,
+# pull / push: 1 x 2048 8.4 / 4.6, 1 x 7168 9.1 / 9.4, 4 x 7168 9.3 / 9.0, 8 x 7168 9.5 / 9.9, 16 x 7168 10.1 /
+# 11.8; V2-Lite tp 2 decode (hidden 2048) bs 1 349 -> 401 tok/s with push, bs 16 2269 -> 2215
+# (benchmarks/results/tp-h200x2.md). Calls of up to this many elements take it by default
+PUSH_AUTO_ELEMS = 4096
+
+
+def push_elems(setting: str) -> int:
+    """The largest call (rows x hidden) the push variant takes: MLASERVE_PEER_PUSH=auto (default:
+    PUSH_AUTO_ELEMS), 1 (every call of <= LL_ROWS rows: A/B runs), 0 (never)."""
+    limits = {"auto": PUSH_AUTO_ELEMS, "1": LL_ROWS * LL_DMAX, "0": 0}
+    if setting not in limits:
+        raise ValueError(f"MLASERVE_PEER_PUSH={setting!r}: expected auto, 1 or 0")
+    return limits[setting]
 
 
 class _IpcHandle(ctypes.Structure):

@@ -155,6 +155,10 @@ class ModelRunner:
         cache = self.server.cache
         if cache.max_total_tokens:                    # given, or the CPU default (resolve_config)
             return cache.max_total_tokens
+        # NOTE: blocks torch's allocator keeps from loading (dummy weights drawn in fp32, FP8 shards cast on the
+        # GPU) go back first: left reserved, they count below as used by others. On two H100s (V3, 10 layers) the
+        # pools were sized with 10-14 GiB per rank so counted (benchmarks/results/dp-ep-h200x2.md)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_allocated(self.device)
         budget = (total * cache.mem_fraction_static - torch.cuda.memory_allocated(self.device) - used_by_others

@@ -100,7 +100,7 @@ def _model_on_ranks(group, path: str, msgs: list) -> dict:
     tp.all_reduce_add_norm = _counted(tp.all_reduce_add_norm, fused)
     tp.peer.all_reduce = _counted(tp.peer.all_reduce, plain)
     sched = _scheduler(path, group, max_total_tokens=512)
-    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain), "push": tp.peer.push}
+    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain), "push": tp.peer.push_elems}
 
 
 def _counted(fn, calls: list):
@@ -110,12 +110,12 @@ def _counted(fn, calls: list):
     return counted
 
 
-@pytest.mark.parametrize("kernel", ["pull", "push"])
+@pytest.mark.parametrize("kernel", ["pull", "push", "auto"])
 def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel):
     """The model's all-reduces over the peer buffers, with the norms after them fused in (V3 shape with a dense
     first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's. `push`:
-    MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant."""
-    monkeypatch.setenv("MLASERVE_PEER_PUSH", "1" if kernel == "push" else "0")    # the spawned ranks inherit it
+    MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto (the default) the smallest."""
+    monkeypatch.setenv("MLASERVE_PEER_PUSH", {"pull": "0", "push": "1", "auto": "auto"}[kernel])   # ranks inherit it
     from parallel_common import checkpoint_builder
     from test_tensor_parallel import _msg, _scheduler
     from seq_runner import drive_scheduler
@@ -129,7 +129,7 @@ def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel)
     ranks = spawn_ranks(_model_on_ranks, 2, path, msgs, peer_all_reduce=True, timeout=900)
     assert ranks[0] == ranks[1], "the two ranks disagree"
     assert ranks[0]["fused"] > 0 and ranks[0]["plain"] > 0, ranks[0]
-    assert ranks[0]["push"] == (kernel == "push")
+    assert (ranks[0]["push"] > 0) == (kernel != "pull"), ranks[0]["push"]
     assert {r: o["ids"] for r, o in ranks[0]["out"].items()} == {r: o["ids"] for r, o in one.items()}
 
 
@@ -209,3 +209,11 @@ def test_which_groups_can_use_peer_buffers():
     assert peer_members(5, 1, 2) == [4, 5] and peer_members(0, 0, 4) == [0, 1, 2, 3]   # DP group 2 of 2-rank groups
     assert why_not_peer(torch.device("cpu"), [0, 1], 1, [-1, -1]) == "the group spans nodes"  # 2 nodes x 1 rank
     assert why_not_peer(torch.device("cpu"), [0, 1], 2, [-1, -1]) == "the ranks run on the CPU (gloo)"
+
+
+def test_push_setting_is_checked():
+    from mlaserve.distributed.peer import PUSH_AUTO_ELEMS, push_elems
+
+    assert push_elems("auto") == PUSH_AUTO_ELEMS and push_elems("0") == 0 and push_elems("1") >= LL_ROWS * 2048
+    with pytest.raises(ValueError, match="MLASERVE_PEER_PUSH='yes'"):
+        push_elems("yes")
