@@ -3,7 +3,7 @@
 #   allreduce   the all-reduce alone (NCCL, pull and push peer kernels, in a CUDA graph)
 #   one-batch   V2-Lite tp 1 vs tp 2 (tp 2 with the pull kernel, then MLASERVE_PEER_PUSH=1)
 #   push        V2-Lite tp 2 with the pull kernel, then with MLASERVE_PEER_PUSH=1 (the same machine)
-#   v3          V3 full width FP8, $V3_LAYERS (20) layers, at tp 2
+#   v3          V3 full width FP8: 4 layers at tp 1 and tp 2, then $V3_LAYERS (20; 8 on H100s) at tp 2
 #   tests       the GPU-marked tests of tests/distributed and the parallel server
 #   startup     startup to first served token at tp 2
 # Usage (repo root, on the GPU machine, carry .whl): bash benchmarks/gpu_tp.sh [PART ...]
@@ -30,7 +30,10 @@ for PART in $PARTS; do
       for P in 0 1; do
         MLASERVE_PEER_PUSH=$P timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push$P.md" 2>&1 | grep "^|" | tail -3
       done ;;
-    v3)
+    v3)         # 4 layers fit one GPU: tp 1 against tp 2; then $V3_LAYERS at tp 2 (20 fit an H200, 8 an H100)
+      python3 benchmarks/v3_config.py --layers 4 --out /tmp/v3_4l.json
+      timeout 200 $B --model-config /tmp/v3_4l.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 1 2 \
+        --output-file "$OUT/one_batch_v3_4l.md" 2>&1 | grep "^|" | tail -7
       python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
       timeout 240 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
         --output-file "$OUT/one_batch_v3.md" 2>&1 | grep "^|" | tail -4 ;;
