@@ -1,6 +1,7 @@
 """The decode path's small all-reduce alone, [tokens, hidden] bf16, 50 back to back inside a CUDA graph, per-call
 time by replaying the graph: NCCL, the one-shot all-reduce over peer buffers (`distributed/peer.py`), its push
-variant (rows <= 16: `kernels/allreduce.peer_all_reduce_ll`), and each followed by the residual add + RMSNorm
+variant (rows <= 16: `kernels/allreduce.peer_all_reduce_ll`; whole rows from one program each, and from
+SPLIT_COLS-column programs), and each followed by the residual add + RMSNorm
 (NCCL + the norm kernel vs the peer kernels with the norm fused in).
 Every rank checks its sums against the others' parts.
 
@@ -16,11 +17,12 @@ import torch.distributed as dist
 
 from mlaserve.bench.timing import time_graph_or_wall
 from mlaserve.distributed import RankGroup, spawn_ranks
-from mlaserve.kernels.allreduce import peer_all_reduce_ref
+from mlaserve.kernels.allreduce import ll_chunk, peer_all_reduce_ref
 from mlaserve.kernels.norm import fused_add_rmsnorm
 
 SHAPES = [(1, 2048), (1, 7168), (4, 7168), (8, 7168), (16, 7168), (64, 7168)]
 CALLS = 50
+SPLIT_COLS = 1024          # the split push variant: about this many columns per program
 
 
 def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) -> list[dict]:
@@ -40,6 +42,7 @@ def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) 
         got = x.clone()
         peer.all_reduce(got)
         y = torch.zeros_like(x)                      # timed in place, call after call: stays finite
+        chunk = ll_chunk(h, -(-h // SPLIT_COLS))
         lib = "nccl" if cuda else "gloo"
         ways = {
             lib: lambda: dist.all_reduce(y, group=tp.group),
@@ -48,13 +51,17 @@ def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) 
             "peer + norm (one launch)": lambda: peer.all_reduce_add_norm(y, res, w, 1e-6),
             "push": lambda: peer.all_reduce_push(y),
             "push + norm": lambda: peer.all_reduce_push(y, res, w, 1e-6),
+            f"push, {SPLIT_COLS}-column programs": lambda: peer.all_reduce_push(y, chunk=chunk),
+            f"push, {SPLIT_COLS}-column programs + norm": lambda: peer.all_reduce_push(y, res, w, 1e-6, chunk=chunk),
         }
+        if not cuda:                                 # a split row with the norm needs concurrent programs
+            del ways[f"push, {SPLIT_COLS}-column programs + norm"]
         if not peer.fits_push(x):
-            del ways["push"], ways["push + norm"]
+            ways = {k: v for k, v in ways.items() if not k.startswith("push")}
         exact = torch.equal(got.cpu(), want)
         if peer.fits_push(x):
-            pushed = peer.all_reduce_push(x.clone())
-            exact = exact and torch.equal(pushed.cpu(), want)
+            pushed, split = peer.all_reduce_push(x.clone()), peer.all_reduce_push(x.clone(), chunk=chunk)
+            exact = exact and torch.equal(pushed.cpu(), want) and torch.equal(split.cpu(), want)
         row = {"tokens": t, "hidden": h, "bytes": t * h * x.element_size(), "peer_equals_ref": bool(exact)}
         for name, fn in ways.items():
             row[name] = time_graph_or_wall(lambda: [fn() for _ in range(calls)], cuda) * 1e6 / calls

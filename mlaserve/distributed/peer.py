@@ -20,8 +20,8 @@ from multiprocessing import shared_memory
 import torch
 import torch.distributed as dist
 
-from mlaserve.kernels.allreduce import (LL_DMAX, LL_ROWS, LLPointers, PeerPointers, buffer_bytes, ll_buffer_bytes,
-                                        peer_all_reduce, peer_all_reduce_ll, sig_pad_ints)
+from mlaserve.kernels.allreduce import (LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLPointers, PeerPointers, buffer_bytes,
+                                        ll_buffer_bytes, peer_all_reduce, peer_all_reduce_ll, sig_pad_ints)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class PeerAllReduce:
         bufs, sigs, lls = (torch.tensor(p, dtype=torch.int64, device=device) for p in ptrs)
         self.peers = PeerPointers(group_rank, self.world, bufs, sigs,
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
-        self.ll = LLPointers(lls, torch.zeros(LL_ROWS, dtype=torch.int32, device=device))
+        self.ll = LLPointers(lls, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=device))
         self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "auto"))   # every rank inherits it
 
     def __repr__(self) -> str:
@@ -101,7 +101,7 @@ class PeerAllReduce:
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
         if self._pushes(x):
-            return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps), residual
+            return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps)
         return peer_all_reduce(x, self.peers, residual, weight, eps), residual
 
     def _pushes(self, x: torch.Tensor) -> bool:
@@ -113,9 +113,11 @@ class PeerAllReduce:
 
     @torch.compiler.disable
     def all_reduce_push(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                        weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-        """`all_reduce` (no residual) or `all_reduce_add_norm`'s normed output by the push variant (`fits_push`)."""
-        return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps)
+                        weight: torch.Tensor | None = None, eps: float = 0.0,
+                        chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`all_reduce` (no residual) or `all_reduce_add_norm` by the push variant (`fits_push`); `chunk`: columns
+        per program (`peer_all_reduce_ll`; not on the model's path until timed)."""
+        return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps, chunk)
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

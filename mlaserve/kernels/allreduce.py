@@ -25,7 +25,13 @@ packed with the epoch, straight into every peer's receive slot [source rank, row
 slots (local memory) until every word of every peer carries this epoch, and sums in rank order, its own row from
 x. No staging copy, no fence, no remote read: one NVLink write latency instead of a flag round trip and a read.
 Each value travels as 8 bytes (4x bf16's), so it is for a few rows. Receive slots are fixed per (source, row)
-(`LL_DMAX` values), in two halves by epoch parity as above, with their own epoch counters.
+(`LL_DMAX` values), in two halves by epoch parity as above, with their own epoch counters. A row may go out from
+several programs, each pushing a chunk of its columns (one SM's stores cap a 57 KB row of V3's 7168 values: 9.4 us
+on two H100s, against 4.6 us for V2-Lite's 2048). Without the norm each program then polls and sums its own
+columns; with the norm each polls the whole row (local reads), computes the norm and stores its columns, writing
+the new residual to a new tensor (the others still read the old one). The reuse argument above holds whatever the
+chunking of consecutive calls: every program of a launch has seen a peer's words of the previous epoch, so that
+peer's launch before it has ended.
 """
 from __future__ import annotations
 
@@ -96,43 +102,80 @@ def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, 
 
 
 @triton.jit
-def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, ll_ptrs, epoch_ptr, rank, D, half, eps,
-                               stride_x, stride_res, stride_out,
-                               WORLD: tl.constexpr, ROWS: tl.constexpr, DMAX: tl.constexpr, BLOCK: tl.constexpr,
-                               NORM: tl.constexpr):
-    row, e, offs, mask, x = _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK)
-    xf = x.to(tl.float32)
-    packed = (e.to(tl.int64) << 32) | (xf.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+def _poll_sum(acc, src, offs, mask, e):
+    """acc + the fp32 values of the words at src + offs once every one carries epoch e. The loop carries a scalar
+    only (Triton 3.6's layout pass fails on a tensor carried through it); the words are then read once more: they
+    stay until epoch e + 2."""
+    late = 1
+    while late > 0:
+        v = tl.load(src + offs, mask=mask, other=0, volatile=True)
+        late = tl.max(tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32), axis=0)
+    v = tl.load(src + offs, mask=mask, other=0, volatile=True)
+    return acc + (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_ptrs, epoch_ptr, rank, D, half, eps,
+                               stride_x, stride_res, stride_out, stride_res_out,
+                               WORLD: tl.constexpr, ROWS: tl.constexpr, DMAX: tl.constexpr, MAX_SPLIT: tl.constexpr,
+                               SPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
+    # program (row, c) pushes columns [c * CHUNK, (c + 1) * CHUNK) of its row to every peer; without NORM it polls
+    # and sums those columns only; with NORM it polls the whole row (the norm needs it), stores its columns
+    row, c = tl.program_id(0), tl.program_id(1)
+    cnt = epoch_ptr + row * MAX_SPLIT
+    e = tl.load(cnt + c) + 1
+    for j in range(c, MAX_SPLIT, SPLIT):                 # every counter of the row advances: SPLIT may change
+        tl.store(cnt + j, e)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    cmask = cols < D
+    xrow = x_ptr + row.to(tl.int64) * stride_x
+    xc = tl.load(xrow + cols, mask=cmask, other=0.0)
+    packed = (e.to(tl.int64) << 32) | (xc.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
     parity = (e & 1).to(tl.int64) * half
     mine = parity + (rank * ROWS + row).to(tl.int64) * DMAX              # my slot on every peer
     for p in tl.static_range(WORLD):
         if p != rank:
             dst = tl.load(ll_ptrs + p).to(tl.pointer_type(tl.int64))
-            tl.store(dst + mine + offs, packed, mask=mask)
+            tl.store(dst + mine + cols, packed, mask=cmask)
     own = tl.load(ll_ptrs + rank).to(tl.pointer_type(tl.int64))
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p in tl.static_range(WORLD):                     # rank order: the same sum on every rank
-        if p == rank:
-            acc += xf
-        else:
-            src = own + parity + (p * ROWS + row).to(tl.int64) * DMAX
-            # poll until every word carries epoch e; the loop carries a scalar only (Triton 3.6's layout pass
-            # fails on a tensor carried through it), then read the words once more: they stay until epoch e + 2
-            late = 1
-            while late > 0:
-                v = tl.load(src + offs, mask=mask, other=0, volatile=True)
-                late = tl.max(tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32), axis=0)
-            v = tl.load(src + offs, mask=mask, other=0, volatile=True)
-            acc += (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
+    if NORM:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < D
+        x = tl.load(xrow + offs, mask=mask, other=0.0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):                 # rank order: the same sum on every rank
+            if p == rank:
+                acc += x.to(tl.float32)
+            else:
+                acc = _poll_sum(acc, own + parity + (p * ROWS + row).to(tl.int64) * DMAX, offs, mask, e)
+        y = (acc.to(x.dtype).to(tl.float32)
+             + tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32))
+        y = y.to(x.dtype)                                # residual_out, rounded to x.dtype
+        mine_cols = mask & (offs >= c * CHUNK) & (offs < (c + 1) * CHUNK)
+        tl.store(res_out_ptr + row.to(tl.int64) * stride_res_out + offs, y, mask=mine_cols)
+        y32 = y.to(tl.float32)
+        var = tl.sum(y32 * y32, axis=0) / D
+        n = (y32 * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, (w * n).to(x.dtype), mask=mine_cols)
+    else:
+        acc = tl.zeros([CHUNK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):
+            if p == rank:
+                acc += xc.to(tl.float32)
+            else:
+                acc = _poll_sum(acc, own + parity + (p * ROWS + row).to(tl.int64) * DMAX, cols, cmask, e)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, acc.to(xc.dtype), mask=cmask)
 
 
 LL_ROWS = 16            # rows of one push call (receive slots per source rank)
 LL_DMAX = 8192          # values of one row's slot: DeepSeek's hidden sizes (2048, 5120, 7168) fit
+LL_MAX_SPLIT = 8        # programs one row's columns may be pushed from (one epoch counter each)
 
 
 class LLPointers(NamedTuple):
-    """The push variant's receive buffers: every rank's address (in this process) and this rank's epochs [LL_ROWS]."""
+    """The push variant's receive buffers: every rank's address (in this process) and this rank's epoch counters
+    [LL_ROWS * LL_MAX_SPLIT] (one per row and column chunk; a call advances all of a row's to the same value)."""
 
     ll_ptrs: torch.Tensor
     epochs: torch.Tensor
@@ -141,6 +184,11 @@ class LLPointers(NamedTuple):
     def fits(x: torch.Tensor) -> bool:
         t, d = x.shape
         return 0 < t <= LL_ROWS and d <= LL_DMAX
+
+
+def ll_chunk(d: int, programs: int) -> int:
+    """The `chunk` (columns per program, a power of two) that pushes a row of d values from about `programs`."""
+    return triton.next_power_of_2(triton.cdiv(d, min(programs, LL_MAX_SPLIT)))
 
 
 def ll_buffer_bytes(world: int) -> int:
@@ -209,17 +257,32 @@ def _operands(x: torch.Tensor, residual: torch.Tensor | None,
 
 
 def peer_all_reduce_ll(x: torch.Tensor, peers: PeerPointers, ll: LLPointers, residual: torch.Tensor | None = None,
-                       weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """`peer_all_reduce` by the push variant (rows <= LL_ROWS, D <= LL_DMAX): the same results, bit for bit."""
+                       weight: torch.Tensor | None = None, eps: float = 0.0,
+                       chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`peer_all_reduce` by the push variant (rows <= LL_ROWS, D <= LL_DMAX): the same results, bit for bit.
+
+    Returns the sum (over x), or with `residual`: (rmsnorm(sum + residual) * weight, sum + residual). `chunk`
+    (a power of two): each row's columns go out from D / chunk programs (<= LL_MAX_SPLIT), not one; with a residual
+    the new residual is then a new tensor (every program of a row reads the old one whole), else `residual` itself.
+    """
     assert ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
     norm, out = _operands(x, residual, weight)
     t, d = x.shape
     block = triton.next_power_of_2(d)
-    _peer_all_reduce_ll_kernel[(t,)](
-        x, residual if norm else x, weight if norm else x, out, ll.ll_ptrs, ll.epochs, peers.rank, d,
+    chunk = block if chunk is None else min(chunk, block)
+    split = triton.cdiv(d, chunk)
+    assert chunk & (chunk - 1) == 0 and split <= LL_MAX_SPLIT, \
+        f"chunk {chunk}: a power of two giving <= {LL_MAX_SPLIT} programs per row of {d}"
+    # NOTE: the programs of a row wait for the peers' programs of every column with a residual: under the
+    # interpreter (one program at a time) that never ends
+    assert not (norm and split > 1 and x.device.type == "cpu"), "a split row with the norm needs concurrent programs"
+    res_out = (residual if split == 1 else torch.empty_like(residual)) if norm else x
+    _peer_all_reduce_ll_kernel[(t, split)](
+        x, residual if norm else x, weight if norm else x, out, res_out, ll.ll_ptrs, ll.epochs, peers.rank, d,
         peers.world * LL_ROWS * LL_DMAX, float(eps), x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
-        WORLD=peers.world, ROWS=LL_ROWS, DMAX=LL_DMAX, BLOCK=block, NORM=norm, num_warps=num_warps_for(block))
-    return out
+        res_out.stride(0), WORLD=peers.world, ROWS=LL_ROWS, DMAX=LL_DMAX, MAX_SPLIT=LL_MAX_SPLIT, SPLIT=split,
+        CHUNK=chunk, BLOCK=block, NORM=norm, num_warps=num_warps_for(block if norm else chunk))
+    return (out, res_out) if norm else out
 
 
 def peer_all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = None,

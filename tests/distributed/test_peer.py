@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mlaserve.distributed import spawn_ranks
-from mlaserve.kernels.allreduce import LL_ROWS, peer_all_reduce_ref
+from mlaserve.kernels.allreduce import LL_ROWS, ll_chunk, peer_all_reduce_ref
 
 # (rows, hidden, dtype) of consecutive calls: repeats reuse both staging halves and row flags at several epochs;
 # the last does not fit the buffers' 128 rows and must take gloo. No bf16: the interpreter rounds it otherwise (the
@@ -46,8 +46,16 @@ def _calls_on_rank(group, seed: int, calls: list = CALLS) -> list[dict]:
                     "want_r": want_r}
         if tp.peer.fits_push(x):                                  # the push variant, interleaved with the pull one
             pushed, res = tp.peer.all_reduce_push(x.clone()), residual.clone()
-            row |= {"push": pushed, "push_normed": tp.peer.all_reduce_push(x.clone(), res, weight, EPS),
-                    "push_res": res}
+            normed_p, res_p = tp.peer.all_reduce_push(x.clone(), res, weight, EPS)
+            assert res_p is res                                   # one program per row: in place
+            # each row's columns pushed from 2-4 programs; with the norm only on GPUs (the interpreter runs one
+            # program at a time, and a split row's programs wait for each other's columns)
+            chunk = ll_chunk(d, 4)
+            split = tp.peer.all_reduce_push(x.clone(), chunk=chunk)
+            row |= {"push": pushed, "push_normed": normed_p, "push_res": res_p, "push_split": split}
+            if dev.type == "cuda":
+                row |= dict(zip(("push_split_normed", "push_split_res"),
+                                tp.peer.all_reduce_push(x.clone(), residual.clone(), weight, EPS, chunk=chunk)))
         out.append({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in row.items()})
     return out
 
@@ -83,6 +91,11 @@ def _check_calls(calls: list, ranks: list) -> None:
             assert torch.equal(a["push"], a["sum"]) and torch.equal(b["push"], b["sum"]), f"call {i}: push sum"
             assert torch.equal(a["push_res"], a["res"]) and torch.equal(a["push_normed"], a["normed"]), \
                 f"call {i}: push norm"
+            assert torch.equal(a["push_split"], a["sum"]) and torch.equal(b["push_split"], b["sum"]), \
+                f"call {i}: split push sum"
+            if "push_split_normed" in a:
+                assert torch.equal(a["push_split_res"], a["res"]) and torch.equal(a["push_split_normed"], a["normed"]), \
+                    f"call {i}: split push norm"
         assert a["res_in_place"]
         assert torch.equal(a["res"], a["want_r"]) and torch.equal(a["res"], b["res"]), f"call {i}: residual"
         assert torch.equal(a["normed"], b["normed"]), f"call {i}: the ranks' norms differ"
