@@ -11,13 +11,14 @@ off". DIR holds config.json and a tokenizer (make-checkpoint writes both).
     PYTHONPATH=$PWD python benchmarks/ablation.py --model-path DIR --tp 2 --table single offline \
         --serve-args "--load-format dummy" > benchmarks/results/ablation-h200x2.md
 
-Each row starts `mlaserve serve` in a process of its own, waits for /health, measures through the official `openai`
-client and stops it. A row that does not start is "not runnable" with the server's last log line (e.g. the
+Each row starts `mlaserve serve` in a process of its own (once for both tables), waits for /health, measures through
+the official `openai` client and stops it. `--rows` runs some of ROWS (to split a run over several device calls);
+`--out` keeps the tables of the rows done so far in a file. A row that does not start is "not runnable" with the server's last log line (e.g. the
 ConfigError naming the flags); a concurrency that fails (OOM, errors) says so in its cell.
   single   one request, a fixed prompt, 256 new tokens (ignore_eos): completion tokens / end-to-end seconds, the
            median of --single-repeats requests after SINGLE_WARMUPS identical ones (see `single`)
   offline  a ThreadPool over one OpenAI client, prompts of ~760 words (~1 token each with DeepSeek's tokenizer), 460
-           new tokens (ignore_eos), 2 x concurrency requests per level: (prompt + completion tokens) / wall seconds
+           new tokens (ignore_eos), --prompts-per-level (2) x concurrency requests per level: (prompt + completion tokens) / wall seconds
            (the seeds' [8]), and the mean per request of completion tokens / its seconds ([9]); the server's default
            --max-running-requests unless --serve-args sets it
 With `--plot FILE.png` (matplotlib) it also charts every runnable row against concurrency: offline throughput, and
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import NamedTuple
 
 import httpx
@@ -147,7 +149,8 @@ def single(server: Server, args: argparse.Namespace) -> float:
 def offline(server: Server, args: argparse.Namespace, concurrency: int) -> tuple[float, float] | str:
     """(throughput p + d, mean per-request d throughput) in tokens / s, or why the level failed."""
     rng = random.Random(args.seed)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(2 * concurrency)]
+    n = max(concurrency, round(args.prompts_per_level * concurrency))
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(n)]
     client = server.client()                                # httpx's pool is thread-safe
     t0 = time.perf_counter()
     try:
@@ -163,26 +166,34 @@ def offline(server: Server, args: argparse.Namespace, concurrency: int) -> tuple
 Points = dict[str, dict[str, list[tuple[float, float]]]]
 
 
-def run_table(args: argparse.Namespace, table: str, points: Points) -> None:
-    head = ["Runnable", "TPS@1"] if table == "single" else ["Runnable"]
-    tail = [] if table == "single" else ["Client Concurrency", "Avg Throughput (p+d, token/s)",
-                                         "Per-req Throughput (d, token/s)", "Total Req"]
-    print(f"\n### {'Single query' if table == 'single' else 'Offline batch'} performance\n")
-    print("| " + " | ".join([*head, *COLUMNS, *tail]) + " |")
-    print("|" + "---|" * (len(head) + len(COLUMNS) + len(tail)))
-    for row in ROWS:
-        if (row.ep or row.dp) and args.tp < 2:
-            cells = ["needs --tp 2 (two GPUs)"] + ["N/A"] * (len(head) - 1) + row.cells() + ["N/A"] * len(tail)
-            print("| " + " | ".join(cells) + " |", flush=True)
-            continue
-        server = Server(args, row.flags(args.tp))
-        try:
+def head_cells(table: str) -> tuple[list[str], list[str]]:
+    """The columns before and after the switches."""
+    if table == "single":
+        return ["Runnable", "TPS@1"], []
+    return ["Runnable"], ["Client Concurrency", "Avg Throughput (p+d, token/s)", "Per-req Throughput (d, token/s)",
+                          "Total Req"]
+
+
+def measure_row(args: argparse.Namespace, row: Row, points: Points) -> dict[str, list[str]]:
+    """One server for the row, every table measured on it: table -> the row's cells."""
+    out: dict[str, list[str]] = {}
+    if (row.ep or row.dp) and args.tp < 2:
+        for table in args.table:
+            head, tail = head_cells(table)
+            out[table] = ["needs --tp 2 (two GPUs)"] + ["N/A"] * (len(head) - 1) + row.cells() + ["N/A"] * len(tail)
+        return out
+    t0 = time.monotonic()
+    server = Server(args, row.flags(args.tp))
+    started = time.monotonic() - t0
+    try:
+        for table in args.table:
+            head, tail = head_cells(table)
             if server.error:
-                cells = [f"❌ {server.error}"] + ["N/A"] * (len(head) - 1) + row.cells() + ["N/A"] * len(tail)
+                out[table] = [f"❌ {server.error}"] + ["N/A"] * (len(head) - 1) + row.cells() + ["N/A"] * len(tail)
             elif table == "single":
                 tps = single(server, args)
                 points["per_req"].setdefault(row.label(), []).append((1, tps))
-                cells = ["✅", f"{tps:.1f}", *row.cells(server.info)]
+                out[table] = [f"✅ ({started:.0f} s to start)", f"{tps:.1f}", *row.cells(server.info)]
             else:
                 levels = [offline(server, args, c) for c in args.concurrency]
                 for c, level in zip(args.concurrency, levels):
@@ -190,12 +201,26 @@ def run_table(args: argparse.Namespace, table: str, points: Points) -> None:
                         points["throughput"].setdefault(row.label(), []).append((c, level[0]))
                         points["per_req"].setdefault(row.label(), []).append((c, level[1]))
                 shown = [(x, "N/A") if isinstance(x, str) else (f"{x[0]:.2f}", f"{x[1]:.2f}") for x in levels]
-                cells = ["✅", *row.cells(server.info), "<br>".join(map(str, args.concurrency)),
-                         "<br>".join(a for a, _ in shown), "<br>".join(b for _, b in shown),
-                         "<br>".join(str(2 * c) for c in args.concurrency)]
-        finally:
-            server.stop()
-        print("| " + " | ".join(cells) + " |", flush=True)
+                n = [max(c, round(args.prompts_per_level * c)) for c in args.concurrency]
+                out[table] = ["✅", *row.cells(server.info), "<br>".join(map(str, args.concurrency)),
+                              "<br>".join(a for a, _ in shown), "<br>".join(b for _, b in shown),
+                              "<br>".join(map(str, n))]
+    finally:
+        server.stop()
+    return out
+
+
+def render(args: argparse.Namespace, done: dict[str, list[list[str]]]) -> str:
+    """The tables of the rows measured so far, in the seeds' format."""
+    lines = [f"model {args.model_path}, tp {args.tp}, serve args {args.serve_args!r}, seed {args.seed}, rows "
+             f"{' '.join(map(str, args.rows))} of {len(ROWS)}"]
+    for table in args.table:
+        head, tail = head_cells(table)
+        lines += ["", f"### {'Single query' if table == 'single' else 'Offline batch'} performance", "",
+                  "| " + " | ".join([*head, *COLUMNS, *tail]) + " |",
+                  "|" + "---|" * (len(head) + len(COLUMNS) + len(tail))]
+        lines += ["| " + " | ".join(cells) + " |" for cells in done[table]]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2), help="GPUs per server (EP / DP rows need 2)")
     ap.add_argument("--table", nargs="+", default=["single", "offline"], choices=("single", "offline"))
+    ap.add_argument("--rows", type=int, nargs="+", default=list(range(len(ROWS))),
+                    help=f"indices into ROWS (0-{len(ROWS) - 1}) to run, in this order (default: all)")
     ap.add_argument("--serve-args", default="", help="extra `mlaserve serve` flags for every row")
     ap.add_argument("--port", type=int, default=30123)
     ap.add_argument("--start-timeout", type=float, default=1200.0)
@@ -211,16 +238,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=760)
     ap.add_argument("--output-len", type=int, default=460)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 256, 512, 768])
+    ap.add_argument("--prompts-per-level", type=float, default=2.0,
+                    help="requests per offline level, as a multiple of its concurrency (the seeds: 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, metavar="FILE.md",
+                    help="also write the tables here, rewritten after every row (a cut-off run keeps its rows)")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="chart the runnable rows against concurrency")
     args = ap.parse_args(argv)
     if args.plot and missing_matplotlib():
         print(f"error: {missing_matplotlib()}", file=sys.stderr)
         return 2
-    print(f"model {args.model_path}, tp {args.tp}, serve args {args.serve_args!r}, seed {args.seed}")
+    bad = [i for i in args.rows if not 0 <= i < len(ROWS)]
+    if bad:
+        print(f"error: --rows {' '.join(map(str, bad))}: indices are 0-{len(ROWS) - 1}", file=sys.stderr)
+        return 2
     points: Points = {"throughput": {}, "per_req": {}}
-    for table in args.table:
-        run_table(args, table, points)
+    done: dict[str, list[list[str]]] = {t: [] for t in args.table}
+    for i in args.rows:
+        for table, cells in measure_row(args, ROWS[i], points).items():
+            done[table].append(cells)
+        print(f"row {i} ({ROWS[i].label()}): " + "; ".join(f"{t}: {' | '.join(c[:2])}" for t, c in
+                                                          ((t, done[t][-1]) for t in args.table)),
+              file=sys.stderr, flush=True)
+        if args.out:
+            Path(args.out).write_text(render(args, done))
+    print(render(args, done), end="")
     if args.plot:
         draw([Panel("offline throughput (prompt + completion)", "tokens / s", points["throughput"]),
               Panel("per-request throughput (completion)", "tokens / s", points["per_req"])],

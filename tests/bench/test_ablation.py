@@ -58,3 +58,31 @@ def test_single_query_tps_is_the_median_of_the_timed_requests(ablation, monkeypa
                         (20, max_tokens, next(times)))
     server = FakeServer(0.0, 0.0)
     assert ablation.single(server, argparse.Namespace(single_new=100, single_repeats=3)) == pytest.approx(50.0)
+
+
+def test_one_server_per_row_for_both_tables_and_rows_selected(ablation, monkeypatch, tmp_path, capsys):
+    started = []
+
+    class Started:
+        error, info, model = None, {}, "m"
+
+        def __init__(self, args, flags):
+            started.append(flags)
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(ablation, "Server", Started)
+    monkeypatch.setattr(ablation, "single", lambda server, args: 123.0)
+    monkeypatch.setattr(ablation, "offline", lambda server, args, c: (10.0 * c, 1.0))
+    out = tmp_path / "t.md"
+    assert ablation.main(["--model-path", "m", "--tp", "1", "--rows", "13", "0", "--concurrency", "4", "8",
+                          "--prompts-per-level", "0.5", "--out", str(out)]) == 0
+    assert started == [ablation.ROWS[13].flags(1), ablation.ROWS[0].flags(1)]      # one start a row, in order
+    text = capsys.readouterr().out
+    assert text == out.read_text()
+    single = [ln for ln in text.splitlines() if "123.0" in ln]
+    offline = [ln for ln in text.splitlines() if "40.00<br>80.00" in ln]
+    assert len(single) == 2 and len(offline) == 2
+    assert offline[0].endswith("| 4<br>8 |")                   # max(c, 0.5 c) requests a level
+    assert ablation.main(["--model-path", "m", "--rows", "16"]) == 2
