@@ -54,6 +54,10 @@ class RequestResult:
 
 
 ITL_UNITS = {"mlaserve": "token", "openai": "chunk", "openai-chat": "chunk"}   # what one ITL sample spans
+# One client process keeps up with about this many streams at once (~6,000 events / s on one core; a client that
+# falls behind reads several tokens at once and reports their gaps as ~0: benchmarks/results/dp-ep-h200x2.md)
+CLIENT_STREAMS_PER_PROCESS = 128
+PROCESS_START_S = 3.0       # how long before the common start the client processes are spawned
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -241,47 +245,120 @@ async def fetch_spec_counts(client: httpx.AsyncClient, base_url: str, headers: d
 # ----------------------------------------------------------------------------- load
 
 
-async def run_load(args: argparse.Namespace, reqs: list[BenchRequest]
-                   ) -> tuple[list[RequestResult], float, str | None, float | None]:
-    """Warm up, then launch every request at Poisson arrival times; returns (results, duration s, model, accept
-    length: tokens per verify step during the run when the server decodes speculatively, else None)."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+def _client(args: argparse.Namespace) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=60.0)
     # NOTE: trust_env=False so a proxy in the environment never sits between the benchmark and the server
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+async def _send_all(client: httpx.AsyncClient, args: argparse.Namespace, model: str | None,
+                    reqs: list[BenchRequest], concurrency: int | None, rate: float, seed: int,
+                    show: bool) -> list[RequestResult]:
+    """Launch `reqs` at Poisson arrival times of `rate` req/s, at most `concurrency` in flight."""
+    url, headers = args.base_url + ENDPOINTS[args.backend], _headers(args)
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(req: BenchRequest) -> RequestResult:
+        if sem is None:
+            return await send_request(client, url, args.backend, model, req, headers)
+        async with sem:
+            return await send_request(client, url, args.backend, model, req, headers)
+
+    rng = np.random.default_rng(seed)
+    bar = tqdm(total=len(reqs), disable=not show, desc="requests")
+    tasks = []
+    for i, req in enumerate(reqs):
+        if i > 0 and math.isfinite(rate):
+            await asyncio.sleep(rng.exponential(1.0 / rate))                  # Poisson arrivals
+        tasks.append(asyncio.create_task(one(req)))
+        tasks[-1].add_done_callback(lambda _: bar.update(1))
+    results = list(await asyncio.gather(*tasks))
+    bar.close()
+    return results
+
+
+def client_processes(args: argparse.Namespace) -> int:
+    """--client-processes, or auto: one process streams about 6,000 events / s (one core, measured against a fake
+    server on this project's CI machine), so one per CLIENT_STREAMS_PER_PROCESS requests in flight, up to a quarter
+    of the cores."""
+    if args.client_processes:
+        return args.client_processes
+    if not args.max_concurrency:
+        return 1
+    most = max(1, (os.cpu_count() or 1) // 4)
+    return max(1, min(most, math.ceil(args.max_concurrency / CLIENT_STREAMS_PER_PROCESS)))
+
+
+def _shares(total: int | None, parts: int) -> list[int | None]:
+    if total is None:
+        return [None] * parts
+    return [total // parts + (k < total % parts) for k in range(parts)]
+
+
+def _worker(args: argparse.Namespace, model: str | None, reqs: list[BenchRequest], concurrency: int | None,
+            rate: float, seed: int, start_at: float) -> tuple[list[RequestResult], float]:
+    """One client process: waits for the common start time, sends its share; (results, its end time)."""
+    async def go() -> list[RequestResult]:
+        async with _client(args) as client:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            return await _send_all(client, args, model, reqs, concurrency, rate, seed, show=False)
+
+    results = asyncio.run(go())
+    return results, time.time()
+
+
+async def run_load(args: argparse.Namespace, reqs: list[BenchRequest]
+                   ) -> tuple[list[RequestResult], float, str | None, float | None]:
+    """Warm up, then launch every request at Poisson arrival times; returns (results, duration s, model, accept
+    length: tokens per verify step during the run when the server decodes speculatively, else None).
+
+    With several client processes (`client_processes`) each sends every P-th request at 1/P of the rate and of the
+    concurrency, all from one start time; the duration runs from it to the last process's end."""
+    headers = _headers(args)
+    procs = min(client_processes(args), len(reqs))
+    async with _client(args) as client:
         model = args.model or await fetch_model(client, args.base_url, headers)
-        url = args.base_url + ENDPOINTS[args.backend]
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-
-        async def one(req: BenchRequest) -> RequestResult:
-            if sem is None:
-                return await send_request(client, url, args.backend, model, req, headers)
-            async with sem:
-                return await send_request(client, url, args.backend, model, req, headers)
-
         if args.warmup_requests > 0 and reqs:
-            warm = await asyncio.gather(*(one(reqs[0]) for _ in range(args.warmup_requests)))
+            warm = await _send_all(client, args, model, [reqs[0]] * args.warmup_requests, None, math.inf, 0, False)
             failed = [r.error for r in warm if not r.success]
             note = f" (first error: {failed[0]})" if failed else ""
             print(f"warm-up: {len(warm) - len(failed)}/{len(warm)} requests succeeded{note}", file=sys.stderr)
         spec_before = await fetch_spec_counts(client, args.base_url, headers)
-        rng = np.random.default_rng(args.seed + 1)
-        bar = tqdm(total=len(reqs), disable=args.disable_tqdm, desc="requests")
-        start, tasks = time.perf_counter(), []
-        for i, req in enumerate(reqs):
-            if i > 0 and math.isfinite(args.request_rate):
-                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))  # Poisson arrivals
-            tasks.append(asyncio.create_task(one(req)))
-            tasks[-1].add_done_callback(lambda _: bar.update(1))
-        results = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - start
-        bar.close()
+        if procs <= 1:
+            start = time.perf_counter()
+            results = await _send_all(client, args, model, reqs, args.max_concurrency, args.request_rate,
+                                      args.seed + 1, show=not args.disable_tqdm)
+            duration = time.perf_counter() - start
+        else:
+            results, duration = await asyncio.get_running_loop().run_in_executor(
+                None, _run_processes, args, model, reqs, procs)
         accept = None
         spec_after = await fetch_spec_counts(client, args.base_url, headers) if spec_before else None
         if spec_before and spec_after and spec_after[0] > spec_before[0]:
             accept = (spec_after[1] - spec_before[1]) / (spec_after[0] - spec_before[0])
     return results, duration, model, accept
+
+
+def _run_processes(args: argparse.Namespace, model: str | None, reqs: list[BenchRequest],
+                   procs: int) -> tuple[list[RequestResult], float]:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    rate = args.request_rate / procs
+    start_at = time.time() + PROCESS_START_S                    # the processes start (import) before it
+    with ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
+        futs = [pool.submit(_worker, args, model, reqs[k::procs], c, rate, args.seed + 1 + k, start_at)
+                for k, c in enumerate(_shares(args.max_concurrency, procs))]
+        done = [f.result() for f in futs]
+    results: list[RequestResult] = [None] * len(reqs)           # type: ignore[list-item]
+    for k, (part, _) in enumerate(done):
+        results[k::procs] = part
+    return results, max(end for _, end in done) - start_at
 
 
 # ----------------------------------------------------------------------------- report
@@ -328,6 +405,7 @@ def print_report(m: dict[str, Any], args: argparse.Namespace) -> None:
         ("Total output tokens", m["total_output_tokens"]), ("Request throughput (req/s)", m["request_throughput"]),
         ("Input throughput (tok/s)", m["input_throughput"]), ("Output throughput (tok/s)", m["output_throughput"]),
         ("Total throughput (tok/s)", m["total_throughput"]), ("Concurrency", m["concurrency"]),
+        ("Client processes", m.get("client_processes", 1)),
     ]
     if m.get("accept_length") is not None:
         rows.append(("Accept length (tokens / verify step)", m["accept_length"]))
@@ -377,12 +455,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output-file", default=None, help="append one JSON line per run")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--client-processes", type=int, default=None,
+                   help="processes sending the requests (default: one per 128 of --max-concurrency, up to a quarter "
+                        "of the cores): one Python process streams ~6,000 events / s")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="chart throughput, TTFT and TPOT / ITL percentiles against concurrency (needs matplotlib)")
     args = p.parse_args(argv)
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    if args.request_rate <= 0 or args.num_prompts < 1 or min(args.max_concurrency or [1]) < 1:
-        p.error("--request-rate, --num-prompts and --max-concurrency must be positive")
+    if args.request_rate <= 0 or args.num_prompts < 1 or min(args.max_concurrency or [1]) < 1 \
+            or (args.client_processes is not None and args.client_processes < 1):
+        p.error("--request-rate, --num-prompts, --max-concurrency and --client-processes must be positive")
     return args
 
 
@@ -428,7 +510,8 @@ def main(argv: list[str]) -> int:
     records, completed = [], 0
     for run_args in levels(args):
         results, duration, model, accept = asyncio.run(run_load(run_args, random_requests(run_args, tok)))
-        metrics = summarize(results, duration, args.backend) | {"accept_length": accept}
+        metrics = summarize(results, duration, args.backend) | {"accept_length": accept,
+                                                                 "client_processes": min(client_processes(run_args), run_args.num_prompts)}
         print_report(metrics, run_args)
         records.append(record(metrics, run_args, model))
         completed += metrics["completed"]

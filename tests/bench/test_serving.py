@@ -317,3 +317,39 @@ def test_plot_without_matplotlib_fails_in_one_line(tmp_path: Path, monkeypatch, 
     err = capsys.readouterr().err.strip()
     assert err == "error: --plot needs matplotlib, which is not installed: pip install 'mlaserve[plot]' " \
                   "(or: pip install matplotlib)"
+
+
+def test_several_client_processes_split_the_load_and_keep_request_order(tmp_path: Path) -> None:
+    """--client-processes 3: every request sent once, at most the concurrency in flight over all processes, each
+    result beside its own request."""
+    mock = Mock()
+    args = serving.parse_args(["--backend", "mlaserve", "--num-prompts", "10", "--random-input-len", "12",
+                               "--random-range-ratio", "0.3", "--random-output-len", "5", "--warmup-requests", "1",
+                               "--max-concurrency", "4", "--client-processes", "3", "--disable-tqdm"])
+    args = serving.levels(args)[0]
+    reqs = serving.random_requests(args, None)
+    assert serving.client_processes(args) == 3 and serving._shares(4, 3) == [2, 1, 1]
+    with serve(mock) as port:
+        args.base_url = f"http://127.0.0.1:{port}"
+        results, duration, model, _ = asyncio.run(serving.run_load(args, reqs))
+    assert model == "mock-model" and len(mock.bodies) == 1 + 10
+    assert sorted(b["text"] for b in mock.bodies[1:]) == sorted(r.prompt for r in reqs)
+    for req, res in zip(reqs, results):
+        assert res.success, res.error
+        assert res.prompt_len == len(req.prompt.split()) and res.output_tokens == req.output_len
+    m = serving.summarize(results, duration)
+    assert m["completed"] == 10 and m["concurrency"] <= 4.01
+    assert duration >= FIRST_DELAY + 4 * TOKEN_DELAY      # from the common start to the last process's end
+
+
+def test_client_processes_by_default_follow_the_concurrency(monkeypatch) -> None:
+    monkeypatch.setattr(serving.os, "cpu_count", lambda: 32)
+    for conc, want in ((None, 1), (16, 1), (128, 1), (129, 2), (512, 4), (4096, 8)):
+        args = serving.parse_args(["--disable-tqdm"] + (["--max-concurrency", str(conc)] if conc else []))
+        assert serving.client_processes(levels_one(args)) == want, conc
+    monkeypatch.setattr(serving.os, "cpu_count", lambda: 2)
+    assert serving.client_processes(levels_one(serving.parse_args(["--max-concurrency", "1024"]))) == 1
+
+
+def levels_one(args):
+    return serving.levels(args)[0]
