@@ -59,20 +59,25 @@ def _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish_row(acc, like, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out,
-                NORM: tl.constexpr):
+                NORM: tl.constexpr, res_out_ptr=None, stride_res_out=0, smask=None):
     """The row's fp32 sum `acc` rounded to the dtype of `like` (x), stored: alone, or with NORM residual += sum
-    (in place) and out = rmsnorm(residual) * w."""
+    and out = rmsnorm(residual) * w. The new residual goes to res_out_ptr (default: in place over res_ptr); only the
+    lanes of `smask` (default: mask) are stored, the norm taken over every lane of `mask`."""
+    if res_out_ptr is None:
+        res_out_ptr, stride_res_out = res_ptr, stride_res
+    if smask is None:
+        smask = mask
     y = acc.to(like.dtype)                               # what the all-reduce alone returns
     if NORM:
         r = tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + r).to(like.dtype)        # residual_out, rounded to x.dtype
-        tl.store(res_ptr + row.to(tl.int64) * stride_res + offs, y, mask=mask)
+        tl.store(res_out_ptr + row.to(tl.int64) * stride_res_out + offs, y, mask=smask)
         y32 = y.to(tl.float32)
         var = tl.sum(y32 * y32, axis=0) / D
         n = (y32 * tl.math.rsqrt(var + eps)).to(like.dtype).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = (w * n).to(like.dtype)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=mask)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=smask)
 
 
 @triton.jit
@@ -148,16 +153,9 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_p
                 acc += x.to(tl.float32)
             else:
                 acc = _poll_sum(acc, own + parity + (p * ROWS + row).to(tl.int64) * DMAX, offs, mask, e)
-        y = (acc.to(x.dtype).to(tl.float32)
-             + tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32))
-        y = y.to(x.dtype)                                # residual_out, rounded to x.dtype
         mine_cols = mask & (offs >= c * CHUNK) & (offs < (c + 1) * CHUNK)
-        tl.store(res_out_ptr + row.to(tl.int64) * stride_res_out + offs, y, mask=mine_cols)
-        y32 = y.to(tl.float32)
-        var = tl.sum(y32 * y32, axis=0) / D
-        n = (y32 * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, (w * n).to(x.dtype), mask=mine_cols)
+        _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, True,
+                    res_out_ptr, stride_res_out, mine_cols)
     else:
         acc = tl.zeros([CHUNK], dtype=tl.float32)
         for p in tl.static_range(WORLD):
@@ -165,7 +163,7 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_p
                 acc += xc.to(tl.float32)
             else:
                 acc = _poll_sum(acc, own + parity + (p * ROWS + row).to(tl.int64) * DMAX, cols, cmask, e)
-        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, acc.to(xc.dtype), mask=cmask)
+        _finish_row(acc, xc, row, cols, cmask, x_ptr, w_ptr, out_ptr, D, eps, 0, stride_out, False)
 
 
 LL_ROWS = 16            # rows of one push call (receive slots per source rank)
