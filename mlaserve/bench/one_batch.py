@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from mlaserve.bench.floor import decode_step_bytes, prefill_flops
 from mlaserve.config import ServerConfig
@@ -36,9 +37,13 @@ from mlaserve.engine.spec_tree import slots_per_step
 from mlaserve.kvcache.allocator import ReqToTokenPool, TokenSlotAllocator
 
 
-def sync() -> None:
+def sync(group: RankGroup | None = None) -> None:
+    """Wait for this GPU; with a group of several ranks also for every rank to get here, so that a timed region
+    starts together on all of them (else its first collective waits out the ranks' skew and counts it)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if group is not None and group.size > 1:
+        dist.barrier(group=group.cpu_group)
 
 
 PREFILL_REPEATS = 3
@@ -98,7 +103,7 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
     # the figure is the median of PREFILL_REPEATS runs after it (the same batch again rewrites the same KV rows)
     times = []
     for _ in range(1 + (PREFILL_REPEATS if runner.device.type == "cuda" else 0)):
-        sync()
+        sync(runner.group)
         t0 = time.perf_counter()
         out = runner.forward(batch)
         sync()
@@ -118,7 +123,7 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
             pool.write(r.req_pool_idx, r.kv_len, slot.view(1))
             r.kv_len += 1
         batch = Batch(ForwardMode.DECODE, reqs, [r.output_ids[-1] for r in reqs], s, prefix, [1] * bs, [True] * bs)
-        sync()
+        sync(runner.group)
         t0 = time.perf_counter()
         out = runner.forward(batch)
         sync()
@@ -152,7 +157,7 @@ def _spec_decode(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllo
             pool.write(r.req_pool_idx, r.kv_len, s[i * k:(i + 1) * k])
             r.kv_len += k
         batch = Batch(ForwardMode.DECODE, reqs, [], s, prefix, [k] * bs, [True] * bs)
-        sync()
+        sync(runner.group)
         t0 = time.perf_counter()
         out = runner.spec_step(batch)
         sync()
