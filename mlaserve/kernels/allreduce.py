@@ -120,6 +120,62 @@ def _poll_sum(acc, src, offs, mask, e):
 
 
 @triton.jit
+def _ll_epoch(epoch_ptr, row, c, MAX_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
+    """Program c of SPLIT on `row`: its epoch, every counter of the row advanced to it (SPLIT may change)."""
+    cnt = epoch_ptr + row * MAX_SPLIT
+    e = tl.load(cnt + c) + 1
+    for j in range(c, MAX_SPLIT, SPLIT):
+        tl.store(cnt + j, e)
+    return e
+
+
+@triton.jit
+def _ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD: tl.constexpr, ROWS: tl.constexpr,
+             DMAX: tl.constexpr):
+    """Write the values xc (columns `cols` of `row`), each packed with epoch e, into every peer's slot of this rank;
+    returns (this rank's receive buffer, the half of epoch e)."""
+    packed = (e.to(tl.int64) << 32) | (xc.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    parity = (e & 1).to(tl.int64) * half
+    mine = parity + (row + rank * ROWS).to(tl.int64) * DMAX              # my slot on every peer
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            dst = tl.load(ll_ptrs + p).to(tl.pointer_type(tl.int64))
+            tl.store(dst + mine + cols, packed, mask=cmask)
+    return tl.load(ll_ptrs + rank).to(tl.pointer_type(tl.int64)), parity
+
+
+@triton.jit
+def _ll_sum(acc, xc, own, parity, rank, row, cols, cmask, e, WORLD: tl.constexpr, ROWS: tl.constexpr,
+            DMAX: tl.constexpr):
+    """acc + the columns `cols` of `row` summed over the ranks in rank order (this rank's own from xc)."""
+    for p in tl.static_range(WORLD):                     # rank order: the same sum on every rank
+        if p == rank:
+            acc += xc.to(tl.float32)
+        else:
+            acc = _poll_sum(acc, own + parity + (row + p * ROWS).to(tl.int64) * DMAX, cols, cmask, e)
+    return acc
+
+
+@triton.jit
+def ll_all_reduce_rows(x_ptr, stride_x, num_rows, D, ll_ptrs, epoch_ptr, rank, half, WORLD: tl.constexpr,
+                       ROWS: tl.constexpr, DMAX: tl.constexpr, MAX_SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """From inside another kernel, in one program: rows [0, num_rows) of x summed over the ranks by the push
+    protocol (the same buffers, epochs and bits as `peer_all_reduce_ll`), in place. Every rank's program must get
+    here for the same rows (the callers' launches are SPMD)."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    for r in range(0, num_rows):
+        row = r + tl.zeros([], dtype=tl.int32)           # a tensor under the interpreter too (it indexes slots)
+        e = _ll_epoch(epoch_ptr, row, 0, MAX_SPLIT, 1)
+        xrow = x_ptr + row.to(tl.int64) * stride_x
+        x = tl.load(xrow + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        own, parity = _ll_push(ll_ptrs, rank, row, e, half, offs, mask, x, WORLD, ROWS, DMAX)
+        acc = _ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD, ROWS,
+                      DMAX)
+        tl.store(xrow + offs, acc.to(x.dtype), mask=mask)
+
+
+@triton.jit
 def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_ptrs, epoch_ptr, rank, D, half, eps,
                                stride_x, stride_res, stride_out, stride_res_out,
                                WORLD: tl.constexpr, ROWS: tl.constexpr, DMAX: tl.constexpr, MAX_SPLIT: tl.constexpr,
@@ -127,42 +183,24 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_p
     # program (row, c) pushes columns [c * CHUNK, (c + 1) * CHUNK) of its row to every peer; without NORM it polls
     # and sums those columns only; with NORM it polls the whole row (the norm needs it), stores its columns
     row, c = tl.program_id(0), tl.program_id(1)
-    cnt = epoch_ptr + row * MAX_SPLIT
-    e = tl.load(cnt + c) + 1
-    for j in range(c, MAX_SPLIT, SPLIT):                 # every counter of the row advances: SPLIT may change
-        tl.store(cnt + j, e)
+    e = _ll_epoch(epoch_ptr, row, c, MAX_SPLIT, SPLIT)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     cmask = cols < D
     xrow = x_ptr + row.to(tl.int64) * stride_x
     xc = tl.load(xrow + cols, mask=cmask, other=0.0)
-    packed = (e.to(tl.int64) << 32) | (xc.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-    parity = (e & 1).to(tl.int64) * half
-    mine = parity + (rank * ROWS + row).to(tl.int64) * DMAX              # my slot on every peer
-    for p in tl.static_range(WORLD):
-        if p != rank:
-            dst = tl.load(ll_ptrs + p).to(tl.pointer_type(tl.int64))
-            tl.store(dst + mine + cols, packed, mask=cmask)
-    own = tl.load(ll_ptrs + rank).to(tl.pointer_type(tl.int64))
+    own, parity = _ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD, ROWS, DMAX)
     if NORM:
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         x = tl.load(xrow + offs, mask=mask, other=0.0)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in tl.static_range(WORLD):                 # rank order: the same sum on every rank
-            if p == rank:
-                acc += x.to(tl.float32)
-            else:
-                acc = _poll_sum(acc, own + parity + (p * ROWS + row).to(tl.int64) * DMAX, offs, mask, e)
+        acc = _ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD, ROWS,
+                      DMAX)
         mine_cols = mask & (offs >= c * CHUNK) & (offs < (c + 1) * CHUNK)
         _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, True,
                     res_out_ptr, stride_res_out, mine_cols)
     else:
-        acc = tl.zeros([CHUNK], dtype=tl.float32)
-        for p in tl.static_range(WORLD):
-            if p == rank:
-                acc += xc.to(tl.float32)
-            else:
-                acc = _poll_sum(acc, own + parity + (p * ROWS + row).to(tl.int64) * DMAX, cols, cmask, e)
+        acc = _ll_sum(tl.zeros([CHUNK], dtype=tl.float32), xc, own, parity, rank, row, cols, cmask, e, WORLD, ROWS,
+                      DMAX)
         _finish_row(acc, xc, row, cols, cmask, x_ptr, w_ptr, out_ptr, D, eps, 0, stride_out, False)
 
 
@@ -182,6 +220,18 @@ class LLPointers(NamedTuple):
     def fits(x: torch.Tensor) -> bool:
         t, d = x.shape
         return 0 < t <= LL_ROWS and d <= LL_DMAX
+
+
+class LLGroup(NamedTuple):
+    """What a kernel that sums rows over the ranks from inside itself needs (`ll_all_reduce_rows`)."""
+
+    ll: LLPointers
+    rank: int
+    world: int
+
+    def launch_args(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(ll_ptrs, epochs, rank, half) as the kernels take them."""
+        return self.ll.ll_ptrs, self.ll.epochs, self.rank, self.world * LL_ROWS * LL_DMAX
 
 
 def ll_chunk(d: int, programs: int) -> int:

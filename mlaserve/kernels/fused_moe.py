@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import quant
+from mlaserve.kernels.allreduce import LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLGroup, ll_all_reduce_rows
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
@@ -335,11 +336,14 @@ def _norm_rows(out_ptr, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, num_tokens, N, s
         tl.store(nh_ptr + t * stride_om + offs, _round(w * y, ty, ROUND_BF16).to(ty), mask=ok)
 
 
+_LL_ROWS, _LL_DMAX, _LL_MAX_SPLIT = tl.constexpr(LL_ROWS), tl.constexpr(LL_DMAX), tl.constexpr(LL_MAX_SPLIT)
+
+
 @triton.jit
 def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, num_slots, stride_cm, stride_om,
-                  nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res,
+                  nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank, ar_half,
                   TOP_K: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_T: tl.constexpr, TILE_N: tl.constexpr,
-                  NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr):
+                  NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, AR_WORLD: tl.constexpr):
     # The last of N tile pid_n's programs to store its rows of c sums them per token:
     # out[t, tile] = sum_j c[t * TOP_K + j, tile] in fp32, rounded once.
     # NOTE: as in moe_route: a barrier, then one acq_rel count per program; the last one's loads skip L1.
@@ -363,6 +367,9 @@ def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, nu
             tl.debug_barrier()
             if tl.atomic_add(sync_ptr + num_tiles, 1, sem="acq_rel", scope="gpu") == num_tiles - 1:
                 tl.atomic_xchg(sync_ptr + num_tiles, 0, sem="relaxed", scope="gpu")
+                if AR_WORLD > 1:      # the rows are this rank's share (tensor parallelism): sum them over the ranks
+                    ll_all_reduce_rows(out_ptr, stride_om, num_tokens, N, ar_ptrs, ar_epochs, ar_rank, ar_half,
+                                       AR_WORLD, _LL_ROWS, _LL_DMAX, _LL_MAX_SPLIT, BLOCK_D)
                 _norm_rows(out_ptr, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, num_tokens, N, stride_om, stride_res,
                            ROUND_BF16, BLOCK_D)
 
@@ -371,13 +378,14 @@ def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, nu
 def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
                       sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, N, K, num_slots, num_padded,
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_om,
-                      nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, stride_res,
+                      nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, stride_res, ar_ptrs, ar_epochs, ar_rank, ar_half,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                       QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
                       DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, SLOT_BLOCKS: tl.constexpr,
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-                      GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                      GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                      AR_WORLD: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
@@ -405,8 +413,9 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                      mask=valid[:, None] & n_ok[None, :])
             if COMBINE:
                 _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots,
-                              stride_cm, stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, TOP_K,
-                              ROUND_BF16, BLOCK_T, TILE_N, NORM_OUT, BLOCK_D)
+                              stride_cm, stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs,
+                              ar_epochs, ar_rank, ar_half, TOP_K, ROUND_BF16, BLOCK_T, TILE_N, NORM_OUT, BLOCK_D,
+                              AR_WORLD)
         return
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
@@ -438,8 +447,8 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
     if COMBINE:
         _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
-                      stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, TOP_K, ROUND_BF16, BLOCK_T,
-                      TILE_N, NORM_OUT, BLOCK_D)
+                      stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank,
+                      ar_half, TOP_K, ROUND_BF16, BLOCK_T, TILE_N, NORM_OUT, BLOCK_D, AR_WORLD)
 
 
 def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,7 +461,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
                   routing: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
                   weights: torch.Tensor | None, cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int,
                   gated: bool, combine: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None) -> None:
+                  norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None,
+                  all_reduce: LLGroup | None = None) -> None:
     # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
     # norm = (residual, norm weight, eps, h, residual_out), with combine: also the next layer's input norm
     # routing: `moe_align_block_size`'s, or `_slot_blocks`'s (None, ids [S], None); one expert id per row block
@@ -475,6 +485,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         assert sync.dtype == torch.int32 and sync.numel() >= triton.cdiv(n_out, tile_n), \
             f"sync must be int32 [>= {triton.cdiv(n_out, tile_n)}]"
     res, nw, eps, nh, nro = norm or (out, out, 0.0, out, out)
+    # with all_reduce (and norm): the combined rows are summed over the ranks before the norm
+    ar_ptrs, ar_epochs, ar_rank, ar_half = all_reduce.launch_args() if all_reduce else (sync, sync, 0, 0)
     if norm:
         assert combine and sync.numel() > triton.cdiv(n_out, tile_n), "the norm needs the combine and one more count"
         assert nh.stride(0) == nro.stride(0) == out.stride(0), "h and residual_out rows must be strided as out's"
@@ -482,14 +494,14 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
         n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps), res.stride(0),
-        A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
+        ar_ptrs, ar_epochs, ar_rank, ar_half, A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
         DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, SLOT_BLOCKS=slot_blocks,
         TOP_K=c.shape[0] // out.shape[0], BLOCK_T=8,
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        AR_WORLD=all_reduce.world if all_reduce else 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 # One token: its k slots name distinct experts (moe_topk / moe_route pick each routed expert at most once while the
@@ -569,24 +581,33 @@ def fused_moe_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
                    topk_ids: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
                    sync: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                    block_shape: tuple[int, int] = (128, 128), config: dict | None = None,
-                   num_routed_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_routed_experts: int | None = None,
+                   all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_moe` followed by the next layer's input norm, in the same two launches (up to COMBINE_MAX_TOKENS
     tokens, where the second GEMM combines): returns (rmsnorm(out + residual), out + residual), new tensors in
     x.dtype; `residual` [T, K] (rows contiguous) is not modified. The last output tile to be combined norms the
-    whole rows: `sync` needs one more entry than fused_moe's (int32 zeros [>= ceil(K / 32) + 1])."""
+    whole rows: `sync` needs one more entry than fused_moe's (int32 zeros [>= ceil(K / 32) + 1]).
+
+    `all_reduce` (tensor parallelism: out is this rank's share): out is first summed over the ranks, in that same
+    last program, by the push all-reduce's protocol and bits (`peer_all_reduce_ll`): the result of
+    `peer_all_reduce_ll(fused_moe(...), residual, norm_weight, eps)` in two launches instead of three. Every rank
+    must make the same call."""
     t = x.shape[0]
     assert t <= COMBINE_MAX_TOKENS, f"fused_moe_norm takes at most {COMBINE_MAX_TOKENS} tokens, got {t}"
     check_norm_operands(x, norm_weight, residual)
+    if all_reduce is not None:
+        assert all_reduce.ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
     h, res_out = torch.empty_like(x), torch.empty_like(x)
     _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config, num_routed_experts,
-               None, sync, (residual, norm_weight, eps, h, res_out))
+               None, sync, (residual, norm_weight, eps, h, res_out), all_reduce)
     return h, res_out
 
 
 def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
                block_shape: tuple[int, int], config: dict | None, num_routed_experts: int | None,
-               out: torch.Tensor | None, sync: torch.Tensor | None, norm: tuple | None) -> torch.Tensor:
+               out: torch.Tensor | None, sync: torch.Tensor | None, norm: tuple | None,
+               all_reduce: LLGroup | None = None) -> torch.Tensor:
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     t, k = x.shape
     e, i, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
@@ -605,8 +626,9 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
     combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
+    assert all_reduce is None or (combine and norm), "the all-reduce runs in the norm's program"
     _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg, fuse_quant,
-                  block_shape, 1, False, combine, norm)
+                  block_shape, 1, False, combine, norm, all_reduce)
     if combine:
         return out
     if t <= (SUM_DIM1_MAX_TOKENS if k <= SUM_DIM1_NARROW_HIDDEN else SUM_DIM1_MAX_TOKENS_WIDE):

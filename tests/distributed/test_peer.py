@@ -230,3 +230,45 @@ def test_push_setting_is_checked():
     assert push_elems("auto") == PUSH_AUTO_ELEMS and push_elems("0") == 0 and push_elems("1") >= LL_ROWS * 2048
     with pytest.raises(ValueError, match="MLASERVE_PEER_PUSH='yes'"):
         push_elems("yes")
+
+
+# --- the experts' combine summing its rows over the ranks itself (fused_moe_norm's all_reduce) -----------------
+
+def _moe_norm_on_rank(group, seed: int, dtype: torch.dtype) -> list[dict]:
+    from mlaserve.kernels.allreduce import LLGroup
+    from mlaserve.kernels.fused_moe import fused_moe, fused_moe_norm
+
+    peer, rank = group.tp.peer, group.info.rank
+    e, hidden, inter, k = 4, 64, 32, 2
+    shared = torch.Generator().manual_seed(seed)                   # x, routing, residual: the same on both ranks
+    mine = torch.Generator().manual_seed(seed + 1 + rank)          # this rank's shard of the experts
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=mine) / 8).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, generator=mine) / 8).to(dtype)
+    sync, grp, rows = torch.zeros(hidden // 16 + 1, dtype=torch.int32), LLGroup(peer.ll, peer.rank, peer.world), []
+    for i in range(3):                                             # interleaved with the push kernel's own calls
+        x = torch.randn(1, hidden, generator=shared).to(dtype)
+        residual = torch.randn(1, hidden, generator=shared).to(dtype)
+        nw = (torch.rand(hidden, generator=shared) + 0.5).to(dtype)
+        ids = torch.randperm(e, generator=shared)[:k].view(1, k).to(torch.int32)
+        tw = torch.rand(1, k, generator=shared)
+        h, ro = fused_moe_norm(x, w13, w2, tw, ids, residual, nw, EPS, sync=sync, all_reduce=grp)
+        part = fused_moe(x, w13, w2, tw, ids, sync=sync)           # the unfused path: combine, then the push kernel
+        want_h, want_ro = peer.all_reduce_push(part, residual.clone(), nw, EPS)
+        rows.append({"h": h, "ro": ro, "want_h": want_h, "want_ro": want_ro, "sync_clear": not sync.any()})
+        peer.all_reduce_push(torch.randn(2, hidden, generator=shared).to(dtype))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe_norm_sums_over_the_ranks_in_its_combine(dtype):
+    """Two CPU ranks, each with its own shard of the experts: the combine's last program sums the token's row over
+    the ranks before the next norm, equal to the experts' output run through the push all-reduce + norm."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    ranks = spawn_ranks(_moe_norm_on_rank, 2, seed, dtype, peer_all_reduce=True, timeout=600)
+    for i, (a, b) in enumerate(zip(*ranks)):
+        assert a["sync_clear"] and b["sync_clear"], f"call {i}: counts left set"
+        assert torch.equal(a["ro"], a["want_ro"]) and torch.equal(a["ro"], b["ro"]), f"call {i}: sum + residual"
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(a["h"], a["want_h"], atol=tol, rtol=tol)
+        assert torch.equal(a["h"], b["h"]), f"call {i}: the ranks' norms differ"
