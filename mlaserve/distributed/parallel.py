@@ -19,6 +19,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from mlaserve.distributed.dp_attention import DPAttention
     from mlaserve.distributed.peer import PeerAllReduce
+    from mlaserve.kernels.allreduce import LLGroup
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +122,18 @@ class TensorParallel:
         caller reduces and norms apart)."""
         return self.size > 1 and self.peer is not None and self.peer.fits(x)
 
+    def push_group(self, x: torch.Tensor) -> "LLGroup | None":
+        """The push all-reduce's buffers where a call on x would take it (`PeerAllReduce.pushes`): a kernel
+        producing x may then sum it over the ranks itself (`fused_moe_norm`'s all_reduce). Same on every rank."""
+        if self.fuses_norm(x) and self.peer.pushes(x):
+            return self.peer.ll_group
+        return None
+
     def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rmsnorm(sum + residual) * weight, sum + residual) with the sum of x over the ranks, in one launch;
-        `residual` is updated in place. Only where `fuses_norm(x)`."""
+        """(rmsnorm(sum + residual) * weight, sum + residual) with the sum of x over the ranks, in one launch; the
+        new residual is `residual` updated in place (or, a row split over programs, a new tensor: use the one
+        returned). Only where `fuses_norm(x)`."""
         return self.peer.all_reduce_add_norm(x, residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

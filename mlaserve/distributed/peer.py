@@ -20,8 +20,9 @@ from multiprocessing import shared_memory
 import torch
 import torch.distributed as dist
 
-from mlaserve.kernels.allreduce import (LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLPointers, PeerPointers, buffer_bytes,
-                                        ll_buffer_bytes, peer_all_reduce, peer_all_reduce_ll, sig_pad_ints)
+from mlaserve.kernels.allreduce import (LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLGroup, LLPointers, PeerPointers,
+                                        buffer_bytes, ll_buffer_bytes, peer_all_reduce, peer_all_reduce_ll,
+                                        sig_pad_ints)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class PeerAllReduce:
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
         self.ll = LLPointers(lls, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=device))
         self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "auto"))   # every rank inherits it
+        self.ll_group = LLGroup(self.ll, group_rank, self.world)     # for kernels that run the push themselves
 
     def __repr__(self) -> str:
         return f"PeerAllReduce(rank={self.rank}, world={self.world}, {self.device.type})"
@@ -92,7 +94,7 @@ class PeerAllReduce:
     @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the group, in place."""
-        if self._pushes(x):
+        if self.pushes(x):
             return peer_all_reduce_ll(x, self.peers, self.ll)
         return peer_all_reduce(x, self.peers)
 
@@ -100,11 +102,12 @@ class PeerAllReduce:
     def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
-        if self._pushes(x):
+        if self.pushes(x):
             return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps)
         return peer_all_reduce(x, self.peers, residual, weight, eps), residual
 
-    def _pushes(self, x: torch.Tensor) -> bool:
+    def pushes(self, x: torch.Tensor) -> bool:
+        """Whether a call on x takes the push variant (MLASERVE_PEER_PUSH's rule), given `fits(x)`."""
         return x.numel() <= self.push_elems and self.ll.fits(x)
 
     # NOTE: tests hold the push variant to the pull one's bits

@@ -14,6 +14,7 @@ import torch
 from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.distributed import TensorParallel
 from mlaserve.distributed.expert import AllToAllDispatcher, ExpertParallel
+from mlaserve.kernels.allreduce import LLGroup
 from mlaserve.kernels.fused_moe import COMBINE_MAX_TOKENS
 from mlaserve.kernels.gemv import cublas_linear
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
@@ -220,12 +221,13 @@ class RoutedExperts(ExpertStack):
         return self.dense_forward(x, range(self.n_routed, self.n_routed + self.n_shared))
 
     def forward_norm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
-                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                     norm: RMSNorm, all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward, then the next layer's input norm inside the combine (`fused_moe_norm`, one token): returns
-        (norm(out + residual), out + residual)."""
+        (norm(out + residual), out + residual); with `all_reduce`, out summed over the ranks first."""
+        kw = {} if all_reduce is None else {"all_reduce": all_reduce}       # (the torch reference takes none)
         return self.ops.fused_moe_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
                                        sync=self.combine_sync, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
-                                       num_routed_experts=self.n_routed)
+                                       num_routed_experts=self.n_routed, **kw)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert)."""
@@ -260,15 +262,22 @@ class MoE(torch.nn.Module):
 
     def takes_next_norm(self, num_tokens: int) -> bool:
         """Whether `forward_normed` can also run the next layer's input norm inside the experts' combine (one
-        token, experts not split by EP: the caller must not need to all-reduce the output first)."""
+        token, experts not split by EP; under tensor parallelism with the sum over the ranks in that combine too:
+        `forward_normed`'s all_reduce)."""
         return num_tokens <= COMBINE_MAX_TOKENS and num_tokens <= FUSE_SHARED_MAX_TOKENS and self.experts.ep.ep_size == 1
 
+    def sums_in_combine(self) -> bool:
+        """Whether the experts' combine can run the all-reduce itself (the Triton kernels; `fused_moe_norm`)."""
+        return self.experts.ops.name == "triton"
+
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                       next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       next_norm: RMSNorm | None = None,
+                       all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(x + residual)) with the add and norm inside the router's launch (`takes_norm`); returns
         (output, x + residual). With `next_norm` (`takes_next_norm`): (next_norm(output + x + residual),
-        output + x + residual), the next layer's input norm done in the experts' combine."""
-        return self._forward(x, (residual, norm), next_norm)
+        output + x + residual), the next layer's input norm done in the experts' combine; with `all_reduce` too
+        (`sums_in_combine`), output summed over the tensor-parallel ranks there first."""
+        return self._forward(x, (residual, norm), next_norm, all_reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x, None)[0]
@@ -292,7 +301,8 @@ class MoE(torch.nn.Module):
         return out
 
     def _forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, RMSNorm] | None,
-                 next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 next_norm: RMSNorm | None = None,
+                 all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         # norm = (residual, RMSNorm): x is the un-normed attention output; returns (output, x + residual or None),
         # or with next_norm (and norm) the next layer's normed input and residual stream
         ex = self.experts
@@ -306,7 +316,7 @@ class MoE(torch.nn.Module):
         else:
             weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared)
         if next_norm is not None:
-            return ex.forward_norm(x, weights, ids, residual, next_norm)
+            return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce)
         if ep:                                                                # EP: local ids, -1 elsewhere
             out = ex(x, weights, ex.ep.to_local(ids, ex.n_total))
             return (out + ex.shared_forward(x) if ex.n_shared else out), residual

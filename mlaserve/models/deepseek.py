@@ -72,9 +72,14 @@ class DecoderLayer(torch.nn.Module):
         t = x.shape[0]
         if self.dp is None and isinstance(self.mlp, MoE) and self.mlp.takes_norm(t):
             h = self.tp.all_reduce(h)
-            if next_norm is not None and self.tp.size == 1 and self.mlp.takes_next_norm(t):
-                h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm)
-                return h, residual, True
+            if next_norm is not None and self.mlp.takes_next_norm(t):
+                # under tensor parallelism the experts' combine sums the output over the ranks too, where the push
+                # all-reduce would take it (the same bits as reduce_out's)
+                fold = self.mlp_tp.push_group(h) if self.mlp_tp.size > 1 and self.mlp.sums_in_combine() else None
+                if self.mlp_tp.size == 1 or fold is not None:
+                    h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm,
+                                                          fold)
+                    return h, residual, True
             h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm)  # norm in the router
             return self.reduce_out(h, residual, next_norm)
         h, residual = self.reduce_norm(h, residual, self.post_attention_layernorm)

@@ -103,17 +103,31 @@ def _check_calls(calls: list, ranks: list) -> None:
         torch.testing.assert_close(a["normed"].float(), a["want_n"].float(), rtol=tol, atol=tol)
 
 
-def _model_on_ranks(group, path: str, msgs: list) -> dict:
+def _model_on_ranks(group, path: str, msgs: list, flags: dict) -> dict:
     from test_tensor_parallel import _scheduler
     from seq_runner import drive_scheduler
+    from mlaserve.layers.moe import MoE
 
     tp = group.tp
     assert tp.peer is not None
-    fused, plain = [], []
+    fused, plain, in_combine = [], [], []
     tp.all_reduce_add_norm = _counted(tp.all_reduce_add_norm, fused)
     tp.peer.all_reduce = _counted(tp.peer.all_reduce, plain)
-    sched = _scheduler(path, group, max_total_tokens=512)
-    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain), "push": tp.peer.push_elems}
+    sched = _scheduler(path, group, max_total_tokens=512, **flags)
+    for m in sched.runner.model.modules():
+        if isinstance(m, MoE):
+            m.forward_normed = _noting(m.forward_normed, in_combine)
+    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain), "push": tp.peer.push_elems,
+            "in_combine": len(in_combine)}
+
+
+def _noting(fn, calls: list):
+    """fn, noting the calls that sum over the ranks in the experts' combine (an all_reduce group given)."""
+    def noted(*args):
+        if len(args) > 4 and args[4] is not None:
+            calls.append(1)
+        return fn(*args)
+    return noted
 
 
 def _counted(fn, calls: list):
@@ -123,12 +137,15 @@ def _counted(fn, calls: list):
     return counted
 
 
-@pytest.mark.parametrize("kernel", ["pull", "push", "auto"])
+@pytest.mark.parametrize("kernel", ["pull", "push", "auto", "auto-triton"])
 def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel):
     """The model's all-reduces over the peer buffers, with the norms after them fused in (V3 shape with a dense
     first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's. `push`:
-    MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto (the default) the smallest."""
-    monkeypatch.setenv("MLASERVE_PEER_PUSH", {"pull": "0", "push": "1", "auto": "auto"}[kernel])   # ranks inherit it
+    MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto (the default) the smallest.
+    `auto-triton`: every op a Triton kernel (the interpreter), so a one-token MoE layer's experts' combine also
+    sums its output over the ranks (fused_moe_norm's all_reduce) instead of an all-reduce after it."""
+    monkeypatch.setenv("MLASERVE_PEER_PUSH", {"pull": "0", "push": "1"}.get(kernel, "auto"))   # ranks inherit it
+    flags = dict(attention_backend="triton") if kernel == "auto-triton" else {}
     from parallel_common import checkpoint_builder
     from test_tensor_parallel import _msg, _scheduler
     from seq_runner import drive_scheduler
@@ -136,13 +153,16 @@ def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel)
     seed = random.randrange(2**31)
     print(f"seed {seed}")
     rng = random.Random(seed)
-    msgs = [_msg(f"r{i}", [rng.randrange(5, 4000) for _ in range(rng.randint(3, 30))], 8) for i in range(3)]
+    # the last request decodes alone for its last steps: one-token decodes (the fold's case) as well as batched ones
+    msgs = [_msg(f"r{i}", [rng.randrange(5, 4000) for _ in range(rng.randint(3, 30))], 8 + 4 * (i == 2))
+            for i in range(3)]
     path = checkpoint_builder(tmp_path)("v3")
-    one = drive_scheduler(_scheduler(path, max_total_tokens=512), msgs)
-    ranks = spawn_ranks(_model_on_ranks, 2, path, msgs, peer_all_reduce=True, timeout=900)
+    one = drive_scheduler(_scheduler(path, max_total_tokens=512, **flags), msgs)
+    ranks = spawn_ranks(_model_on_ranks, 2, path, msgs, flags, peer_all_reduce=True, timeout=900)
     assert ranks[0] == ranks[1], "the two ranks disagree"
     assert ranks[0]["fused"] > 0 and ranks[0]["plain"] > 0, ranks[0]
     assert (ranks[0]["push"] > 0) == (kernel != "pull"), ranks[0]["push"]
+    assert (ranks[0]["in_combine"] > 0) == (kernel == "auto-triton"), ranks[0]
     assert {r: o["ids"] for r, o in ranks[0]["out"].items()} == {r: o["ids"] for r, o in one.items()}
 
 
