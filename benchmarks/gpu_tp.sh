@@ -4,6 +4,7 @@
 #   one-batch   V2-Lite tp 1 vs tp 2 (tp 2 with the pull kernel, then MLASERVE_PEER_PUSH=1)
 #   push        V2-Lite tp 2 with the pull kernel, then with MLASERVE_PEER_PUSH=1 (the same machine)
 #   v3          V3 full width FP8: 4 layers at tp 1 and tp 2, then $V3_LAYERS (20; 8 on H100s) at tp 2
+#   tests-tp    the GPU-marked tests of test_peer.py and test_tensor_parallel.py only
 #   tests       the GPU-marked tests of tests/distributed and the parallel server
 #   startup     startup to first served token at tp 2
 # Usage (repo root, on the GPU machine, carry .whl): bash benchmarks/gpu_tp.sh [PART ...]
@@ -37,6 +38,9 @@ for PART in $PARTS; do
       python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
       timeout 240 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
         --output-file "$OUT/one_batch_v3.md" 2>&1 | grep "^|" | tail -4 ;;
+    tests-tp)   # the peer kernels (push, split rows) and tp 2 == tp 1 with graphs (the fold in the fused MoE)
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" \
+        tests/distributed/test_peer.py tests/distributed/test_tensor_parallel.py 2>&1 | tail -8 | tee "$OUT/tests_tp.txt" ;;
     tests)
       timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" tests/distributed \
         tests/server/test_parallel_server.py 2>&1 | tail -15 | tee "$OUT/tests.txt" ;;
