@@ -13,14 +13,15 @@ off". DIR holds config.json and a tokenizer (make-checkpoint writes both).
 
 Each row starts `mlaserve serve` in a process of its own (once for both tables), waits for /health, measures through
 the official `openai` client and stops it. `--rows` runs some of ROWS (to split a run over several device calls);
-`--out` keeps the tables of the rows done so far in a file. A row that does not start is "not runnable" with the server's last log line (e.g. the
-ConfigError naming the flags); a concurrency that fails (OOM, errors) says so in its cell.
+`--out` keeps the tables of the rows done so far in a file. A row that does not start is "not runnable" with the
+server's last log line (e.g. the ConfigError naming the flags); a concurrency that fails (OOM, errors) says so in its
+cell.
   single   one request, a fixed prompt, 256 new tokens (ignore_eos): completion tokens / end-to-end seconds, the
            median of --single-repeats requests after SINGLE_WARMUPS identical ones (see `single`)
   offline  a ThreadPool over one OpenAI client, prompts of ~760 words (~1 token each with DeepSeek's tokenizer), 460
-           new tokens (ignore_eos), --prompts-per-level (2) x concurrency requests per level: (prompt + completion tokens) / wall seconds
-           (the seeds' [8]), and the mean per request of completion tokens / its seconds ([9]); the server's default
-           --max-running-requests unless --serve-args sets it
+           new tokens (ignore_eos), --prompts-per-level (2) x concurrency requests per level: (prompt + completion
+           tokens) / wall seconds (the seeds' [8]), and the mean per request of completion tokens / its seconds ([9]);
+           the server's default --max-running-requests unless --serve-args sets it
 With `--plot FILE.png` (matplotlib) it also charts every runnable row against concurrency: offline throughput, and
 per-request throughput (the single-query TPS@1 is that row's point at concurrency 1).
 """

@@ -510,8 +510,8 @@ def main(argv: list[str]) -> int:
     records, completed = [], 0
     for run_args in levels(args):
         results, duration, model, accept = asyncio.run(run_load(run_args, random_requests(run_args, tok)))
-        metrics = summarize(results, duration, args.backend) | {"accept_length": accept,
-                                                                 "client_processes": min(client_processes(run_args), run_args.num_prompts)}
+        procs = min(client_processes(run_args), run_args.num_prompts)
+        metrics = summarize(results, duration, args.backend) | {"accept_length": accept, "client_processes": procs}
         print_report(metrics, run_args)
         records.append(record(metrics, run_args, model))
         completed += metrics["completed"]

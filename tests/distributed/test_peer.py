@@ -94,8 +94,8 @@ def _check_calls(calls: list, ranks: list) -> None:
             assert torch.equal(a["push_split"], a["sum"]) and torch.equal(b["push_split"], b["sum"]), \
                 f"call {i}: split push sum"
             if "push_split_normed" in a:
-                assert torch.equal(a["push_split_res"], a["res"]) and torch.equal(a["push_split_normed"], a["normed"]), \
-                    f"call {i}: split push norm"
+                assert torch.equal(a["push_split_res"], a["res"]), f"call {i}: split push residual"
+                assert torch.equal(a["push_split_normed"], a["normed"]), f"call {i}: split push norm"
         assert a["res_in_place"]
         assert torch.equal(a["res"], a["want_r"]) and torch.equal(a["res"], b["res"]), f"call {i}: residual"
         assert torch.equal(a["normed"], b["normed"]), f"call {i}: the ranks' norms differ"
@@ -117,8 +117,8 @@ def _model_on_ranks(group, path: str, msgs: list, flags: dict) -> dict:
     for m in sched.runner.model.modules():
         if isinstance(m, MoE):
             m.forward_normed = _noting(m.forward_normed, in_combine)
-    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain), "push": tp.peer.push_elems,
-            "in_combine": len(in_combine)}
+    return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain),
+            "push": tp.peer.push_elems, "in_combine": len(in_combine)}
 
 
 def _noting(fn, calls: list):
