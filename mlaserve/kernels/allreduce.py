@@ -120,7 +120,7 @@ def _poll_sum(acc, src, offs, mask, e):
 
 
 @triton.jit
-def _ll_epoch(epoch_ptr, row, c, MAX_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
+def ll_epoch(epoch_ptr, row, c, MAX_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
     """Program c of SPLIT on `row`: its epoch, every counter of the row advanced to it (SPLIT may change)."""
     cnt = epoch_ptr + row * MAX_SPLIT
     e = tl.load(cnt + c) + 1
@@ -130,22 +130,28 @@ def _ll_epoch(epoch_ptr, row, c, MAX_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD: tl.constexpr, ROWS: tl.constexpr,
-             DMAX: tl.constexpr):
+def ll_own(ll_ptrs, rank, e, half):
+    """(This rank's receive buffer, the offset of epoch e's half in every rank's)."""
+    return tl.load(ll_ptrs + rank).to(tl.pointer_type(tl.int64)), (e & 1).to(tl.int64) * half
+
+
+@triton.jit
+def ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD: tl.constexpr, ROWS: tl.constexpr,
+            DMAX: tl.constexpr):
     """Write the values xc (columns `cols` of `row`), each packed with epoch e, into every peer's slot of this rank;
-    returns (this rank's receive buffer, the half of epoch e)."""
+    returns `ll_own`."""
     packed = (e.to(tl.int64) << 32) | (xc.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
-    parity = (e & 1).to(tl.int64) * half
+    own, parity = ll_own(ll_ptrs, rank, e, half)
     mine = parity + (row + rank * ROWS).to(tl.int64) * DMAX              # my slot on every peer
     for p in tl.static_range(WORLD):
         if p != rank:
             dst = tl.load(ll_ptrs + p).to(tl.pointer_type(tl.int64))
             tl.store(dst + mine + cols, packed, mask=cmask)
-    return tl.load(ll_ptrs + rank).to(tl.pointer_type(tl.int64)), parity
+    return own, parity
 
 
 @triton.jit
-def _ll_sum(acc, xc, own, parity, rank, row, cols, cmask, e, WORLD: tl.constexpr, ROWS: tl.constexpr,
+def ll_sum(acc, xc, own, parity, rank, row, cols, cmask, e, WORLD: tl.constexpr, ROWS: tl.constexpr,
             DMAX: tl.constexpr):
     """acc + the columns `cols` of `row` summed over the ranks in rank order (this rank's own from xc)."""
     for p in tl.static_range(WORLD):                     # rank order: the same sum on every rank
@@ -166,11 +172,11 @@ def ll_all_reduce_rows(x_ptr, stride_x, num_rows, D, ll_ptrs, epoch_ptr, rank, h
     mask = offs < D
     for r in range(0, num_rows):
         row = r + tl.zeros([], dtype=tl.int32)           # a tensor under the interpreter too (it indexes slots)
-        e = _ll_epoch(epoch_ptr, row, 0, MAX_SPLIT, 1)
+        e = ll_epoch(epoch_ptr, row, 0, MAX_SPLIT, 1)
         xrow = x_ptr + row.to(tl.int64) * stride_x
         x = tl.load(xrow + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        own, parity = _ll_push(ll_ptrs, rank, row, e, half, offs, mask, x, WORLD, ROWS, DMAX)
-        acc = _ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD, ROWS,
+        own, parity = ll_push(ll_ptrs, rank, row, e, half, offs, mask, x, WORLD, ROWS, DMAX)
+        acc = ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD, ROWS,
                       DMAX)
         tl.store(xrow + offs, acc.to(x.dtype), mask=mask)
 
@@ -183,23 +189,23 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_p
     # program (row, c) pushes columns [c * CHUNK, (c + 1) * CHUNK) of its row to every peer; without NORM it polls
     # and sums those columns only; with NORM it polls the whole row (the norm needs it), stores its columns
     row, c = tl.program_id(0), tl.program_id(1)
-    e = _ll_epoch(epoch_ptr, row, c, MAX_SPLIT, SPLIT)
+    e = ll_epoch(epoch_ptr, row, c, MAX_SPLIT, SPLIT)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     cmask = cols < D
     xrow = x_ptr + row.to(tl.int64) * stride_x
     xc = tl.load(xrow + cols, mask=cmask, other=0.0)
-    own, parity = _ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD, ROWS, DMAX)
+    own, parity = ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD, ROWS, DMAX)
     if NORM:
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         x = tl.load(xrow + offs, mask=mask, other=0.0)
-        acc = _ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD, ROWS,
+        acc = ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD, ROWS,
                       DMAX)
         mine_cols = mask & (offs >= c * CHUNK) & (offs < (c + 1) * CHUNK)
         _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, True,
                     res_out_ptr, stride_res_out, mine_cols)
     else:
-        acc = _ll_sum(tl.zeros([CHUNK], dtype=tl.float32), xc, own, parity, rank, row, cols, cmask, e, WORLD, ROWS,
+        acc = ll_sum(tl.zeros([CHUNK], dtype=tl.float32), xc, own, parity, rank, row, cols, cmask, e, WORLD, ROWS,
                       DMAX)
         _finish_row(acc, xc, row, cols, cmask, x_ptr, w_ptr, out_ptr, D, eps, 0, stride_out, False)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mlaserve.kernels.allreduce import LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLGroup, ll_epoch, ll_own, ll_push, ll_sum
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
@@ -224,14 +225,34 @@ def _route_rows(x_ptr, res_ptr, nw_ptr, t, h0, offs_h, h_ok, stride_x, stride_re
     return x.to(tl.float32)
 
 
+_LL_ROWS, _LL_DMAX, _LL_MAX_SPLIT = tl.constexpr(LL_ROWS), tl.constexpr(LL_DMAX), tl.constexpr(LL_MAX_SPLIT)
+
+
+@triton.jit
+def _sum_over_ranks(x, t, offs_h, h_ok, ar_ptrs, ar_epochs, ar_rank, ar_half, AR_WORLD: tl.constexpr):
+    """Token t's row x summed over the ranks by the push all-reduce's protocol and bits (`peer_all_reduce_ll`):
+    the slice-0 program pushes it, every program polls the peers' rows. The row's epoch counters are advanced by
+    the last program of the row to finish (after every program has read them)."""
+    row = t.to(tl.int32)
+    e = tl.load(ar_epochs + row * _LL_MAX_SPLIT) + 1
+    if tl.program_id(0) == 0:
+        own, parity = ll_push(ar_ptrs, ar_rank, row, e, ar_half, offs_h, h_ok, x, AR_WORLD, _LL_ROWS, _LL_DMAX)
+    else:
+        own, parity = ll_own(ar_ptrs, ar_rank, e, ar_half)
+    acc = ll_sum(tl.zeros([x.shape[0]], dtype=tl.float32), x, own, parity, ar_rank, row, offs_h, h_ok, e, AR_WORLD,
+                 _LL_ROWS, _LL_DMAX)
+    return acc.to(x.dtype)
+
+
 @triton.jit
 def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, stride_x, stride_w,
                       res_ptr, nw_ptr, normed_ptr, res_out_ptr, eps, stride_res, stride_normed, stride_res_out,
+                      ar_ptrs, ar_epochs, ar_rank, ar_half,
                       bias_ptr, weights_ptr, ids_ptr, per_group, n_group, routed_scaling_factor,
                       TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
                       NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                      NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr):
+                      NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr, AR_WORLD: tl.constexpr):
     # ONE_TILE: hidden <= BLOCK_H. NORM_IN: the gate reads rmsnorm(x + res) (weight nw); the slice-0 program of each token also writes that
     # normed row (the experts' input) and x + res (the residual stream) to their own buffers.
     t = tl.program_id(1).to(tl.int64)
@@ -243,6 +264,8 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
                     mask=(e < n_experts)[:, None] & h_ok[None, :], other=0.0)                      # [BE, BH]
         pdl_enter(PDL)                                # (PDL: the gate slice is read before the wait)
         x = tl.load(x_ptr + t * stride_x + offs_h, mask=h_ok, other=0.0)
+        if AR_WORLD > 1:        # x is this rank's share (tensor parallelism): the row summed over the ranks
+            x = _sum_over_ranks(x, t, offs_h, h_ok, ar_ptrs, ar_epochs, ar_rank, ar_half, AR_WORLD)
         if NORM_IN:
             ty = x.dtype
             r = tl.load(res_ptr + t * stride_res + offs_h, mask=h_ok, other=0.0)
@@ -289,6 +312,8 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
     tl.debug_barrier()
     if tl.atomic_add(sync_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.atomic_xchg(sync_ptr + t, 0, sem="relaxed", scope="gpu")           # ready for the next launch
+        if AR_WORLD > 1:        # every program of the row has read its epoch: the last one advances it
+            ll_epoch(ar_epochs, t, 0, _LL_MAX_SPLIT, 1)
         _, _, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
         logits = tl.load(logits_ptr + t * n_experts + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
         out = t * (TOP_K + N_SHARED)
@@ -328,23 +353,26 @@ def moe_route_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
                    weight: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str, n_group: int = 1,
                    topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
                    e_score_correction_bias: torch.Tensor | None = None, n_shared: int = 0,
-                   sync: torch.Tensor | None = None,
-                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   sync: torch.Tensor | None = None, config: dict | None = None,
+                   all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`moe_route` of h = rmsnorm(x + residual) (the layer's post-attention norm folded into the router's launch).
 
     x, residual: [T, h], one dtype, rows contiguous; norm_weight [h]. Returns (weights, ids, h [T, h] in x.dtype,
-    x + residual [T, h] in x.dtype): the last two are new tensors (residual is not modified)."""
+    x + residual [T, h] in x.dtype): the last two are new tensors (residual is not modified). `all_reduce` (tensor
+    parallelism: x is this rank's share of the attention output): x is first summed over the ranks in the same
+    launch, with `peer_all_reduce_ll`'s bits. Every rank must make the same call."""
     check_norm_operands(x, norm_weight, residual)
     return _route(x, (residual, norm_weight, eps), weight, top_k, sync, config, topk_method=topk_method,
                   scoring_func=scoring_func, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                   routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=e_score_correction_bias,
-                  n_shared=n_shared)
+                  n_shared=n_shared, all_reduce=all_reduce)
 
 
 def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None, weight: torch.Tensor,
            top_k: int, sync: torch.Tensor | None, config: dict | None, *, topk_method: str, scoring_func: str,
            n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
-           e_score_correction_bias: torch.Tensor | None, n_shared: int) -> tuple[torch.Tensor, ...]:
+           e_score_correction_bias: torch.Tensor | None, n_shared: int,
+           all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, ...]:
     t, h = x.shape
     e = weight.shape[0]
     assert weight.dim() == 2 and weight.shape[1] == h, f"weight must be [E, {h}], got {tuple(weight.shape)}"
@@ -359,12 +387,17 @@ def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | Non
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)                 # scratch: [T, E]
     res, nw, eps = norm or (x, x, 0.0)
     normed, res_out = (torch.empty_like(x), torch.empty_like(x)) if norm else (x, x)
+    if all_reduce is not None:
+        assert h <= block_h and all_reduce.ll.fits(x), \
+            f"x {tuple(x.shape)}: summing over the ranks in the router needs one tile and the push buffers"
+    ar = all_reduce.launch_args() if all_reduce is not None else (sync, sync, 0, 0)
     args = (x, weight, logits, sync, e, h, x.stride(0), weight.stride(0), res, nw, normed, res_out, float(eps),
-            res.stride(0), normed.stride(0), res_out.stride(0))
+            res.stride(0), normed.stride(0), res_out.stride(0), *ar)
     weights, ids = _launch_select(_moe_route_kernel, (triton.cdiv(e, block_e), t), args, t, e, top_k, topk_method,
                                   scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
                                   e_score_correction_bias, n_shared, x.device, BLOCK_E=block_e, BLOCK_H=block_h,
-                                  NORM_IN=norm is not None, ONE_TILE=h <= block_h, **cfg)
+                                  NORM_IN=norm is not None, ONE_TILE=h <= block_h,
+                                  AR_WORLD=all_reduce.world if all_reduce is not None else 1, **cfg)
     return weights, ids, normed, res_out
 
 

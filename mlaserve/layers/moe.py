@@ -93,13 +93,15 @@ class Router(torch.nn.Module):
             logits = cublas_linear(x.float(), self.weight.float() if w is None else w)  # [T, E]
         return self.ops.moe_topk(logits, c.num_experts_per_tok, **kw)
 
-    def route_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                     n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, n_shared: int = 0,
+                     all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, ...]:
         """forward(norm(x + residual)) in one launch, up to `route_max_tokens` tokens; returns (weights, ids,
-        norm(x + residual), x + residual)."""
+        norm(x + residual), x + residual). `all_reduce`: x is this rank's share, summed over the ranks first in the
+        same launch (the Triton kernel)."""
         assert x.shape[0] <= self.route_max_tokens, f"route_normed takes at most {self.route_max_tokens} tokens"
+        kw = {} if all_reduce is None else {"all_reduce": all_reduce}       # (the torch reference takes none)
         return self.ops.moe_route_norm(x, residual, norm.weight, norm.eps, self.weight, self.cfg.num_experts_per_tok,
-                                       sync=self.route_sync, **self._routing(n_shared))
+                                       sync=self.route_sync, **self._routing(n_shared), **kw)
 
     def _routing(self, n_shared: int) -> dict:
         c = self.cfg
@@ -266,18 +268,20 @@ class MoE(torch.nn.Module):
         `forward_normed`'s all_reduce)."""
         return num_tokens <= COMBINE_MAX_TOKENS and num_tokens <= FUSE_SHARED_MAX_TOKENS and self.experts.ep.ep_size == 1
 
-    def sums_in_combine(self) -> bool:
-        """Whether the experts' combine can run the all-reduce itself (the Triton kernels; `fused_moe_norm`)."""
+    def sums_in_kernels(self) -> bool:
+        """Whether the router and the experts' combine can run the all-reduce themselves (the Triton kernels:
+        `moe_route_norm`, `fused_moe_norm`)."""
         return self.experts.ops.name == "triton"
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                       next_norm: RMSNorm | None = None,
-                       all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       next_norm: RMSNorm | None = None, all_reduce: LLGroup | None = None,
+                       sum_in: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(x + residual)) with the add and norm inside the router's launch (`takes_norm`); returns
         (output, x + residual). With `next_norm` (`takes_next_norm`): (next_norm(output + x + residual),
         output + x + residual), the next layer's input norm done in the experts' combine; with `all_reduce` too
-        (`sums_in_combine`), output summed over the tensor-parallel ranks there first."""
-        return self._forward(x, (residual, norm), next_norm, all_reduce)
+        (`sums_in_kernels`), output summed over the tensor-parallel ranks there first. `sum_in`: x is this rank's
+        share, summed over the ranks in the router's launch."""
+        return self._forward(x, (residual, norm), next_norm, all_reduce, sum_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x, None)[0]
@@ -301,8 +305,8 @@ class MoE(torch.nn.Module):
         return out
 
     def _forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, RMSNorm] | None,
-                 next_norm: RMSNorm | None = None,
-                 all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 next_norm: RMSNorm | None = None, all_reduce: LLGroup | None = None,
+                 sum_in: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         # norm = (residual, RMSNorm): x is the un-normed attention output; returns (output, x + residual or None),
         # or with next_norm (and norm) the next layer's normed input and residual stream
         ex = self.experts
@@ -314,7 +318,7 @@ class MoE(torch.nn.Module):
         if norm is None:
             weights, ids = self.gate(x, n_shared=n_shared)                   # [T, K] f32, [T, K] int32 global
         else:
-            weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared)
+            weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared, all_reduce=sum_in)
         if next_norm is not None:
             return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce)
         if ep:                                                                # EP: local ids, -1 elsewhere

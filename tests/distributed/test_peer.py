@@ -110,23 +110,24 @@ def _model_on_ranks(group, path: str, msgs: list, flags: dict) -> dict:
 
     tp = group.tp
     assert tp.peer is not None
-    fused, plain, in_combine = [], [], []
+    fused, plain, folds = [], [], []
     tp.all_reduce_add_norm = _counted(tp.all_reduce_add_norm, fused)
     tp.peer.all_reduce = _counted(tp.peer.all_reduce, plain)
     sched = _scheduler(path, group, max_total_tokens=512, **flags)
     for m in sched.runner.model.modules():
         if isinstance(m, MoE):
-            m.forward_normed = _noting(m.forward_normed, in_combine)
+            m.forward_normed = _noting(m.forward_normed, folds)
     return {"out": drive_scheduler(sched, msgs), "fused": len(fused), "plain": len(plain),
-            "push": tp.peer.push_elems, "in_combine": len(in_combine)}
+            "push": tp.peer.push_elems, "in_router": folds.count("router"),
+            "in_combine": folds.count("combine")}
 
 
 def _noting(fn, calls: list):
-    """fn, noting the calls that sum over the ranks in the experts' combine (an all_reduce group given)."""
-    def noted(*args):
-        if len(args) > 4 and args[4] is not None:
-            calls.append(1)
-        return fn(*args)
+    """MoE.forward_normed, noting which kernels sum over the ranks: "router" (sum_in given), "combine"
+    (all_reduce given)."""
+    def noted(x, residual, norm, next_norm=None, all_reduce=None, sum_in=None):
+        calls.extend(["router"] * (sum_in is not None) + ["combine"] * (all_reduce is not None))
+        return fn(x, residual, norm, next_norm, all_reduce, sum_in)
     return noted
 
 
@@ -142,8 +143,9 @@ def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel)
     """The model's all-reduces over the peer buffers, with the norms after them fused in (V3 shape with a dense
     first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's. `push`:
     MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto (the default) the smallest.
-    `auto-triton`: every op a Triton kernel (the interpreter), so a one-token MoE layer's experts' combine also
-    sums its output over the ranks (fused_moe_norm's all_reduce) instead of an all-reduce after it."""
+    `auto-triton`: every op a Triton kernel (the interpreter), so the router sums the attention output over the
+    ranks (moe_route_norm's all_reduce) and a one-token MoE layer's experts' combine its output (fused_moe_norm's),
+    instead of all-reduces around them."""
     monkeypatch.setenv("MLASERVE_PEER_PUSH", {"pull": "0", "push": "1"}.get(kernel, "auto"))   # ranks inherit it
     flags = dict(attention_backend="triton") if kernel == "auto-triton" else {}
     from parallel_common import checkpoint_builder
@@ -162,7 +164,7 @@ def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel)
     assert ranks[0] == ranks[1], "the two ranks disagree"
     assert ranks[0]["fused"] > 0 and ranks[0]["plain"] > 0, ranks[0]
     assert (ranks[0]["push"] > 0) == (kernel != "pull"), ranks[0]["push"]
-    assert (ranks[0]["in_combine"] > 0) == (kernel == "auto-triton"), ranks[0]
+    assert (ranks[0]["in_combine"] > 0) == (ranks[0]["in_router"] > 0) == (kernel == "auto-triton"), ranks[0]
     assert {r: o["ids"] for r, o in ranks[0]["out"].items()} == {r: o["ids"] for r, o in one.items()}
 
 
@@ -292,3 +294,39 @@ def test_fused_moe_norm_sums_over_the_ranks_in_its_combine(dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(a["h"], a["want_h"], atol=tol, rtol=tol)
         assert torch.equal(a["h"], b["h"]), f"call {i}: the ranks' norms differ"
+
+
+def _route_norm_on_rank(group, seed: int, dtype: torch.dtype) -> list[dict]:
+    from mlaserve.kernels.moe_topk import moe_route_norm
+
+    peer, rank = group.tp.peer, group.info.rank
+    e, hidden, k = 16, 64, 4
+    shared = torch.Generator().manual_seed(seed)
+    mine = torch.Generator().manual_seed(seed + 1 + rank)
+    gate = torch.randn(e, hidden, generator=shared).to(dtype)
+    routing = dict(topk_method="greedy", scoring_func="softmax")
+    rows = []
+    for i, t in enumerate((1, 2, 1)):                              # interleaved with the push kernel's own calls
+        x = torch.randn(t, hidden, generator=mine).to(dtype)       # this rank's share of the attention output
+        residual = torch.randn(t, hidden, generator=shared).to(dtype)
+        nw = (torch.rand(hidden, generator=shared) + 0.5).to(dtype)
+        got = moe_route_norm(x, residual, nw, EPS, gate, k, all_reduce=peer.ll_group, **routing)
+        summed = peer.all_reduce_push(x.clone())                   # the unfused path: the push kernel, then the router
+        want = moe_route_norm(summed, residual, nw, EPS, gate, k, **routing)
+        rows.append({"got": got, "want": want})
+        peer.all_reduce_push(torch.randn(3, hidden, generator=shared).to(dtype))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_route_norm_sums_over_the_ranks_in_its_launch(dtype):
+    """Two CPU ranks with their own shares of the attention output: the router's launch sums them over the ranks
+    before the add + norm and the gate: weights, ids, normed rows and residual equal the push all-reduce followed
+    by the router, on both ranks."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    ranks = spawn_ranks(_route_norm_on_rank, 2, seed, dtype, peer_all_reduce=True, timeout=600)
+    for i, (a, b) in enumerate(zip(*ranks)):
+        for j, name in enumerate(("weights", "ids", "normed", "residual")):
+            assert torch.equal(a["got"][j], a["want"][j]), f"call {i}: {name}"
+            assert torch.equal(a["got"][j], b["got"][j]), f"call {i}: the ranks' {name} differ"
