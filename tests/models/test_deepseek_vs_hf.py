@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 #   through 3 layers of random weights with logits of std 4). Asserted: mean <= 0.7 and p90 <= 1.3; the
 #   same checkpoint with dequantised weights (no activation quantisation) matches HF to 1e-4.
 FP32_TOL = 1e-4
+FLIPS = 2               # bf16: positions a flipped routed-expert choice may move by several nats (see the test)
 
 
 def assert_close_stats(d: torch.Tensor, mean: float, p90: float, what: str) -> None:
@@ -104,11 +106,17 @@ def test_triton_kernels_fp32_match_hf(checkpoints, variant, device):
 def test_prompt_logprobs_bf16(checkpoints, variant):
     path = checkpoints(variant)
     model, cfg = ours(path, torch.bfloat16)
-    # NOTE: 120 positions: a bf16 rounding that flips one routed expert moves that position by up to ~5 nats (seen
-    # once in CI over 40 positions: mean 0.28 from two such positions, p90 0.24), so a short prompt's mean is noise
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    # NOTE: a bf16 rounding that flips one routed expert moves that position by up to ~10 nats (seen in CI: over 40
+    # positions a mean of 0.28 from two such positions; over 120 a mean of 0.26 from one of 9.8, p90 0.17). At most
+    # FLIPS such positions are allowed; the statistics are over the others
     ids = random_prompt(cfg, 120)
     a, b = ours_prompt_logprobs(model, cfg, ids), hf_prompt_logprobs(hf(path, torch.bfloat16), ids)
-    assert_close_stats(a - b, 0.2, 0.35, f"bf16 {variant}")
+    d = (a - b).abs().float()
+    assert (d > 2.0).sum() <= FLIPS, f"bf16 {variant}: {(d > 2.0).sum()} positions off by > 2 nats: {d.max():.3f}"
+    assert_close_stats(d.sort().values[:-FLIPS], 0.2, 0.35, f"bf16 {variant} (the {FLIPS} largest left out)")
 
 
 @pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3"])
