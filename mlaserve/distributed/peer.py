@@ -95,7 +95,7 @@ class PeerAllReduce:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the group, in place."""
         if self.pushes(x):
-            return peer_all_reduce_ll(x, self.peers, self.ll)
+            return peer_all_reduce_ll(x, self.ll_group)
         return peer_all_reduce(x, self.peers)
 
     @torch.compiler.disable
@@ -103,7 +103,7 @@ class PeerAllReduce:
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
         if self.pushes(x):
-            return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps)
+            return peer_all_reduce_ll(x, self.ll_group, residual, weight, eps)
         return peer_all_reduce(x, self.peers, residual, weight, eps), residual
 
     def pushes(self, x: torch.Tensor) -> bool:
@@ -120,7 +120,7 @@ class PeerAllReduce:
                         chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`all_reduce` (no residual) or `all_reduce_add_norm` by the push variant (`fits_push`); `chunk`: columns
         per program (`peer_all_reduce_ll`; not on the model's path until timed)."""
-        return peer_all_reduce_ll(x, self.peers, self.ll, residual, weight, eps, chunk)
+        return peer_all_reduce_ll(x, self.ll_group, residual, weight, eps, chunk)
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

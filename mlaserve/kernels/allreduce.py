@@ -106,6 +106,12 @@ def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, 
     _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
 
 
+LL_ROWS = 16            # rows of one push call (receive slots per source rank)
+LL_DMAX = 8192          # values of one row's slot: DeepSeek's hidden sizes (2048, 5120, 7168) fit
+LL_MAX_SPLIT = 8        # programs one row's columns may be pushed from (one epoch counter each)
+_ROWS, _DMAX, _MAX_SPLIT = tl.constexpr(LL_ROWS), tl.constexpr(LL_DMAX), tl.constexpr(LL_MAX_SPLIT)
+
+
 @triton.jit
 def _poll_sum(acc, src, offs, mask, e):
     """acc + the fp32 values of the words at src + offs once every one carries epoch e. The loop carries a scalar
@@ -120,12 +126,17 @@ def _poll_sum(acc, src, offs, mask, e):
 
 
 @triton.jit
-def ll_epoch(epoch_ptr, row, c, MAX_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
+def ll_next_epoch(epoch_ptr, row, c=0):
+    """The epoch of `row`'s next call (counter c of the row; a call leaves them all equal)."""
+    return tl.load(epoch_ptr + row * _MAX_SPLIT + c) + 1
+
+
+@triton.jit
+def ll_epoch(epoch_ptr, row, c, SPLIT: tl.constexpr):
     """Program c of SPLIT on `row`: its epoch, every counter of the row advanced to it (SPLIT may change)."""
-    cnt = epoch_ptr + row * MAX_SPLIT
-    e = tl.load(cnt + c) + 1
-    for j in range(c, MAX_SPLIT, SPLIT):
-        tl.store(cnt + j, e)
+    e = ll_next_epoch(epoch_ptr, row, c)
+    for j in range(c, _MAX_SPLIT, SPLIT):
+        tl.store(epoch_ptr + row * _MAX_SPLIT + j, e)
     return e
 
 
@@ -136,13 +147,12 @@ def ll_own(ll_ptrs, rank, e, half):
 
 
 @triton.jit
-def ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD: tl.constexpr, ROWS: tl.constexpr,
-            DMAX: tl.constexpr):
+def ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD: tl.constexpr):
     """Write the values xc (columns `cols` of `row`), each packed with epoch e, into every peer's slot of this rank;
     returns `ll_own`."""
     packed = (e.to(tl.int64) << 32) | (xc.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
     own, parity = ll_own(ll_ptrs, rank, e, half)
-    mine = parity + (row + rank * ROWS).to(tl.int64) * DMAX              # my slot on every peer
+    mine = parity + (row + rank * _ROWS).to(tl.int64) * _DMAX            # my slot on every peer
     for p in tl.static_range(WORLD):
         if p != rank:
             dst = tl.load(ll_ptrs + p).to(tl.pointer_type(tl.int64))
@@ -151,20 +161,19 @@ def ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD: tl.constexpr, R
 
 
 @triton.jit
-def ll_sum(acc, xc, own, parity, rank, row, cols, cmask, e, WORLD: tl.constexpr, ROWS: tl.constexpr,
-            DMAX: tl.constexpr):
+def ll_sum(acc, xc, own, parity, rank, row, cols, cmask, e, WORLD: tl.constexpr):
     """acc + the columns `cols` of `row` summed over the ranks in rank order (this rank's own from xc)."""
     for p in tl.static_range(WORLD):                     # rank order: the same sum on every rank
         if p == rank:
             acc += xc.to(tl.float32)
         else:
-            acc = _poll_sum(acc, own + parity + (row + p * ROWS).to(tl.int64) * DMAX, cols, cmask, e)
+            acc = _poll_sum(acc, own + parity + (row + p * _ROWS).to(tl.int64) * _DMAX, cols, cmask, e)
     return acc
 
 
 @triton.jit
 def ll_all_reduce_rows(x_ptr, stride_x, num_rows, D, ll_ptrs, epoch_ptr, rank, half, WORLD: tl.constexpr,
-                       ROWS: tl.constexpr, DMAX: tl.constexpr, MAX_SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr):
     """From inside another kernel, in one program: rows [0, num_rows) of x summed over the ranks by the push
     protocol (the same buffers, epochs and bits as `peer_all_reduce_ll`), in place. Every rank's program must get
     here for the same rows (the callers' launches are SPMD)."""
@@ -172,47 +181,38 @@ def ll_all_reduce_rows(x_ptr, stride_x, num_rows, D, ll_ptrs, epoch_ptr, rank, h
     mask = offs < D
     for r in range(0, num_rows):
         row = r + tl.zeros([], dtype=tl.int32)           # a tensor under the interpreter too (it indexes slots)
-        e = ll_epoch(epoch_ptr, row, 0, MAX_SPLIT, 1)
+        e = ll_epoch(epoch_ptr, row, 0, 1)
         xrow = x_ptr + row.to(tl.int64) * stride_x
         x = tl.load(xrow + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        own, parity = ll_push(ll_ptrs, rank, row, e, half, offs, mask, x, WORLD, ROWS, DMAX)
-        acc = ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD, ROWS,
-                      DMAX)
+        own, parity = ll_push(ll_ptrs, rank, row, e, half, offs, mask, x, WORLD)
+        acc = ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD)
         tl.store(xrow + offs, acc.to(x.dtype), mask=mask)
 
 
 @triton.jit
 def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_ptrs, epoch_ptr, rank, D, half, eps,
-                               stride_x, stride_res, stride_out, stride_res_out,
-                               WORLD: tl.constexpr, ROWS: tl.constexpr, DMAX: tl.constexpr, MAX_SPLIT: tl.constexpr,
+                               stride_x, stride_res, stride_out, stride_res_out, WORLD: tl.constexpr,
                                SPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
     # program (row, c) pushes columns [c * CHUNK, (c + 1) * CHUNK) of its row to every peer; without NORM it polls
     # and sums those columns only; with NORM it polls the whole row (the norm needs it), stores its columns
     row, c = tl.program_id(0), tl.program_id(1)
-    e = ll_epoch(epoch_ptr, row, c, MAX_SPLIT, SPLIT)
+    e = ll_epoch(epoch_ptr, row, c, SPLIT)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     cmask = cols < D
     xrow = x_ptr + row.to(tl.int64) * stride_x
     xc = tl.load(xrow + cols, mask=cmask, other=0.0)
-    own, parity = ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD, ROWS, DMAX)
+    own, parity = ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD)
     if NORM:
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         x = tl.load(xrow + offs, mask=mask, other=0.0)
-        acc = ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD, ROWS,
-                      DMAX)
+        acc = ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD)
         mine_cols = mask & (offs >= c * CHUNK) & (offs < (c + 1) * CHUNK)
         _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, True,
                     res_out_ptr, stride_res_out, mine_cols)
     else:
-        acc = ll_sum(tl.zeros([CHUNK], dtype=tl.float32), xc, own, parity, rank, row, cols, cmask, e, WORLD, ROWS,
-                      DMAX)
+        acc = ll_sum(tl.zeros([CHUNK], dtype=tl.float32), xc, own, parity, rank, row, cols, cmask, e, WORLD)
         _finish_row(acc, xc, row, cols, cmask, x_ptr, w_ptr, out_ptr, D, eps, 0, stride_out, False)
-
-
-LL_ROWS = 16            # rows of one push call (receive slots per source rank)
-LL_DMAX = 8192          # values of one row's slot: DeepSeek's hidden sizes (2048, 5120, 7168) fit
-LL_MAX_SPLIT = 8        # programs one row's columns may be pushed from (one epoch counter each)
 
 
 class LLPointers(NamedTuple):
@@ -310,7 +310,7 @@ def _operands(x: torch.Tensor, residual: torch.Tensor | None,
     return True, torch.empty_like(x)
 
 
-def peer_all_reduce_ll(x: torch.Tensor, peers: PeerPointers, ll: LLPointers, residual: torch.Tensor | None = None,
+def peer_all_reduce_ll(x: torch.Tensor, group: LLGroup, residual: torch.Tensor | None = None,
                        weight: torch.Tensor | None = None, eps: float = 0.0,
                        chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`peer_all_reduce` by the push variant (rows <= LL_ROWS, D <= LL_DMAX): the same results, bit for bit.
@@ -319,7 +319,7 @@ def peer_all_reduce_ll(x: torch.Tensor, peers: PeerPointers, ll: LLPointers, res
     (a power of two): each row's columns go out from D / chunk programs (<= LL_MAX_SPLIT), not one; with a residual
     the new residual is then a new tensor (every program of a row reads the old one whole), else `residual` itself.
     """
-    assert ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
+    assert group.ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
     norm, out = _operands(x, residual, weight)
     t, d = x.shape
     block = triton.next_power_of_2(d)
@@ -331,11 +331,11 @@ def peer_all_reduce_ll(x: torch.Tensor, peers: PeerPointers, ll: LLPointers, res
     # interpreter (one program at a time) that never ends
     assert not (norm and split > 1 and x.device.type == "cpu"), "a split row with the norm needs concurrent programs"
     res_out = (residual if split == 1 else torch.empty_like(residual)) if norm else x
+    ll_ptrs, epochs, rank, half = group.launch_args()
     _peer_all_reduce_ll_kernel[(t, split)](
-        x, residual if norm else x, weight if norm else x, out, res_out, ll.ll_ptrs, ll.epochs, peers.rank, d,
-        peers.world * LL_ROWS * LL_DMAX, float(eps), x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
-        res_out.stride(0), WORLD=peers.world, ROWS=LL_ROWS, DMAX=LL_DMAX, MAX_SPLIT=LL_MAX_SPLIT, SPLIT=split,
-        CHUNK=chunk, BLOCK=block, NORM=norm, num_warps=num_warps_for(block if norm else chunk))
+        x, residual if norm else x, weight if norm else x, out, res_out, ll_ptrs, epochs, rank, d, half, float(eps),
+        x.stride(0), residual.stride(0) if norm else 0, out.stride(0), res_out.stride(0), WORLD=group.world,
+        SPLIT=split, CHUNK=chunk, BLOCK=block, NORM=norm, num_warps=num_warps_for(block if norm else chunk))
     return (out, res_out) if norm else out
 
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mlaserve.kernels import quant
-from mlaserve.kernels.allreduce import LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLGroup, ll_all_reduce_rows
+from mlaserve.kernels.allreduce import LL_DMAX, LL_ROWS, LLGroup, ll_all_reduce_rows
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
@@ -336,9 +336,6 @@ def _norm_rows(out_ptr, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, num_tokens, N, s
         tl.store(nh_ptr + t * stride_om + offs, _round(w * y, ty, ROUND_BF16).to(ty), mask=ok)
 
 
-_LL_ROWS, _LL_DMAX, _LL_MAX_SPLIT = tl.constexpr(LL_ROWS), tl.constexpr(LL_DMAX), tl.constexpr(LL_MAX_SPLIT)
-
-
 @triton.jit
 def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, num_slots, stride_cm, stride_om,
                   nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank, ar_half,
@@ -369,7 +366,7 @@ def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, nu
                 tl.atomic_xchg(sync_ptr + num_tiles, 0, sem="relaxed", scope="gpu")
                 if AR_WORLD > 1:      # the rows are this rank's share (tensor parallelism): sum them over the ranks
                     ll_all_reduce_rows(out_ptr, stride_om, num_tokens, N, ar_ptrs, ar_epochs, ar_rank, ar_half,
-                                       AR_WORLD, _LL_ROWS, _LL_DMAX, _LL_MAX_SPLIT, BLOCK_D)
+                                       AR_WORLD, BLOCK_D)
                 _norm_rows(out_ptr, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, num_tokens, N, stride_om, stride_res,
                            ROUND_BF16, BLOCK_D)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.allreduce import LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLGroup, ll_epoch, ll_own, ll_push, ll_sum
+from mlaserve.kernels.allreduce import LLGroup, ll_epoch, ll_next_epoch, ll_own, ll_push, ll_sum
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
@@ -225,22 +225,18 @@ def _route_rows(x_ptr, res_ptr, nw_ptr, t, h0, offs_h, h_ok, stride_x, stride_re
     return x.to(tl.float32)
 
 
-_LL_ROWS, _LL_DMAX, _LL_MAX_SPLIT = tl.constexpr(LL_ROWS), tl.constexpr(LL_DMAX), tl.constexpr(LL_MAX_SPLIT)
-
-
 @triton.jit
 def _sum_over_ranks(x, t, offs_h, h_ok, ar_ptrs, ar_epochs, ar_rank, ar_half, AR_WORLD: tl.constexpr):
     """Token t's row x summed over the ranks by the push all-reduce's protocol and bits (`peer_all_reduce_ll`):
     the slice-0 program pushes it, every program polls the peers' rows. The row's epoch counters are advanced by
     the last program of the row to finish (after every program has read them)."""
     row = t.to(tl.int32)
-    e = tl.load(ar_epochs + row * _LL_MAX_SPLIT) + 1
+    e = ll_next_epoch(ar_epochs, row)
     if tl.program_id(0) == 0:
-        own, parity = ll_push(ar_ptrs, ar_rank, row, e, ar_half, offs_h, h_ok, x, AR_WORLD, _LL_ROWS, _LL_DMAX)
+        own, parity = ll_push(ar_ptrs, ar_rank, row, e, ar_half, offs_h, h_ok, x, AR_WORLD)
     else:
         own, parity = ll_own(ar_ptrs, ar_rank, e, ar_half)
-    acc = ll_sum(tl.zeros([x.shape[0]], dtype=tl.float32), x, own, parity, ar_rank, row, offs_h, h_ok, e, AR_WORLD,
-                 _LL_ROWS, _LL_DMAX)
+    acc = ll_sum(tl.zeros([x.shape[0]], dtype=tl.float32), x, own, parity, ar_rank, row, offs_h, h_ok, e, AR_WORLD)
     return acc.to(x.dtype)
 
 
@@ -313,7 +309,7 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
     if tl.atomic_add(sync_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.atomic_xchg(sync_ptr + t, 0, sem="relaxed", scope="gpu")           # ready for the next launch
         if AR_WORLD > 1:        # every program of the row has read its epoch: the last one advances it
-            ll_epoch(ar_epochs, t, 0, _LL_MAX_SPLIT, 1)
+            ll_epoch(ar_epochs, t, 0, 1)
         _, _, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
         logits = tl.load(logits_ptr + t * n_experts + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
         out = t * (TOP_K + N_SHARED)

@@ -72,19 +72,17 @@ class DecoderLayer(torch.nn.Module):
         t = x.shape[0]
         if self.dp is None and isinstance(self.mlp, MoE) and self.mlp.takes_norm(t):
             # under tensor parallelism the router sums the attention output over the ranks itself, and a one-token
-            # experts' combine its output, where the push all-reduce would take the rows (the same bits)
-            in_kernels = self.tp.size > 1 and self.mlp.sums_in_kernels()
-            sum_in = self.tp.push_group(h) if in_kernels else None
-            if sum_in is None:
+            # experts' combine its output ([t, hidden] too, over the same group), where the push all-reduce would
+            # take the rows (the same bits)
+            group = self.tp.push_group(h) if self.tp.size > 1 and self.mlp.sums_in_kernels() else None
+            if group is None:
                 h = self.tp.all_reduce(h)
-            if next_norm is not None and self.mlp.takes_next_norm(t):
-                fold = self.mlp_tp.push_group(h) if in_kernels and self.mlp_tp.size > 1 else None
-                if self.mlp_tp.size == 1 or fold is not None:
-                    h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm,
-                                                          fold, sum_in)
-                    return h, residual, True
+            if next_norm is not None and self.mlp.takes_next_norm(t) and (self.tp.size == 1 or group is not None):
+                h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm, group,
+                                                      group)
+                return h, residual, True
             h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm,  # norm in the router
-                                                  sum_in=sum_in)
+                                                  sum_in=group)
             return self.reduce_out(h, residual, next_norm)
         h, residual = self.reduce_norm(h, residual, self.post_attention_layernorm)
         if self.dp is not None:
