@@ -22,12 +22,14 @@ cell.
            new tokens (ignore_eos), --prompts-per-level (2) x concurrency requests per level: (prompt + completion
            tokens) / wall seconds (the seeds' [8]), and the mean per request of completion tokens / its seconds ([9]);
            the server's default --max-running-requests unless --serve-args sets it
-With `--plot FILE.png` (matplotlib) it also charts every runnable row against concurrency: offline throughput, and
-per-request throughput (the single-query TPS@1 is that row's point at concurrency 1).
+With `--plot FILE.png` (matplotlib) it also charts every runnable row as bars: single-query TPS@1, offline throughput
+and per-request throughput at each concurrency. `--points` keeps the chart's points; `--plot-from` charts saved ones
+(a run split over device calls, or a device without matplotlib).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shlex
 import statistics
@@ -42,7 +44,7 @@ from typing import NamedTuple
 import httpx
 import openai
 
-from mlaserve.bench.plot import Panel, draw, missing_matplotlib
+from mlaserve.bench.plot import BarPanel, draw_bars, missing_matplotlib
 from mlaserve.bench.serving import WORDS
 
 QUERY = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a short test."
@@ -226,7 +228,7 @@ def render(args: argparse.Namespace, done: dict[str, list[list[str]]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model-path", default=None, help="DIR (config.json and a tokenizer); needed unless --plot-from")
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2), help="GPUs per server (EP / DP rows need 2)")
     ap.add_argument("--table", nargs="+", default=["single", "offline"], choices=("single", "offline"))
     ap.add_argument("--rows", type=int, nargs="+", default=list(range(len(ROWS))),
@@ -245,9 +247,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, metavar="FILE.md",
                     help="also write the tables here, rewritten after every row (a cut-off run keeps its rows)")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="chart the runnable rows against concurrency")
+    ap.add_argument("--title", default=None, help="the chart's title (default: model path and tp)")
+    ap.add_argument("--points", default=None, metavar="FILE.json",
+                    help="also write the chart's points here, rewritten after every row (to chart them elsewhere)")
+    ap.add_argument("--plot-from", nargs="+", default=None, metavar="FILE.json",
+                    help="measure nothing: chart the points of these --points files (e.g. a run's halves) to --plot")
     args = ap.parse_args(argv)
-    if args.plot and missing_matplotlib():
+    if (args.plot or args.plot_from) and missing_matplotlib():
         print(f"error: {missing_matplotlib()}", file=sys.stderr)
+        return 2
+    if args.plot_from:
+        if not args.plot:
+            print("error: --plot-from needs --plot FILE.png", file=sys.stderr)
+            return 2
+        merged: Points = {"throughput": {}, "per_req": {}}
+        for f in args.plot_from:
+            for chart, rows in json.loads(Path(f).read_text()).items():
+                for label, pts in rows.items():
+                    merged[chart].setdefault(label, []).extend(tuple(x) for x in pts)
+        plot(args, merged)
+        return 0
+    if not args.model_path:
+        print("error: --model-path is required (unless --plot-from)", file=sys.stderr)
         return 2
     bad = [i for i in args.rows if not 0 <= i < len(ROWS)]
     if bad:
@@ -263,13 +284,29 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         if args.out:
             Path(args.out).write_text(render(args, done))
+        if args.points:
+            Path(args.points).write_text(json.dumps(points))
     print(render(args, done), end="")
     if args.plot:
-        draw([Panel("offline throughput (prompt + completion)", "tokens / s", points["throughput"]),
-              Panel("per-request throughput (completion)", "tokens / s", points["per_req"])],
-             args.plot, f"ablation: {args.model_path}, tp {args.tp}")
-        print(f"\nplot: {args.plot}")
+        plot(args, points)
     return 0
+
+
+def plot(args: argparse.Namespace, points: Points) -> None:
+    """Bars, a group per row: single-query TPS@1, then offline and per-request throughput per concurrency."""
+    rows = list(dict.fromkeys([*points["per_req"], *points["throughput"]]))
+
+    def series(chart: str, levels: list[float]) -> dict[str, list[float | None]]:
+        at = {r: dict(points[chart].get(r, [])) for r in rows}
+        return {f"concurrency {c:g}": [at[r].get(c) for r in rows] for c in levels}
+
+    levels = sorted({c for pts in points["throughput"].values() for c, _ in pts})
+    single = {r: dict(points["per_req"].get(r, [])).get(1) for r in rows}
+    draw_bars([BarPanel("single query (TPS@1)", "tokens / s", rows, {"concurrency 1": [single[r] for r in rows]}),
+               BarPanel("offline throughput (p + d)", "tokens / s", rows, series("throughput", levels)),
+               BarPanel("per-request throughput (d)", "tokens / s", rows, series("per_req", levels))],
+              args.plot, args.title or f"ablation: {args.model_path}, tp {args.tp}")
+    print(f"\nplot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 # split the rows over device calls, four torch.compile rows in each half:
 #   ROWS="0 1 2 3 9 10 11 12" bash benchmarks/gpu_ablation_2gpu.sh     then ROWS="4 5 6 7 8 13 14 15"
 # Offline levels: $CONCURRENCY (default "256"), $PER_LEVEL (default 1) x concurrency requests each, the seeds'
-# 760 in / 460 out. Results: $OUT/ablation.md (rewritten after every row), $OUT/ablation.png (with matplotlib).
+# 760 in / 460 out. Results: $OUT/ablation.md and $OUT/points.json (rewritten after every row), $OUT/ablation.png
+# (with matplotlib; without it, chart the halves' points here: ablation.py --plot-from A.json B.json --plot X.png).
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site MLASERVE_CACHE=${MLASERVE_CACHE:-/tmp/mlaserve-cache}
@@ -19,5 +20,5 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 PLOT=""; python3 -c "import matplotlib" 2> /dev/null && PLOT="--plot $OUT/ablation.png"   # the image may lack it
 timeout ${LIMIT:-560} python3 benchmarks/ablation.py --model-path $M --tp 2 --rows ${ROWS:-0 1 2 3 9 10 11 12} \
   --concurrency ${CONCURRENCY:-256} --prompts-per-level ${PER_LEVEL:-1} --start-timeout 300 \
-  --serve-args "--load-format dummy" --out "$OUT/ablation.md" $PLOT 2>&1 \
+  --serve-args "--load-format dummy" --out "$OUT/ablation.md" --points "$OUT/points.json" $PLOT 2>&1 \
   | grep -v "Warn\|warn" | tail -40

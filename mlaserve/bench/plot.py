@@ -58,6 +58,46 @@ def draw(panels: list[Panel], path: str, title: str = "", xlabel: str = "client 
     plt.close(fig)
 
 
+class BarPanel(NamedTuple):
+    """One horizontal bar chart: a bar group per category (top to bottom), a bar per series in each group; None
+    is a missing bar (left out)."""
+
+    title: str
+    xlabel: str
+    categories: list[str]
+    series: dict[str, list[float | None]]
+
+
+def draw_bars(panels: list[BarPanel], path: str, title: str = "") -> None:
+    """Panels side by side sharing the category axis (the first panel labels it), written to `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(len(p.categories) for p in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 2.5, 0.42 * n + 1.6), squeeze=False,
+                             sharey=True)
+    for ax, panel in zip(axes[0], panels):
+        k = max(len(panel.series), 1)
+        height = 0.8 / k
+        for j, (name, values) in enumerate(panel.series.items()):
+            ys = [i - 0.4 + height * (j + 0.5) for i, v in enumerate(values) if v is not None]
+            ax.barh(ys, [v for v in values if v is not None], height=height, label=name)
+        ax.set_yticks(range(len(panel.categories)), panel.categories, fontsize="small")
+        ax.invert_yaxis()
+        ax.set_title(panel.title)
+        ax.set_xlabel(panel.xlabel)
+        ax.grid(True, axis="x", alpha=0.3)
+        if len(panel.series) > 1:
+            ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def serving_panels(records: list[dict[str, Any]]) -> list[Panel]:
     """`bench serving` records (one per --max-concurrency level) -> throughput, TTFT and TPOT / ITL panels."""
     def series(key: str) -> list[tuple[float, float | None]]:

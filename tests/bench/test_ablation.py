@@ -86,3 +86,20 @@ def test_one_server_per_row_for_both_tables_and_rows_selected(ablation, monkeypa
     assert len(single) == 2 and len(offline) == 2
     assert offline[0].endswith("| 4<br>8 |")                   # max(c, 0.5 c) requests a level
     assert ablation.main(["--model-path", "m", "--rows", "16"]) == 2
+
+
+def test_plot_from_merges_the_halves_points(ablation, tmp_path, monkeypatch):
+    """Two device calls' --points files make one chart: every row's points, from both files."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text('{"throughput": {"graph": [[256, 5000.0]]}, "per_req": {"graph": [[1, 90.0], [256, 20.0]]}}')
+    b.write_text('{"throughput": {"graph + ep": [[256, 6000.0]]}, "per_req": {"graph + ep": [[1, 80.0]]}}')
+    drawn = {}
+    monkeypatch.setattr(ablation, "missing_matplotlib", lambda: None)
+    monkeypatch.setattr(ablation, "draw_bars", lambda panels, path, title: drawn.update(panels=panels, title=title))
+    assert ablation.main(["--plot-from", str(a), str(b), "--plot", str(tmp_path / "x.png"), "--title", "T"]) == 0
+    single, throughput, per_req = drawn["panels"]
+    assert single.categories == ["graph", "graph + ep"] and drawn["title"] == "T"
+    assert single.series == {"concurrency 1": [90.0, 80.0]}
+    assert throughput.series == {"concurrency 256": [5000.0, 6000.0]}
+    assert per_req.series == {"concurrency 256": [20.0, None]}
+    assert ablation.main(["--plot-from", str(a)]) == 2                      # no --plot: nothing to draw to

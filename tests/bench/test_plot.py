@@ -51,15 +51,24 @@ def test_ablation_writes_a_chart_of_its_rows(tmp_path: Path, monkeypatch, capsys
     monkeypatch.setattr(ablation, "Server", FakeServer)
     monkeypatch.setattr(ablation, "single", lambda server, args: 50.0 + len(server.flags))
     monkeypatch.setattr(ablation, "offline", lambda server, args, c: (100.0 * c, 40.0 / c) if c < 64 else "failed: X")
-    monkeypatch.setattr(ablation, "draw", lambda panels, path, title: drawn.update(panels=panels, path=path))
+    monkeypatch.setattr(ablation, "draw_bars", lambda panels, path, title: drawn.update(panels=panels, path=path))
     png = tmp_path / "ablation.png"
     assert ablation.main(["--model-path", "m", "--tp", "2", "--concurrency", "4", "16", "64", "--plot", str(png)]) == 0
-    throughput, per_req = drawn["panels"]
-    runnable = [r for r in ablation.ROWS if not r.dp]
-    assert set(throughput.lines) == {r.label() for r in runnable}
-    some = runnable[0].label()
-    assert throughput.lines[some] == [(4, 400.0), (16, 1600.0)]                # the failed level is left out
-    assert per_req.lines[some][0][0] == 1 and [x for x, _ in per_req.lines[some][1:]] == [4, 16]
+    single, throughput, per_req = drawn["panels"]
+    runnable = [r.label() for r in ablation.ROWS if not r.dp]
+    assert single.categories == throughput.categories == per_req.categories == runnable    # in the run's order
+    some = ablation.ROWS[0]
+    assert single.series == {"concurrency 1": [50.0 + len(r.flags(2)) for r in ablation.ROWS if not r.dp]}
+    assert list(throughput.series) == ["concurrency 4", "concurrency 16"]      # the failed level is left out
+    assert throughput.series["concurrency 16"][0] == 1600.0 and per_req.series["concurrency 4"][0] == 10.0
+    assert some.label() == runnable[0]
     assert "| ❌ boom" in capsys.readouterr().out
-    plot.draw(drawn["panels"], str(png))                                     # and the real chart renders
+    plot.draw_bars(drawn["panels"], str(png))                                # and the real chart renders
+    img = read_png(png)
+    assert img.shape[1] > img.shape[0]
+
+
+def test_bars_leave_out_missing_values(tmp_path: Path):
+    png = tmp_path / "b.png"
+    plot.draw_bars([plot.BarPanel("t", "tok/s", ["a", "b"], {"x": [1.0, None], "y": [2.0, 3.0]})], str(png), "T")
     read_png(png)
