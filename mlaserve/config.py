@@ -335,7 +335,8 @@ class SchedConfig:
                                             "DP attention every group pads to the one holding the largest group's)")
     piecewise_cuda_graph_max_tokens: int | None = opt(None, "largest extend batch, in tokens, run through piecewise "
                                                       "CUDA graphs (default: 4096)")
-    enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs)")
+    enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs; "
+                                     "with --disable-cuda-graph, run eagerly)")
     torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)")
     watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")
     skip_server_warmup: bool = opt(False, "report ready without the warm-up requests (a prompt, then the same prompt "

@@ -341,27 +341,37 @@ def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> Sche
     s = replace(s, max_running_requests=s.max_running_requests or DEFAULT_MAX_RUNNING[device.type])
     why_off = _graphs_off_reason(s, load, device)
     if why_off is not None:
+        # NOTE: torch.compile runs without graphs where only --disable-cuda-graph turned them off: the padded decode
+        # forward of each size, compiled, run eagerly (engine.init_cuda_graphs). Elsewhere the host reads lengths
+        # (the PyTorch attention, the non-absorbed decode) or there is no CUDA: compiled steps would recompile
+        why_else = _graphs_off_reason(replace(s, disable_cuda_graph=False), load, device)
+        eager_compile = why_else is None
         # NOTE: 0 / [] are the resolved "no graphs" values, so resolving twice accepts them
         given = [_flag(n) for n, v in (("cuda_graph_bs", s.cuda_graph_bs), ("cuda_graph_max_bs", s.cuda_graph_max_bs),
-                                       ("enable_torch_compile", s.enable_torch_compile),
-                                       ("torch_compile_max_bs", s.torch_compile_max_bs),
+                                       ("enable_torch_compile", s.enable_torch_compile and not eager_compile),
+                                       ("torch_compile_max_bs", s.torch_compile_max_bs and not eager_compile),
                                        ("enable_piecewise_cuda_graph", s.enable_piecewise_cuda_graph),
                                        ("piecewise_cuda_graph_max_tokens", s.piecewise_cuda_graph_max_tokens)) if v]
         if given:
-            _reject(f"{' '.join(given)}: these act on CUDA graphs, which are off with {why_off}")
-        return replace(s, disable_cuda_graph=True, cuda_graph_max_bs=0, cuda_graph_bs=[], torch_compile_max_bs=0,
-                       piecewise_cuda_graph_max_tokens=0)
+            _reject(f"{' '.join(given)}: these act on CUDA graphs, which are off with {why_else or why_off}")
+        compile_bs = _compile_max_bs(s, s.max_running_requests) if eager_compile else 0
+        return replace(s, disable_cuda_graph=True, cuda_graph_max_bs=0, cuda_graph_bs=[],
+                       torch_compile_max_bs=compile_bs, piecewise_cuda_graph_max_tokens=0)
     sizes, max_bs = _graph_sizes(s)
-    if s.enable_torch_compile:
-        compile_bs = s.torch_compile_max_bs or min(DEFAULT_TORCH_COMPILE_MAX_BS, max_bs)
-        if compile_bs < 1:
-            _reject(f"--torch-compile-max-bs {compile_bs}: must be >= 1")
-    elif s.torch_compile_max_bs:
-        _reject("--torch-compile-max-bs: acts only with --enable-torch-compile")
-    else:
-        compile_bs = 0
-    return replace(s, cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, torch_compile_max_bs=compile_bs,
+    return replace(s, cuda_graph_max_bs=max_bs, cuda_graph_bs=sizes, torch_compile_max_bs=_compile_max_bs(s, max_bs),
                    piecewise_cuda_graph_max_tokens=_piecewise_max_tokens(s))
+
+
+def _compile_max_bs(s: SchedConfig, max_bs: int) -> int:
+    """The largest decode batch run through torch.compile (0: off); `max_bs` the largest decode batch it may run."""
+    if not s.enable_torch_compile:
+        if s.torch_compile_max_bs:
+            _reject("--torch-compile-max-bs: acts only with --enable-torch-compile")
+        return 0
+    compile_bs = s.torch_compile_max_bs or min(DEFAULT_TORCH_COMPILE_MAX_BS, max_bs)
+    if compile_bs < 1:
+        _reject(f"--torch-compile-max-bs {compile_bs}: must be >= 1")
+    return compile_bs
 
 
 def _piecewise_max_tokens(s: SchedConfig) -> int:

@@ -62,6 +62,19 @@ def test_graph_and_compile_sizes_follow_the_running_limit():
     assert (r.sched.cuda_graph_bs, r.sched.cuda_graph_max_bs, r.sched.torch_compile_max_bs) == ([1, 4, 64], 64, 32)
 
 
+def test_torch_compile_without_graphs_resolves_to_eager_compiled_sizes():
+    """--disable-cuda-graph --enable-torch-compile (the seeds' ablation row): no graphs, decode batches up to the
+    compile size run compiled and eagerly; resolving again keeps it."""
+    r = resolve(H100, disable_cuda_graph=True, enable_torch_compile=True)
+    assert r.sched.disable_cuda_graph and r.sched.cuda_graph_bs == [] and r.sched.cuda_graph_max_bs == 0
+    assert r.sched.torch_compile_max_bs == 32
+    r = resolve(H100, disable_cuda_graph=True, enable_torch_compile=True, torch_compile_max_bs=4,
+                max_running_requests=8)
+    assert r.sched.torch_compile_max_bs == 4 and r == resolve_config(r, V2_LITE, H100)      # idempotent
+    assert resolve(H100, disable_cuda_graph=True, enable_torch_compile=True,
+                   max_running_requests=12).sched.torch_compile_max_bs == 12
+
+
 @pytest.mark.parametrize("why,flags", [
     ("torch kernels", dict(attention_backend="torch")),
     ("non-absorbed decode", dict(disable_mla=True)),
@@ -133,7 +146,9 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (CPU, V2_LITE, dict(cuda_graph_max_bs=8), "--cuda-graph-max-bs"),
     (H100, V2_LITE, dict(attention_backend="torch", enable_torch_compile=True), "--attention-backend torch"),
     (H100, V2_LITE, dict(disable_mla=True, cuda_graph_max_bs=8), "--disable-mla"),
-    (H100, V2_LITE, dict(disable_cuda_graph=True, enable_torch_compile=True), "--disable-cuda-graph"),
+    (H100, V2_LITE, dict(disable_cuda_graph=True, attention_backend="torch", enable_torch_compile=True),
+     "--enable-torch-compile: these act on CUDA graphs, which are off with --attention-backend torch"),
+    (H100, V2_LITE, dict(disable_cuda_graph=True, torch_compile_max_bs=8), "--torch-compile-max-bs: acts only"),
     (H100, V2_LITE, dict(torch_compile_max_bs=8), "--torch-compile-max-bs"),
     (H100, V2_LITE, dict(cuda_graph_bs=[1, 8], cuda_graph_max_bs=16), "--cuda-graph-max-bs 16"),
     (H100, V2_LITE, dict(cuda_graph_bs=[0, 8]), "--cuda-graph-bs 0 8"),

@@ -13,7 +13,8 @@ import torch
 
 from mlaserve.attention import create_attn_backend
 from mlaserve.config import ModelConfig, ServerConfig
-from mlaserve.config_resolve import describe_changes, probe_device, require_resolved, resolve_config
+from mlaserve.config_resolve import (default_batch_sizes, describe_changes, probe_device, require_resolved,
+                                     resolve_config)
 from mlaserve.core import Batch, ForwardMode
 from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
 from mlaserve.distributed.expert import expert_parallel
@@ -177,15 +178,21 @@ class ModelRunner:
         sched = self.server.sched
         if sched.enable_mixed_chunk and self.device.type == "cuda":
             self.warm_mixed_decode(req_to_token, dummy_req)
-        if sched.disable_cuda_graph:
+        if sched.disable_cuda_graph and not sched.torch_compile_max_bs:
             return
         with self.model.moe_gather():             # graphs capture the MoE's gather, never its all-to-all
-            self._capture_graphs(req_to_token, dummy_req)
+            self._capture_graphs(req_to_token, dummy_req, capture=not sched.disable_cuda_graph)
 
-    def _capture_graphs(self, req_to_token: torch.Tensor, dummy_req: int) -> None:
+    def _capture_graphs(self, req_to_token: torch.Tensor, dummy_req: int, capture: bool = True) -> None:
+        """`capture=False` (torch.compile without graphs): the same runners, their padded forwards compiled and run
+        eagerly at the sizes graphs would use up to --torch-compile-max-bs, each compiled here (`warm`)."""
         from mlaserve.engine.graph import DecodeGraphRunner
 
         sched = self.server.sched
+        sizes = sched.cuda_graph_bs if capture else default_batch_sizes(sched.torch_compile_max_bs)
+        if not capture:
+            logger.info("torch.compile without CUDA graphs: decode batches up to %d run compiled, eagerly (bs %s)",
+                        sched.torch_compile_max_bs, sizes)
         if sched.piecewise_cuda_graph_max_tokens:
             from mlaserve.engine.piecewise import PiecewiseGraphRunner, default_token_sizes
 
@@ -195,14 +202,15 @@ class ModelRunner:
         if self.spec is not None:                 # every decode step is a speculative one
             from mlaserve.engine.graph import SpecGraphRunner
 
-            self.spec.graphs = SpecGraphRunner(self.spec, req_to_token, dummy_req, sched.cuda_graph_bs,
+            self.spec.graphs = SpecGraphRunner(self.spec, req_to_token, dummy_req, sizes,
                                                min(self.context_len, self.num_slots), self.device,
-                                               compile_max_bs=sched.torch_compile_max_bs, dp_size=self.dp_size)
+                                               compile_max_bs=sched.torch_compile_max_bs, dp_size=self.dp_size,
+                                               capture=capture, warm=not capture)
             return
         self.graphs = DecodeGraphRunner(self.model, self.pool, self.attn_backend, req_to_token, dummy_req,
-                                        sched.cuda_graph_bs, min(self.context_len, self.num_slots), self.device,
+                                        sizes, min(self.context_len, self.num_slots), self.device,
                                         self.token_buf, compile_max_bs=sched.torch_compile_max_bs,
-                                        dp_size=self.dp_size)
+                                        dp_size=self.dp_size, capture=capture, warm=not capture)
 
     @property
     def dp_size(self) -> int | None:

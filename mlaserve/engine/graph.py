@@ -11,11 +11,14 @@ and one launch.
 Under DP attention (`dp_size`) each graph of size bs is captured with every group contributing bs rows to the MoE
 gather; all ranks replay the graph of the size they agreed on (`scheduler/dp_sync.DPStepSync`: the capture size of
 the largest group's batch), a group without requests replaying it with padding rows only. `capture=False` runs
-the same padded function eagerly instead of replaying (the CPU tests of that layout: no CUDA there).
+the same padded function eagerly instead of replaying: the CPU tests of that layout (no CUDA there), and
+torch.compile without graphs (--enable-torch-compile --disable-cuda-graph: the compiled padded forward of each size,
+compiled at start-up with `warm`).
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 
@@ -36,7 +39,7 @@ class DecodeGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_pool, attn_backend, req_to_token: torch.Tensor,
                  dummy_req: int, batch_sizes: list[int], max_context: int, device: torch.device,
                  token_buf: torch.Tensor, compile_max_bs: int = 0, dp_size: int | None = None,
-                 capture: bool = True):
+                 capture: bool = True, warm: bool = False):
         self.model, self.batch_sizes = model, sorted(batch_sizes)
         self.dp_size, self.captured = dp_size, capture
         self.compile_max_bs = compile_max_bs
@@ -67,6 +70,24 @@ class DecodeGraphRunner:
             self._capture(kv_pool, attn_backend, req_to_token, max_context)
         else:
             self.ctxs = {bs: self._ctx(bs, kv_pool, attn_backend, req_to_token, max_context) for bs in self.batch_sizes}
+            if warm:
+                self._warm()
+
+    @torch.no_grad()
+    def _warm(self) -> None:
+        """capture=False: run each size's padded forward once on padding rows (torch.compile and Triton compile
+        here, not in a user's step); under DP attention every rank runs the same sizes in the same order."""
+        t0 = time.monotonic()
+        for bs in reversed(self.batch_sizes):
+            self.inputs[:2, :bs] = 0
+            self.inputs[2, :bs] = self.dummy_req
+            self.ctxs[bs].seq_lens_cpu = [1] * bs
+            self._prologue(bs)
+            self._fn(bs)(self.input_ids[:bs], self.positions[:bs], self.ctxs[bs])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        logger.info("compiled %d eager decode sizes (bs %s) in %.1f s", len(self.batch_sizes), self.batch_sizes,
+                    time.monotonic() - t0)
 
     def _ctx(self, bs: int, kv_pool, attn_backend, req_to_token, max_context: int) -> ForwardContext:
         splits = choose_num_kv_splits(decode_programs(bs, self.model.num_local_heads), max_context)
@@ -175,9 +196,10 @@ class SpecGraphRunner:
     of the agreed size, as `DecodeGraphRunner`); `capture=False` runs the same padded functions eagerly (CPU tests)."""
 
     def __init__(self, spec, req_to_token: torch.Tensor, dummy_req: int, batch_sizes: list[int], max_context: int,
-                 device: torch.device, compile_max_bs: int = 0, dp_size: int | None = None, capture: bool = True):
+                 device: torch.device, compile_max_bs: int = 0, dp_size: int | None = None, capture: bool = True,
+                 warm: bool = False):
         self.spec, self.batch_sizes = spec, sorted(batch_sizes)
-        self.captured = capture
+        self.captured, self.compile_max_bs = capture, compile_max_bs
         eager, compiled = (spec.target_fn, spec.draft_fn), None
         if compile_max_bs:
             # NOTE: as DecodeGraphRunner: graph breaks at the Triton launchers; one compile per batch size
@@ -204,10 +226,31 @@ class SpecGraphRunner:
             kinds = queries if tree else (1, k, s)
             splits = [choose_num_kv_splits(decode_programs(bs, q * heads), max_context) for q in kinds]
             self.fns[bs] = self._padded(bs, tree, splits, counts)
+        self.eager, self.compiled = eager, compiled
         if capture:
             self._capture(compiled, eager, compile_max_bs)
             logger.info("captured %d speculative draft + verify CUDA graph pairs (bs %s) in %.1f s", len(self.graphs),
                         self.batch_sizes, time.monotonic() - t0)
+        elif warm:
+            for bs in reversed(self.batch_sizes):         # padding rows only: torch.compile and Triton compile here
+                with self._fns(bs):
+                    d, _, h = self.fns[bs][0](self._base_cpu(bs))
+                    self.fns[bs][1](d, h, self._base_cpu(bs))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            logger.info("compiled %d eager speculative step sizes (bs %s) in %.1f s", len(self.batch_sizes),
+                        self.batch_sizes, time.monotonic() - t0)
+
+    @contextlib.contextmanager
+    def _fns(self, cbs: int):
+        """capture=False: the target and draft forwards of a size-cbs step, compiled up to compile_max_bs."""
+        spec = self.spec
+        if self.compiled is not None and cbs <= self.compile_max_bs:
+            spec.target_fn, spec.draft_fn = self.compiled
+        try:
+            yield
+        finally:
+            spec.target_fn, spec.draft_fn = self.eager
 
     def _padded(self, bs: int, tree: bool, splits: list[int], counts: list[list[int]] | None):
         """The two device functions of a size-bs step over the static buffers (`base_cpu`: the reference attention's
@@ -277,7 +320,8 @@ class SpecGraphRunner:
             self.graphs[cbs][0].replay()
             drafts, logits, hidden = self.outputs[cbs][0]
         else:
-            self._out1 = self.fns[cbs][0](self._base_cpu(cbs))
+            with self._fns(cbs):
+                self._out1 = self.fns[cbs][0](self._base_cpu(cbs))
             drafts, logits, hidden = self._out1
         k = self.target.shape[1]                  # tokens verified per request
         drafts = DraftTree(*(x[:bs] for x in drafts)) if isinstance(drafts, DraftTree) else drafts[:bs]
@@ -291,5 +335,6 @@ class SpecGraphRunner:
             self.graphs[cbs][1].replay()
             out = self.outputs[cbs][1]
         else:
-            out = self.fns[cbs][1](self._out1[0], self._out1[2], self._base_cpu(cbs))
+            with self._fns(cbs):
+                out = self.fns[cbs][1](self._out1[0], self._out1[2], self._base_cpu(cbs))
         return tuple(x[:bs] for x in out) if isinstance(out, tuple) else out[:bs]

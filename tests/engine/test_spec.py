@@ -308,13 +308,14 @@ def test_structured_output_equal_with_speculation(demo_prompts, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs+compile", "graphs+map"])
+@pytest.mark.parametrize("graphs", ["eager", "graphs", "graphs+compile", "graphs+map", "compile"])
 def test_gpu_triton_kernels_and_graphs_equal_no_speculation(demo_prompts, graphs, tmp_path):
     """On the GPU in fp32: the Triton kernels (multi-query mla_decode for verify and repair), the draft +
     verify CUDA graphs and torch.compile inside them give the tokens of decoding without speculation; "graphs+map"
-    with a 2048-token draft map (--speculative-token-map) captured in the graphs."""
-    flags = dict(device="cuda", dtype="float32", disable_cuda_graph=graphs == "eager", max_running_requests=8,
-                 enable_torch_compile=graphs == "graphs+compile")
+    with a 2048-token draft map (--speculative-token-map) captured in the graphs; "compile" torch.compile without
+    graphs (the padded steps compiled and run eagerly)."""
+    flags = dict(device="cuda", dtype="float32", disable_cuda_graph=graphs in ("eager", "compile"),
+                 max_running_requests=8, enable_torch_compile="compile" in graphs)
     msgs = [msg(f"g{i}", p, max_new=40) for i, p in enumerate(demo_prompts)]
     base = run(make(DEMO, **flags), msgs)
     extra = {"speculative_token_map": demo_token_map(tmp_path, 2048)[0]} if graphs == "graphs+map" else {}

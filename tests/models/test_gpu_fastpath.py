@@ -140,6 +140,20 @@ def test_torch_compile_with_graphs_equals_reference(checkpoints):
     assert_all_equal(ref, fast)
 
 
+def test_torch_compile_without_graphs_equals_reference(checkpoints):
+    """--enable-torch-compile --disable-cuda-graph: the padded decode forward of sizes up to 4 compiled (at start-up)
+    and run eagerly, larger batches plain eager; 6 prompts give steps of both."""
+    path = checkpoints("v3")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 4000) for _ in range(rng.randint(5, 60))] for _ in range(6)]
+    ref = greedy_outputs(scheduler(path, "torch", graphs=False, dtype="float32"), prompts, 16)
+    sched = scheduler(path, "triton", graphs=False, dtype="float32", enable_torch_compile=True,
+                      torch_compile_max_bs=4)
+    assert sched.runner.graphs is not None and not sched.runner.graphs.captured
+    assert sched.runner.graphs.batch_sizes == [1, 2, 4]
+    assert_all_equal(ref, greedy_outputs(sched, prompts, 16))
+
+
 def test_reference_path_runs_no_triton_kernel(checkpoints):
     """`--attention-backend torch` on the GPU: every op of the model is a PyTorch reference (no Triton launch)."""
     from triton.runtime.jit import JITFunction
