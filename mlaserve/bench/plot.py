@@ -28,11 +28,7 @@ def missing_matplotlib(flag: str = "--plot") -> str | None:
 
 def draw(panels: list[Panel], path: str, title: str = "", xlabel: str = "client concurrency") -> None:
     """Panels side by side, x on a log2 scale (concurrency 1, 16, 64 spread evenly), written to `path` (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")                     # NOTE: no display: render to the file only
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         xs_all = set()
@@ -51,6 +47,18 @@ def draw(panels: list[Panel], path: str, title: str = "", xlabel: str = "client 
         ax.grid(True, alpha=0.3)
         if panel.lines:
             ax.legend(fontsize="small")
+    _save(plt, fig, path, title)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")                     # NOTE: no display: render to the file only
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(plt, fig, path: str, title: str) -> None:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -70,11 +78,7 @@ class BarPanel(NamedTuple):
 
 def draw_bars(panels: list[BarPanel], path: str, title: str = "") -> None:
     """Panels side by side sharing the category axis (the first panel labels it), written to `path` (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     n = max(len(p.categories) for p in panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 2.5, 0.42 * n + 1.6), squeeze=False,
                              sharey=True)
@@ -91,11 +95,7 @@ def draw_bars(panels: list[BarPanel], path: str, title: str = "") -> None:
         ax.grid(True, axis="x", alpha=0.3)
         if len(panel.series) > 1:
             ax.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def serving_panels(records: list[dict[str, Any]]) -> list[Panel]:
