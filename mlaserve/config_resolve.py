@@ -348,12 +348,15 @@ def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> Sche
         eager_compile = why_else is None
         # NOTE: 0 / [] are the resolved "no graphs" values, so resolving twice accepts them
         given = [_flag(n) for n, v in (("cuda_graph_bs", s.cuda_graph_bs), ("cuda_graph_max_bs", s.cuda_graph_max_bs),
-                                       ("enable_torch_compile", s.enable_torch_compile and not eager_compile),
-                                       ("torch_compile_max_bs", s.torch_compile_max_bs and not eager_compile),
                                        ("enable_piecewise_cuda_graph", s.enable_piecewise_cuda_graph),
                                        ("piecewise_cuda_graph_max_tokens", s.piecewise_cuda_graph_max_tokens)) if v]
         if given:
-            _reject(f"{' '.join(given)}: these act on CUDA graphs, which are off with {why_else or why_off}")
+            _reject(f"{' '.join(given)}: these act on CUDA graphs, which are off with {why_off}")
+        given = [_flag(n) for n, v in (("enable_torch_compile", s.enable_torch_compile),
+                                       ("torch_compile_max_bs", s.torch_compile_max_bs)) if v]
+        if given and not eager_compile:
+            _reject(f"{' '.join(given)}: torch.compile acts on the CUDA decode path (with or without graphs), which "
+                    f"{why_else} rules out")
         compile_bs = _compile_max_bs(s, s.max_running_requests) if eager_compile else 0
         return replace(s, disable_cuda_graph=True, cuda_graph_max_bs=0, cuda_graph_bs=[],
                        torch_compile_max_bs=compile_bs, piecewise_cuda_graph_max_tokens=0)

@@ -147,7 +147,8 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (H100, V2_LITE, dict(attention_backend="torch", enable_torch_compile=True), "--attention-backend torch"),
     (H100, V2_LITE, dict(disable_mla=True, cuda_graph_max_bs=8), "--disable-mla"),
     (H100, V2_LITE, dict(disable_cuda_graph=True, attention_backend="torch", enable_torch_compile=True),
-     "--enable-torch-compile: these act on CUDA graphs, which are off with --attention-backend torch"),
+     "--enable-torch-compile: torch.compile acts on the CUDA decode path (with or without graphs), which "
+     "--attention-backend torch rules out"),
     (H100, V2_LITE, dict(disable_cuda_graph=True, torch_compile_max_bs=8), "--torch-compile-max-bs: acts only"),
     (H100, V2_LITE, dict(torch_compile_max_bs=8), "--torch-compile-max-bs"),
     (H100, V2_LITE, dict(cuda_graph_bs=[1, 8], cuda_graph_max_bs=16), "--cuda-graph-max-bs 16"),
