@@ -2,6 +2,8 @@
 # Issue 5 device runs: tune the kernels and bench them. Parts run in the order given (one call: 10 minutes):
 #   bash benchmarks/gpu_tune.sh moe-a   # fused_moe: V2-Lite bf16 and V3 fp8 tp8    -> $OUT/configs/*.json
 #   bash benchmarks/gpu_tune.sh moe-b   # fused_moe: V3 fp8 tp1                     -> $OUT/configs/*.json
+#   bash benchmarks/gpu_tune.sh moe-tp2 # fused_moe at tp 2's shapes: V2-Lite bf16 (E=64,N=704), V3 fp8 (E=256,N=1024)
+#   bash benchmarks/gpu_tune.sh moe-ep2 # fused_moe at ep 2's shape: V3 fp8 (E=128,N=2048; DP attention + EP too)
 #   bash benchmarks/gpu_tune.sh gemm    # fp8_gemm at the six V3 (N, K) shapes      -> $OUT/configs/*.json
 #   bash benchmarks/gpu_tune.sh decode  # mla_decode tile / split sweep             -> $OUT/mla_decode_sweep.txt
 #   bash benchmarks/gpu_tune.sh prefill # mla_prefill flash tile sweep + profile    -> $OUT/mla_prefill_sweep.txt
@@ -16,9 +18,13 @@ C=mlaserve/tools/configs
 [ $# -gt 0 ] || set -- help
 for part in "$@"; do
 case "$part" in
-  moe-a|moe-b)
-    if [ "$part" = moe-a ]; then shapes=("$C/deepseek-v2-lite.json --dtype bf16" "$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 8")
-    else shapes=("$C/deepseek-v3.json --dtype fp8_w8a8"); fi
+  moe-a|moe-b|moe-tp2|moe-ep2)
+    case "$part" in
+      moe-a) shapes=("$C/deepseek-v2-lite.json --dtype bf16" "$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 8") ;;
+      moe-b) shapes=("$C/deepseek-v3.json --dtype fp8_w8a8") ;;
+      moe-tp2) shapes=("$C/deepseek-v2-lite.json --dtype bf16 --tp-size 2" "$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 2") ;;
+      moe-ep2) shapes=("$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 2 --ep-size 2") ;;
+    esac
     for args in "${shapes[@]}"; do
       timeout 290 python3 -m mlaserve.cli tune fused-moe --model-config $args --out-dir "$OUT/configs" \
         2>>"$OUT/tune_moe_err.txt" | tee -a "$OUT/tune_moe.txt"

@@ -30,9 +30,12 @@ def shape_from_hf_config(path: Path, tp_size: int, dtype: str, ep_size: int = 1)
     E is the key the model's calls read (its stacked shared experts are not counted)."""
     d = json.loads(Path(path).read_text())
     inter, n = d["moe_intermediate_size"], d["n_routed_experts"]
-    assert n % ep_size == 0, f"n_routed_experts={n} is not divisible by --ep-size {ep_size}"
-    split = tp_size // ep_size if ep_size > 1 else tp_size        # each expert set's ranks split its experts
-    assert inter % split == 0, f"moe_intermediate_size={inter} is not divisible by --tp-size {tp_size}"
+    if n % ep_size or tp_size % ep_size:
+        raise ValueError(f"--ep-size {ep_size}: must divide n_routed_experts ({n}) and --tp-size ({tp_size}), as "
+                         "in serving")
+    split = tp_size // ep_size                                    # each expert set's ranks split its experts
+    if inter % split:
+        raise ValueError(f"--tp-size {tp_size}: moe_intermediate_size {inter} is not divisible by {split}")
     return MoeShape(d.get("_name_or_path", Path(path).stem), n // ep_size, d["num_experts_per_tok"],
                     d["hidden_size"], inter // split, dtype == "fp8_w8a8", d.get("n_group") or 1,
                     d.get("topk_group") or 1, ep_size)
@@ -129,7 +132,11 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("tune fused-moe needs a CUDA GPU", file=sys.stderr)
         return 1
-    s = shape_from_hf_config(args.model_config, args.tp_size, args.dtype, args.ep_size)
+    try:
+        s = shape_from_hf_config(args.model_config, args.tp_size, args.dtype, args.ep_size)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # the kernels do not specialise on the token count: one compile job per distinct config
     jobs = list({json.dumps(cfg, sort_keys=True): (s, t, cfg) for t in args.batch_sizes
                  for cfg in search_space(t, s)}.values())

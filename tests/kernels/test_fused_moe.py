@@ -212,6 +212,10 @@ def test_tuner_ep_shape_and_routing(tmp_path: Path) -> None:
     assert ids.dtype == torch.int32 and ((ids >= -1) & (ids < 32)).all() and (ids == -1).any()
     # rows per expert as at tp 8 (tokens * k / 256), not 8x that
     assert {c["BLOCK_SIZE_M"] for c in tuner.search_space(1024, s)} == {16, 32}
+    s = tuner.shape_from_hf_config(cfg_json, tp_size=4, dtype="fp8_w8a8", ep_size=2)     # 2 ranks per expert set
+    assert (s.num_experts, s.moe_intermediate_size) == (128, 1024)
+    with pytest.raises(ValueError, match="--ep-size 2: must divide"):
+        tuner.shape_from_hf_config(cfg_json, tp_size=1, dtype="fp8_w8a8", ep_size=2)     # as serving refuses
 
 
 def test_bench_case_arithmetic() -> None:
