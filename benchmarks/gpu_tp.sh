@@ -2,7 +2,8 @@
 # Device call for tensor parallelism (nvidia-h200-x2), in parts (default: all, in this order):
 #   allreduce   the all-reduce alone (NCCL, pull and push peer kernels, in a CUDA graph)
 #   one-batch   V2-Lite tp 1 vs tp 2 (tp 2 with the pull kernel, then MLASERVE_PEER_PUSH=1)
-#   push        V2-Lite tp 2 with the pull kernel, then with MLASERVE_PEER_PUSH=1 (the same machine)
+#   push        V2-Lite tp 2: MLASERVE_PEER_PUSH=0 (pull kernel, separate all-reduces), then the default (auto: push
+#               up to 4096 elements, the sums inside the router and the one-token fused MoE)
 #   v3          V3 full width FP8: 4 layers at tp 1 and tp 2, then $V3_LAYERS (20; 8 on H100s) at tp 2
 #   tests-tp    the GPU-marked tests of test_peer.py and test_tensor_parallel.py only
 #   tests       the GPU-marked tests of tests/distributed and the parallel server
@@ -26,9 +27,9 @@ for PART in $PARTS; do
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
       timeout 200 $B $C --tp-size 1 2 --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -7
       MLASERVE_PEER_PUSH=1 timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push.md" 2>&1 | grep "^|" | tail -4 ;;
-    push)       # tp 2 with each kernel, back to back on the same machine
+    push)       # tp 2 with each rule, back to back on the same machine
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
-      for P in 0 1; do
+      for P in 0 auto; do
         MLASERVE_PEER_PUSH=$P timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push$P.md" 2>&1 | grep "^|" | tail -3
       done ;;
     v3)         # 4 layers fit one GPU: tp 1 against tp 2; then $V3_LAYERS at tp 2 (20 fit an H200, 8 an H100)
