@@ -48,6 +48,9 @@ class ForwardContext:
     logits_indices: torch.Tensor | None = None   # rows of T whose logits are wanted (None: all)
     num_kv_splits: int | None = None     # split-KV count of the decode kernel (fixed under CUDA graphs)
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
+    # DP attention under decode graphs: [D * P] bool, the MoE's gathered rows that are a request's (the others,
+    # padding, route to no expert); None: every row routes
+    moe_row_mask: torch.Tensor | None = None
     num_decode: int = 0              # EXTEND mode: the last num_decode requests are one-token decodes (mixed batch)
     parts: "tuple[ForwardContext, ForwardContext] | None" = None   # a mixed batch's `split_mixed()`, made once
     tree_mask: torch.Tensor | None = None    # [T] int64, DECODE: bit i = sees new token i of its request (None: causal)
@@ -359,6 +362,9 @@ class Batch:
     extend_lens: list[int]
     sampling: list[bool]
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
+    # DP attention under decode graphs: [D * P] bool, the MoE's gathered rows that are a request's (the others,
+    # padding, route to no expert); None: every row routes
+    moe_row_mask: torch.Tensor | None = None
     slot_tokens: list[list[int]] | None = None   # DP attention: [forward of the step][group] tokens (agreed)
     # --enable-mixed-chunk: an EXTEND batch whose last num_decode requests are running decodes riding along, one
     # token each; their input ids are read on the device like a DECODE batch's (input_ids holds placeholders)

@@ -305,7 +305,8 @@ class ModelRunner:
             self.extends_as_decode += 1
             return self.launch_forward(replace(batch, mode=ForwardMode.DECODE, num_decode=0))._replace(batch=batch)
         if batch.graph_bs is not None:            # DP attention: every rank replays the agreed size (IDLE: padding)
-            logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows, batch.graph_bs)
+            logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows, batch.graph_bs,
+                                                       batch.global_num_tokens)
             return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
         rows_dev = torch.tensor(pool_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return ForwardStep(batch, self._logits(batch, rows, rows_dev), rows_dev, prompt_rows, sample_row)

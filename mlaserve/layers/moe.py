@@ -283,8 +283,10 @@ class MoE(torch.nn.Module):
         share, summed over the ranks in the router's launch."""
         return self._forward(x, (residual, norm), next_norm, all_reduce, sum_in)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._forward(x, None)[0]
+    def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`row_mask` [T] bool: the rows to route (the others, padding, route to no expert: their output is zero
+        and no expert's weights are read for them); None: every row."""
+        return self._forward(x, None, row_mask=row_mask)[0]
 
     # NOTE: the row counts come to the host (a sync): never inside a CUDA graph or a torch.compile trace
     @torch.compiler.disable
@@ -306,7 +308,8 @@ class MoE(torch.nn.Module):
 
     def _forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, RMSNorm] | None,
                  next_norm: RMSNorm | None = None, all_reduce: LLGroup | None = None,
-                 sum_in: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 sum_in: LLGroup | None = None,
+                 row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         # norm = (residual, RMSNorm): x is the un-normed attention output; returns (output, x + residual or None),
         # or with next_norm (and norm) the next layer's normed input and residual stream
         ex = self.experts
@@ -319,6 +322,8 @@ class MoE(torch.nn.Module):
             weights, ids = self.gate(x, n_shared=n_shared)                   # [T, K] f32, [T, K] int32 global
         else:
             weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared, all_reduce=sum_in)
+        if row_mask is not None:                                              # padding rows: every slot -1
+            ids = ids.masked_fill(~row_mask[:, None], -1)
         if next_norm is not None:
             return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce)
         if ep:                                                                # EP: local ids, -1 elsewhere

@@ -86,7 +86,7 @@ class DecoderLayer(torch.nn.Module):
             return self.reduce_out(h, residual, next_norm)
         h, residual = self.reduce_norm(h, residual, self.post_attention_layernorm)
         if self.dp is not None:
-            return self.dp_moe(h, ctx.global_num_tokens), residual, False
+            return self.dp_moe(h, ctx.global_num_tokens, ctx.moe_row_mask), residual, False
         return self.reduce_out(self.mlp(h), residual, next_norm)            # sum of the intermediate shares
 
     def reduce_norm(self, h: torch.Tensor, residual: torch.Tensor,
@@ -105,12 +105,13 @@ class DecoderLayer(torch.nn.Module):
             return *tp.all_reduce_add_norm(h, residual, next_norm.weight, next_norm.eps), True
         return tp.all_reduce(h), residual, False
 
-    def dp_moe(self, h: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def dp_moe(self, h: torch.Tensor, counts: list[int], row_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE under DP attention: h [n, h] of this group -> all groups' [N, h] -> MoE -> this group's [n, h];
-        or, with the all-to-all dispatch on (eager forwards), each row only to the ranks holding its experts."""
+        or, with the all-to-all dispatch on (eager forwards), each row only to the ranks holding its experts.
+        `row_mask` [N] (decode graphs): the gathered rows that are requests'; the others route to no expert."""
         if self.mlp.all_to_all_on:
             return self.mlp.forward_all_to_all(h)
-        return self.dp.scatter(self.mlp(self.dp.gather(h, counts)), counts)
+        return self.dp.scatter(self.mlp(self.dp.gather(h, counts), row_mask), counts)
 
 
 class DeepseekModel(torch.nn.Module):

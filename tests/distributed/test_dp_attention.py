@@ -190,7 +190,10 @@ def drive_dp(group, path: str, flags: dict, work: list[tuple[list, dict, dict]],
         idle_steps += sched.pending is not None and sched.pending.batch.mode is ForwardMode.IDLE
         if sched.pending is not None:
             b = sched.pending.batch
-            graph_steps.append((b.mode, b.graph_bs))
+            graphs = sched.runner.graphs if sched.runner.spec is None else None
+            # with a decode graph: the MoE rows its mask leaves out (padding rows, every group's)
+            masked = int((~graphs.row_mask[: 2 * b.graph_bs]).sum()) if graphs is not None and b.graph_bs else None
+            graph_steps.append((b.mode, b.graph_bs, masked))
             # (mode, agreed piece size, this group's tokens, whether one of them extends a cached prefix or chunk,
             # decodes riding along (--enable-mixed-chunk))
             piece_steps.append((b.mode, b.piece_tokens, sum(b.extend_lens), any(b.prefix_lens), b.num_decode))
@@ -235,12 +238,17 @@ def test_groups_schedule_independently_idle_abort_radix_retraction(checkpoint, g
                         dp_size=2)
     alone = [drive_scheduler(_scheduler(path, **small), m, a, ab) for m, a, ab in work]
     assert [r["dp_rank"] for r in ranks] == [0, 1]
-    sizes = [bs for _, bs in ranks[0]["graph_steps"]]
-    assert sizes == [bs for _, bs in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
+    sizes = [bs for _, bs, _ in ranks[0]["graph_steps"]]
+    assert sizes == [bs for _, bs, _ in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
     if graphs:
-        on = [(a, b) for (a, bs), (b, _) in zip(ranks[0]["graph_steps"], ranks[1]["graph_steps"]) if bs is not None]
+        on = [(a, b) for (a, bs, _), (b, _, _) in zip(ranks[0]["graph_steps"], ranks[1]["graph_steps"])
+              if bs is not None]
         assert len(on) > 10 and 1 in sizes and max(bs or 0 for bs in sizes) > 1, sizes
         assert (ForwardMode.DECODE, ForwardMode.IDLE) in on, "an idle group replayed padding rows"
+        if not extra:              # the gathered MoE: an idle group's rows (all padding) route to no expert
+            idle = [(bs, m) for (a, bs, m), (b, _, _) in zip(ranks[0]["graph_steps"], ranks[1]["graph_steps"])
+                    if bs is not None and b is ForwardMode.IDLE]
+            assert idle and all(m >= bs for bs, m in idle), idle
         assert all(ForwardMode.EXTEND not in (a, b) for a, b in on)
         assert None in sizes, "the steps with a prefill or more than 8 requests ran eagerly"
     else:
@@ -381,10 +389,11 @@ def test_speculative_groups_in_different_modes_equal_one_process(tree, graphs):
     ranks = spawn_ranks(drive_dp, 2, path, flags, work, [1, 2, 4] if graphs else None, pieces, timeout=300,
                         dp_size=2)
     assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"
-    sizes = [bs for _, bs in ranks[0]["graph_steps"]]
-    assert sizes == [bs for _, bs in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
+    sizes = [bs for _, bs, _ in ranks[0]["graph_steps"]]
+    assert sizes == [bs for _, bs, _ in ranks[1]["graph_steps"]], "the ranks disagree on a step's graph"
     if graphs:
-        on = [(a, b) for (a, bs), (b, _) in zip(ranks[0]["graph_steps"], ranks[1]["graph_steps"]) if bs is not None]
+        on = [(a, b) for (a, bs, _), (b, _, _) in zip(ranks[0]["graph_steps"], ranks[1]["graph_steps"])
+              if bs is not None]
         assert len(on) > 5 and (ForwardMode.DECODE, ForwardMode.IDLE) in on and (ForwardMode.DECODE,) * 2 in on, on
         assert None in sizes, "the steps with a prefill ran eagerly"
     else:

@@ -145,3 +145,31 @@ def test_moe_layer_triton_matches_torch_kernels(name: str, tokens: int, one_thre
     got, want = (layer(x) for layer in layers)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
     assert not layers[0].gate.route_sync.any()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("tokens", [4, moe_layer.FUSE_SHARED_MAX_TOKENS + 4])     # shared slots fused; shared dense
+def test_masked_rows_route_to_no_expert(kernels: str, tokens: int, one_thread, monkeypatch) -> None:
+    """`MoE.forward(x, row_mask)` (DP attention's padding rows under decode graphs): masked rows reach the
+    experts with every slot -1 (no expert's weights read for them) and give zero, or only the shared experts where
+    those run as dense GEMMs; every other row is exactly the unmasked layer's."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    cfg = dataclasses.replace(ModelConfig.from_hf(CONFIGS / "deepseek-v3.json"), hidden_size=64,
+                              moe_intermediate_size=32, n_routed_experts=16)
+    layer = moe_layer.MoE(cfg, quant=None, dtype=torch.float32, device="cpu", ops=get_ops(kernels))
+    for p in layer.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(tokens, cfg.hidden_size)
+    mask = torch.rand(tokens) < 0.5
+    mask[0], mask[-1] = True, False
+    seen = []
+    experts = layer.experts.forward
+    monkeypatch.setattr(layer.experts, "forward", lambda x, w, ids: seen.append(ids) or experts(x, w, ids))
+    want, got = layer(x), layer(x, mask)
+    assert (seen[1][~mask] == -1).all() and (seen[1][mask] == seen[0][mask]).all()
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)   # fp32: GEMMs over fewer rows
+    shared_dense = tokens > moe_layer.FUSE_SHARED_MAX_TOKENS
+    pad = layer.experts.shared_forward(x[~mask]) if shared_dense else torch.zeros_like(got[~mask])
+    torch.testing.assert_close(got[~mask], pad)
