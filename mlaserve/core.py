@@ -48,8 +48,8 @@ class ForwardContext:
     logits_indices: torch.Tensor | None = None   # rows of T whose logits are wanted (None: all)
     num_kv_splits: int | None = None     # split-KV count of the decode kernel (fixed under CUDA graphs)
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
-    # DP attention under decode graphs: [D * P] bool, the MoE's gathered rows that are a request's (the others,
-    # padding, route to no expert); None: every row routes
+    # decode graphs: [D * P] bool (D DP groups, else 1), the MoE's rows (gathered under DP attention) that are a
+    # request's; the others, padding, route to no expert. None: every row routes
     moe_row_mask: torch.Tensor | None = None
     num_decode: int = 0              # EXTEND mode: the last num_decode requests are one-token decodes (mixed batch)
     parts: "tuple[ForwardContext, ForwardContext] | None" = None   # a mixed batch's `split_mixed()`, made once
@@ -362,9 +362,6 @@ class Batch:
     extend_lens: list[int]
     sampling: list[bool]
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
-    # DP attention under decode graphs: [D * P] bool, the MoE's gathered rows that are a request's (the others,
-    # padding, route to no expert); None: every row routes
-    moe_row_mask: torch.Tensor | None = None
     slot_tokens: list[list[int]] | None = None   # DP attention: [forward of the step][group] tokens (agreed)
     # --enable-mixed-chunk: an EXTEND batch whose last num_decode requests are running decodes riding along, one
     # token each; their input ids are read on the device like a DECODE batch's (input_ids holds placeholders)

@@ -51,18 +51,18 @@ class DecodeGraphRunner:
             self.compiled = torch.compile(model, dynamic=False)
         self.dummy_req, self.device = dummy_req, device
         n = self.batch_sizes[-1]
-        # rows of `inputs`: positions, output slots, pool rows (the padding rows: position 0, slot 0, dummy row);
-        # under DP attention a fourth, each group's requests this step (its first dp_size columns)
-        width = max(n, dp_size or 0)
-        rows = [[0] * width, [0] * width, [dummy_req] * width] + ([[0] * width] if dp_size else [])
-        self.inputs = torch.tensor(rows, dtype=torch.int64, device=device)
+        # rows of `inputs`: positions, output slots, pool rows (the padding rows: position 0, slot 0, dummy row),
+        # and the requests of each DP group this step (its first `groups` columns; one group without DP attention)
+        self.groups = dp_size or 1
+        width = max(n, self.groups)
+        self.inputs = torch.tensor([[0] * width, [0] * width, [dummy_req] * width, [0] * width], dtype=torch.int64,
+                                   device=device)
         self.positions, self.out_slots, self.req_pool_idx = self.inputs[0], self.inputs[1], self.inputs[2]
-        if dp_size:
-            # the MoE's gathered rows [D * bs] that are requests' (group d's first counts[d] of its bs), made by
-            # the prologue from the counts: padding rows then route to no expert (no weights read for them)
-            self.group_counts = self.inputs[3, :dp_size]
-            self.columns = torch.arange(n, device=device)
-            self.row_mask = torch.ones(dp_size * n, dtype=torch.bool, device=device)
+        # the MoE's rows [groups * bs] that are requests' (group d's first counts[d] of its bs), made by the
+        # prologue from the counts: padding rows then route to no expert (no weights read for them)
+        self.group_counts = self.inputs[3, : self.groups]
+        self.columns = torch.arange(n, device=device)
+        self.row_mask = torch.ones(self.groups * n, dtype=torch.bool, device=device)
         self.staging = [self.inputs.cpu().pin_memory() if capture else self.inputs.cpu() for _ in range(self.STAGING)]
         self.staging_np = [h.numpy() for h in self.staging]      # the same memory: numpy writes cost no aten ops
         self.staged: list[torch.cuda.Event | None] = [None] * self.STAGING
@@ -90,8 +90,7 @@ class DecodeGraphRunner:
         for bs in reversed(self.batch_sizes):
             self.inputs[:2, :bs] = 0
             self.inputs[2, :bs] = self.dummy_req
-            if self.dp_size:
-                self.group_counts.fill_(bs)                   # every row routes, as in a full step
+            self.group_counts.fill_(bs)                       # every row routes, as in a full step
             self.ctxs[bs].seq_lens_cpu = [1] * bs
             self._prologue(bs)
             self._fn(bs)(self.input_ids[:bs], self.positions[:bs], self.ctxs[bs])
@@ -109,7 +108,7 @@ class DecodeGraphRunner:
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=1,
             logits_indices=None, num_kv_splits=splits,
             global_num_tokens=[bs] * self.dp_size if self.dp_size else None,
-            moe_row_mask=self.row_mask[: self.dp_size * bs] if self.dp_size else None)
+            moe_row_mask=self.row_mask[: self.groups * bs] if self.groups * bs > 1 else None)
 
     @torch.no_grad()
     def _capture(self, kv_pool, attn_backend, req_to_token, max_context: int) -> None:
@@ -119,8 +118,7 @@ class DecodeGraphRunner:
             ctx = self._ctx(bs, kv_pool, attn_backend, req_to_token, max_context)
             ids, pos = self.input_ids[:bs], self.positions[:bs]
             fn = self._fn(bs)
-            if self.dp_size:
-                self.group_counts.fill_(bs)                   # the warm-ups route every row, as a full step
+            self.group_counts.fill_(bs)                       # the warm-ups route every row, as a full step
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):                        # warm up: Triton and torch.compile compile here
@@ -145,9 +143,9 @@ class DecodeGraphRunner:
         for its pool row (`token_buf`)."""
         torch.add(self.positions[:bs], 1, out=self.seq_lens[:bs])
         torch.index_select(self.token_buf, 0, self.req_pool_idx[:bs], out=self.input_ids[:bs])
-        if self.dp_size:
-            torch.lt(self.columns[:bs].expand(self.dp_size, bs), self.group_counts[:, None],
-                     out=self.row_mask[: self.dp_size * bs].view(self.dp_size, bs))
+        if self.groups * bs > 1:
+            torch.lt(self.columns[:bs].expand(self.groups, bs), self.group_counts[:, None],
+                     out=self.row_mask[: self.groups * bs].view(self.groups, bs))
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.batch_sizes[-1]
@@ -162,7 +160,7 @@ class DecodeGraphRunner:
         tensor) and pool row, its input token being `token_buf[row]`. `pad_to`: the captured size to replay (DP
         attention: the one all ranks agreed on; bs may then be 0), else the smallest that holds bs.
         `group_counts` (DP attention): every group's requests this step (the agreed `global_num_tokens`), which
-        tell the MoE its padding rows; without them every row routes. Returns (logits [bs, V], the pool rows on
+        tell the MoE its padding rows (without them every row routes); one group: bs. Returns (logits [bs, V], the pool rows on
         the device [bs]: a view valid until the next replay is queued)."""
         bs = len(positions)
         cbs = self._capture_size(bs) if pad_to is None else pad_to
@@ -179,6 +177,8 @@ class DecodeGraphRunner:
         host[2, bs:cbs] = self.dummy_req
         if self.dp_size:
             host[3, : self.dp_size] = group_counts if group_counts is not None else cbs
+        else:
+            host[3, 0] = bs
         # NOTE: the whole staging tensor (3 x the largest size, a few KB): one copy, no slicing ops; columns past
         # cbs are stale and never read by this size's graph
         self.inputs.copy_(self.staging[i], non_blocking=True)
@@ -205,6 +205,7 @@ class DecodeGraphRunner:
         self.req_pool_idx[:bs].copy_(req_pool_idx)
         self.inputs[:2, bs:cbs] = 0                                         # padding rows: the dummy request
         self.inputs[2, bs:cbs] = self.dummy_req
+        self.group_counts.fill_(bs)
         self.graphs[cbs].replay()
         return self.outputs[cbs][:bs]
 

@@ -275,13 +275,14 @@ class MoE(torch.nn.Module):
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                        next_norm: RMSNorm | None = None, all_reduce: LLGroup | None = None,
-                       sum_in: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       sum_in: LLGroup | None = None,
+                       row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(norm(x + residual)) with the add and norm inside the router's launch (`takes_norm`); returns
         (output, x + residual). With `next_norm` (`takes_next_norm`): (next_norm(output + x + residual),
         output + x + residual), the next layer's input norm done in the experts' combine; with `all_reduce` too
         (`sums_in_kernels`), output summed over the tensor-parallel ranks there first. `sum_in`: x is this rank's
-        share, summed over the ranks in the router's launch."""
-        return self._forward(x, (residual, norm), next_norm, all_reduce, sum_in)
+        share, summed over the ranks in the router's launch. `row_mask`: as `forward`'s."""
+        return self._forward(x, (residual, norm), next_norm, all_reduce, sum_in, row_mask)
 
     def forward(self, x: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`row_mask` [T] bool: the rows to route (the others, padding, route to no expert: their output is zero

@@ -79,15 +79,16 @@ class DecoderLayer(torch.nn.Module):
                 h = self.tp.all_reduce(h)
             if next_norm is not None and self.mlp.takes_next_norm(t) and (self.tp.size == 1 or group is not None):
                 h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm, next_norm, group,
-                                                      group)
+                                                      group)           # one token: no padding row (no mask)
                 return h, residual, True
             h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm,  # norm in the router
-                                                  sum_in=group)
+                                                  sum_in=group, row_mask=ctx.moe_row_mask)
             return self.reduce_out(h, residual, next_norm)
         h, residual = self.reduce_norm(h, residual, self.post_attention_layernorm)
         if self.dp is not None:
             return self.dp_moe(h, ctx.global_num_tokens, ctx.moe_row_mask), residual, False
-        return self.reduce_out(self.mlp(h), residual, next_norm)            # sum of the intermediate shares
+        mlp = self.mlp(h, ctx.moe_row_mask) if isinstance(self.mlp, MoE) else self.mlp(h)
+        return self.reduce_out(mlp, residual, next_norm)                    # sum of the intermediate shares
 
     def reduce_norm(self, h: torch.Tensor, residual: torch.Tensor,
                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
