@@ -66,12 +66,13 @@ def _expert_grid(per_group, n_group, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constex
 
 
 @triton.jit
-def _select_row(logits, bias_ptr, weights_ptr, ids_ptr, per_group, n_group, routed_scaling_factor,
+def _select_row(logits, bias_ptr, weights_ptr, ids_ptr, mask_ptr, row, per_group, n_group, routed_scaling_factor,
                 TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr,
-                BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr):
     # One token: logits [BG, BPG] fp32 -> its K + N_SHARED output slots (weights_ptr / ids_ptr point at its row).
-    # METHOD indexes METHODS; shared slot s is expert E + s with weight 1.0.
+    # METHOD indexes METHODS; shared slot s is expert E + s with weight 1.0. HAS_MASK: a row whose byte at
+    # mask_ptr + row is 0 (padding) gets every id -1 (no expert).
     g, j, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
     big = BLOCK_G * BLOCK_PG
     scores = _scores(logits, ok, SIGMOID)
@@ -99,24 +100,27 @@ def _select_row(logits, bias_ptr, weights_ptr, ids_ptr, per_group, n_group, rout
     if NORM:
         w_out = w_out / (tl.sum(w_out, axis=0) + 1e-20)
     w_out = tl.where(slot < TOP_K, w_out * routed_scaling_factor, 1.0)
+    if HAS_MASK:
+        id_out = tl.where(tl.load(mask_ptr + row) != 0, id_out, -1)
     tl.store(weights_ptr + slot, w_out, mask=slot < TOP_K + N_SHARED)
     tl.store(ids_ptr + slot, id_out, mask=slot < TOP_K + N_SHARED)
 
 
 @triton.jit
-def _moe_topk_kernel(logits_ptr, stride_l, bias_ptr, weights_ptr, ids_ptr, per_group, n_group,
+def _moe_topk_kernel(logits_ptr, stride_l, bias_ptr, weights_ptr, ids_ptr, mask_ptr, per_group, n_group,
                      routed_scaling_factor, TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr,
                      METHOD: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                      N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     HAS_MASK: tl.constexpr, PDL: tl.constexpr):
     # One program per token.
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     _, _, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
     logits = tl.load(logits_ptr + row * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32)
     out = row * (TOP_K + N_SHARED)
-    _select_row(logits, bias_ptr, weights_ptr + out, ids_ptr + out, per_group, n_group, routed_scaling_factor,
-                TOP_K, TOPK_GROUP, METHOD, SIGMOID, NORM, HAS_BIAS, N_SHARED, BLOCK_G, BLOCK_PG, BLOCK_K)
+    _select_row(logits, bias_ptr, weights_ptr + out, ids_ptr + out, mask_ptr, row, per_group, n_group,
+                routed_scaling_factor, TOP_K, TOPK_GROUP, METHOD, SIGMOID, NORM, HAS_BIAS, N_SHARED, BLOCK_G,
+                BLOCK_PG, BLOCK_K, HAS_MASK)
 
 
 def _check(router_logits: torch.Tensor, top_k: int, topk_method: str, scoring_func: str, n_group: int,
@@ -138,7 +142,8 @@ def _check(router_logits: torch.Tensor, top_k: int, topk_method: str, scoring_fu
 def _launch_select(kernel, grid: tuple[int, ...], args: tuple, t: int, e: int, top_k: int, topk_method: str,
                    scoring_func: str, n_group: int, topk_group: int, norm_topk_prob: bool,
                    routed_scaling_factor: float, e_score_correction_bias: torch.Tensor | None, n_shared: int,
-                   device: torch.device, **meta) -> tuple[torch.Tensor, torch.Tensor]:
+                   device: torch.device, row_mask: torch.Tensor | None = None,
+                   **meta) -> tuple[torch.Tensor, torch.Tensor]:
     # outputs [T, K + n_shared]; `args` are the kernel's leading pointer / size arguments
     weights = torch.empty(t, top_k + n_shared, dtype=torch.float32, device=device)
     ids = torch.empty(t, top_k + n_shared, dtype=torch.int32, device=device)
@@ -147,10 +152,13 @@ def _launch_select(kernel, grid: tuple[int, ...], args: tuple, t: int, e: int, t
     groups = 1 if topk_method == "greedy" else n_group
     method = METHODS.index(topk_method)
     bias = e_score_correction_bias.contiguous() if method == 2 and e_score_correction_bias is not None else None
-    kernel[grid](*args, weights if bias is None else bias, weights, ids, e // groups, groups,
+    if row_mask is not None:
+        assert row_mask.dtype == torch.bool and row_mask.shape == (t,), f"row_mask must be bool [{t}]"
+    mask = row_mask.view(torch.uint8) if row_mask is not None else ids
+    kernel[grid](*args, weights if bias is None else bias, weights, ids, mask, e // groups, groups,
                  float(routed_scaling_factor), TOP_K=top_k, TOPK_GROUP=topk_group if method else 1, METHOD=method,
                  SIGMOID=scoring_func == "sigmoid", NORM=bool(norm_topk_prob), HAS_BIAS=bias is not None,
-                 N_SHARED=n_shared, BLOCK_G=triton.next_power_of_2(groups),
+                 N_SHARED=n_shared, HAS_MASK=row_mask is not None, BLOCK_G=triton.next_power_of_2(groups),
                  BLOCK_PG=triton.next_power_of_2(e // groups), BLOCK_K=triton.next_power_of_2(top_k + n_shared),
                  **pdl_meta(device), **meta)
     return weights, ids
@@ -158,13 +166,14 @@ def _launch_select(kernel, grid: tuple[int, ...], args: tuple, t: int, e: int, t
 
 def moe_topk(router_logits: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str, n_group: int = 1,
              topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
-             e_score_correction_bias: torch.Tensor | None = None,
-             n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             e_score_correction_bias: torch.Tensor | None = None, n_shared: int = 0,
+             row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Select each token's experts (Triton, one program per token, E up to a few hundred).
 
     Args:
         router_logits: [T, E] float32 (`gate` linear output). e_score_correction_bias: [E], noaux_tc only.
         n_shared: shared-expert slots appended to each row: ids E .. E + n_shared - 1, weight 1.0.
+        row_mask: [T] bool or None: a row where it is False (a padding row) gets every id -1 (no expert).
     Returns:
         (topk_weights [T, k + n_shared] float32, topk_ids [T, k + n_shared] int32); routed ids are in selection
         order (best first), ties go to the lower expert id.
@@ -174,13 +183,13 @@ def moe_topk(router_logits: torch.Tensor, top_k: int, *, topk_method: str, scori
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     return _launch_select(_moe_topk_kernel, (t,), (logits, logits.stride(0)), t, e, top_k, topk_method,
                           scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
-                          e_score_correction_bias, n_shared, logits.device, num_warps=4 if e > 128 else 2)
+                          e_score_correction_bias, n_shared, logits.device, row_mask, num_warps=4 if e > 128 else 2)
 
 
 def moe_topk_ref(router_logits: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str,
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False,
                  routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
-                 n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 n_shared: int = 0, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec of `moe_topk` in plain PyTorch (fp32)."""
     _check(router_logits, top_k, topk_method, scoring_func, n_group, topk_group, e_score_correction_bias)
     t, e = router_logits.shape
@@ -204,6 +213,8 @@ def moe_topk_ref(router_logits: torch.Tensor, top_k: int, *, topk_method: str, s
         shared = torch.arange(e, e + n_shared, dtype=torch.int32, device=ids.device).expand(t, -1)
         weights = torch.cat([weights, torch.ones(t, n_shared, device=weights.device)], dim=1)
         ids = torch.cat([ids, shared], dim=1)
+    if row_mask is not None:
+        ids = ids.masked_fill(~row_mask[:, None], -1)
     return weights, ids
 
 
@@ -244,11 +255,12 @@ def _sum_over_ranks(x, t, offs_h, h_ok, ar_ptrs, ar_epochs, ar_rank, ar_half, AR
 def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, stride_x, stride_w,
                       res_ptr, nw_ptr, normed_ptr, res_out_ptr, eps, stride_res, stride_normed, stride_res_out,
                       ar_ptrs, ar_epochs, ar_rank, ar_half,
-                      bias_ptr, weights_ptr, ids_ptr, per_group, n_group, routed_scaling_factor,
+                      bias_ptr, weights_ptr, ids_ptr, mask_ptr, per_group, n_group, routed_scaling_factor,
                       TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
                       NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                      NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr, AR_WORLD: tl.constexpr):
+                      BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_H: tl.constexpr, NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr,
+                      AR_WORLD: tl.constexpr):
     # ONE_TILE: hidden <= BLOCK_H. NORM_IN: the gate reads rmsnorm(x + res) (weight nw); the slice-0 program of each token also writes that
     # normed row (the experts' input) and x + res (the residual stream) to their own buffers.
     t = tl.program_id(1).to(tl.int64)
@@ -313,8 +325,9 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
         _, _, ok, idx = _expert_grid(per_group, n_group, BLOCK_G, BLOCK_PG)
         logits = tl.load(logits_ptr + t * n_experts + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
         out = t * (TOP_K + N_SHARED)
-        _select_row(logits, bias_ptr, weights_ptr + out, ids_ptr + out, per_group, n_group, routed_scaling_factor,
-                    TOP_K, TOPK_GROUP, METHOD, SIGMOID, NORM, HAS_BIAS, N_SHARED, BLOCK_G, BLOCK_PG, BLOCK_K)
+        _select_row(logits, bias_ptr, weights_ptr + out, ids_ptr + out, mask_ptr, t, per_group, n_group,
+                    routed_scaling_factor, TOP_K, TOPK_GROUP, METHOD, SIGMOID, NORM, HAS_BIAS, N_SHARED, BLOCK_G,
+                    BLOCK_PG, BLOCK_K, HAS_MASK)
 
 
 def route_config(e: int, hidden: int) -> dict:
@@ -328,12 +341,13 @@ def route_config(e: int, hidden: int) -> dict:
 def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str,
               n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
               e_score_correction_bias: torch.Tensor | None = None, n_shared: int = 0,
-              sync: torch.Tensor | None = None, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              sync: torch.Tensor | None = None, config: dict | None = None,
+              row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits x @ weight^T in fp32 and `moe_topk` on them, in one launch (small T: decode).
 
     Args:
         x: [T, h] any float dtype, rows contiguous. weight: [E, h] (`mlp.gate.weight`, any float dtype; both are
-            upcast exactly, products and sums in fp32). Routing arguments and n_shared: as `moe_topk`.
+            upcast exactly, products and sums in fp32). Routing arguments, n_shared and row_mask: as `moe_topk`.
         sync: int32 [>= T] zeros, owned by the caller and left zero (the kernel's arrival counts; one launch at a
             time per buffer); default a fresh one. config: BLOCK_E, BLOCK_H, num_warps (`route_config`).
     Returns:
@@ -342,15 +356,15 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, topk_method:
     return _route(x, None, weight, top_k, sync, config, topk_method=topk_method, scoring_func=scoring_func,
                   n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                   routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=e_score_correction_bias,
-                  n_shared=n_shared)[:2]
+                  n_shared=n_shared, row_mask=row_mask)[:2]
 
 
 def moe_route_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    weight: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str, n_group: int = 1,
                    topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
                    e_score_correction_bias: torch.Tensor | None = None, n_shared: int = 0,
-                   sync: torch.Tensor | None = None, config: dict | None = None,
-                   all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   sync: torch.Tensor | None = None, config: dict | None = None, all_reduce: LLGroup | None = None,
+                   row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """`moe_route` of h = rmsnorm(x + residual) (the layer's post-attention norm folded into the router's launch).
 
     x, residual: [T, h], one dtype, rows contiguous; norm_weight [h]. Returns (weights, ids, h [T, h] in x.dtype,
@@ -361,14 +375,14 @@ def moe_route_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
     return _route(x, (residual, norm_weight, eps), weight, top_k, sync, config, topk_method=topk_method,
                   scoring_func=scoring_func, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                   routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=e_score_correction_bias,
-                  n_shared=n_shared, all_reduce=all_reduce)
+                  n_shared=n_shared, all_reduce=all_reduce, row_mask=row_mask)
 
 
 def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None, weight: torch.Tensor,
            top_k: int, sync: torch.Tensor | None, config: dict | None, *, topk_method: str, scoring_func: str,
            n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
            e_score_correction_bias: torch.Tensor | None, n_shared: int,
-           all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, ...]:
+           all_reduce: LLGroup | None = None, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     t, h = x.shape
     e = weight.shape[0]
     assert weight.dim() == 2 and weight.shape[1] == h, f"weight must be [E, {h}], got {tuple(weight.shape)}"
@@ -391,7 +405,8 @@ def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | Non
             res.stride(0), normed.stride(0), res_out.stride(0), *ar)
     weights, ids = _launch_select(_moe_route_kernel, (triton.cdiv(e, block_e), t), args, t, e, top_k, topk_method,
                                   scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
-                                  e_score_correction_bias, n_shared, x.device, BLOCK_E=block_e, BLOCK_H=block_h,
+                                  e_score_correction_bias, n_shared, x.device, row_mask, BLOCK_E=block_e,
+                                  BLOCK_H=block_h,
                                   NORM_IN=norm is not None, ONE_TILE=h <= block_h,
                                   AR_WORLD=all_reduce.world if all_reduce is not None else 1, **cfg)
     return weights, ids, normed, res_out

@@ -78,10 +78,11 @@ class Router(torch.nn.Module):
     def post_load(self) -> None:
         self.weight_f32 = self.weight.float()        # routing runs in fp32; convert once, not every step
 
-    def forward(self, x: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, n_shared: int = 0,
+                row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, h] -> (weights [T, K + n_shared] f32, global ids [T, K + n_shared] int32); the n_shared shared
-        slots (ids E .., weight 1) come last."""
-        c, kw = self.cfg, self._routing(n_shared)
+        slots (ids E .., weight 1) come last. `row_mask` [T] bool: rows where it is False get every id -1."""
+        c, kw = self.cfg, self._routing(n_shared, row_mask)
         if x.shape[0] <= self.route_max_tokens:    # the gate weight as stored: upcasting it is exact
             return self.ops.moe_route(x, self.weight, c.num_experts_per_tok, sync=self.route_sync, **kw)
         # NOTE: not under torch.compile (decode batches up to its max bs): mm's out_dtype overload is left to eager
@@ -94,18 +95,19 @@ class Router(torch.nn.Module):
         return self.ops.moe_topk(logits, c.num_experts_per_tok, **kw)
 
     def route_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, n_shared: int = 0,
-                     all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, ...]:
+                     all_reduce: LLGroup | None = None,
+                     row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """forward(norm(x + residual)) in one launch, up to `route_max_tokens` tokens; returns (weights, ids,
         norm(x + residual), x + residual). `all_reduce`: x is this rank's share, summed over the ranks first in the
         same launch (the Triton kernel)."""
         assert x.shape[0] <= self.route_max_tokens, f"route_normed takes at most {self.route_max_tokens} tokens"
         kw = {} if all_reduce is None else {"all_reduce": all_reduce}       # (the torch reference takes none)
         return self.ops.moe_route_norm(x, residual, norm.weight, norm.eps, self.weight, self.cfg.num_experts_per_tok,
-                                       sync=self.route_sync, **self._routing(n_shared), **kw)
+                                       sync=self.route_sync, **self._routing(n_shared, row_mask), **kw)
 
-    def _routing(self, n_shared: int) -> dict:
+    def _routing(self, n_shared: int, row_mask: torch.Tensor | None = None) -> dict:
         c = self.cfg
-        return dict(topk_method=c.topk_method, scoring_func=c.scoring_func, n_group=c.n_group,
+        return dict(row_mask=row_mask, topk_method=c.topk_method, scoring_func=c.scoring_func, n_group=c.n_group,
                     topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                     routed_scaling_factor=c.routed_scaling_factor,
                     e_score_correction_bias=self.e_score_correction_bias, n_shared=n_shared)
@@ -319,12 +321,12 @@ class MoE(torch.nn.Module):
         # [T, K (+ n_shared)]: the shared slots E .. E + n_shared - 1 (weight 1) ride along in the fused call
         n_shared = ex.n_shared if fuse_shared else 0
         residual = None
+        # row_mask: padding rows get every slot -1 (in the router's launch)
         if norm is None:
-            weights, ids = self.gate(x, n_shared=n_shared)                   # [T, K] f32, [T, K] int32 global
+            weights, ids = self.gate(x, n_shared=n_shared, row_mask=row_mask)  # [T, K] f32, [T, K] int32 global
         else:
-            weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared, all_reduce=sum_in)
-        if row_mask is not None:                                              # padding rows: every slot -1
-            ids = ids.masked_fill(~row_mask[:, None], -1)
+            weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared, all_reduce=sum_in,
+                                                               row_mask=row_mask)
         if next_norm is not None:
             return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce)
         if ep:                                                                # EP: local ids, -1 elsewhere

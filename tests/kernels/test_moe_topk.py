@@ -197,3 +197,27 @@ def test_moe_route_norm_matches_ref(kw: dict, num_experts: int, hidden: int, tok
         # NOTE: the routing of the kernel's own normed rows: a last-bit difference of the norm (its sum order)
         # can flip a near-tie between experts, as any two norm kernels would
         assert_same_routing(got[:2], moe_route_ref(got[2], weight, e_score_correction_bias=bias, n_shared=2, **kw))
+
+
+@pytest.mark.parametrize("fn", ["topk", "route", "route_norm"])
+@pytest.mark.parametrize("n_shared", [0, 1])
+def test_row_mask_gives_padding_rows_no_expert(fn: str, n_shared: int, device: str) -> None:
+    """`row_mask` (decode graphs' padding rows): a masked row gets every id -1, shared slots too; every other row
+    the experts and weights it gets without a mask; the three launchers and their references agree."""
+    _seed()
+    kw, e, h, t = dict(V3_NOAUX), 64, 300, 6
+    bias = torch.randn(e, device=device) * 0.1
+    x, res = (torch.randn(t, h, device=device) for _ in range(2))
+    weight = torch.randn(e, h, device=device) * 0.05
+    norm_w = torch.rand(h, device=device) + 0.5
+    mask = torch.tensor([True, False, True, True, False, False], device=device)
+    args = dict(kw, e_score_correction_bias=bias, n_shared=n_shared)
+    run = {"topk": lambda f, **m: f(x @ weight.T, **args, **m),
+           "route": lambda f, **m: f(x, weight, **args, **m),
+           "route_norm": lambda f, **m: f(x, res, norm_w, 1e-6, weight, **args, **m)[:2]}[fn]
+    kernel, ref = {"topk": (moe_topk, moe_topk_ref), "route": (moe_route, moe_route_ref),
+                   "route_norm": (moe_route_norm, moe_route_norm_ref)}[fn]
+    plain = run(kernel)
+    for got in (run(kernel, row_mask=mask), run(ref, row_mask=mask)):
+        assert (got[1][~mask] == -1).all()
+        assert_same_routing((got[0][mask], got[1][mask]), (plain[0][mask], plain[1][mask]))
