@@ -233,6 +233,7 @@ class SpecGraphRunner:
         width = slots_per_step(s, spec.topk, spec.num_draft)              # slots per request of a step
         n = self.batch_sizes[-1]
         self.dummy_req = dummy_req
+        spec.pad_req = dummy_req                          # the padding rows route to no expert (`_decode_ctx`)
         req_to_token[dummy_req, : width + 2] = 0
         self.rows = torch.full((n,), dummy_req, dtype=torch.int64, device=device)
         self.base = torch.ones(n, dtype=torch.int64, device=device)

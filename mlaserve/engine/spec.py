@@ -119,6 +119,7 @@ class SpecDecoder:
         assert self.model.mtp is not None, "the model was built without its NextN layer"
         # the target and the draft as the decode steps call them (torch.compile'd by SpecGraphRunner when asked)
         self.target_fn, self.draft_fn = self.model, self.model.mtp
+        self.pad_req: int | None = None          # the graphs' padding request (SpecGraphRunner): its rows route nowhere
         self.hidden_buf: torch.Tensor | None = None       # [rows, h]: target hidden at each request's last KV position
         self.base_buf: torch.Tensor | None = None         # [rows] int64: each request's tokens with KV (its next L)
         self.step_cols: torch.Tensor | None = None        # [slots_per_step] a step's columns past each base
@@ -272,15 +273,20 @@ class SpecDecoder:
                     out_slots: torch.Tensor, num_q: int, draft: bool, seq_cpu: list[int] | None,
                     splits: int | None, counts: list[int] | None = None) -> ForwardContext:
         """A DECODE context from device tensors only (so CUDA graphs can capture it); `seq_cpu` are the same
-        lengths on the host for the reference attention (None under graphs, where nothing reads them)."""
+        lengths on the host for the reference attention (None under graphs, where nothing reads them). With the
+        graphs' padding request known (`pad_req`) its rows (num_q per request) route to no expert in the MoE;
+        under DP attention (`counts`) every row routes."""
         r = self.runner
         b = rows.shape[0]
+        mask = None
+        if self.pad_req is not None and counts is None and b > 1:
+            mask = (rows != self.pad_req)[:, None].expand(b, num_q).reshape(-1)            # [b * num_q]
         return ForwardContext(
             mode=ForwardMode.DECODE, positions=positions, out_slots=out_slots, req_pool_idx=rows,
             seq_lens=seq_lens.to(torch.int32), seq_lens_cpu=seq_cpu if seq_cpu is not None else [num_q] * b,
             extend_lens_cpu=[num_q] * b, req_to_token=r.req_to_token[:, 1:] if draft else r.req_to_token,
             kv_pool=r.pool, attn_backend=r.attn_backend, num_q=num_q, logits_indices=None, num_kv_splits=splits,
-            global_num_tokens=counts)
+            global_num_tokens=counts, moe_row_mask=mask)
 
     def draft_verify(self, rows: torch.Tensor, base: torch.Tensor, slots: torch.Tensor,
                      base_cpu: list[int] | None, splits: tuple[int, int] | None = None,
