@@ -160,8 +160,8 @@ class DecodeGraphRunner:
         tensor) and pool row, its input token being `token_buf[row]`. `pad_to`: the captured size to replay (DP
         attention: the one all ranks agreed on; bs may then be 0), else the smallest that holds bs.
         `group_counts` (DP attention): every group's requests this step (the agreed `global_num_tokens`), which
-        tell the MoE its padding rows (without them every row routes); one group: bs. Returns (logits [bs, V], the pool rows on
-        the device [bs]: a view valid until the next replay is queued)."""
+        tell the MoE its padding rows (without them every row routes); one group: bs. Returns (logits [bs, V], the
+        pool rows on the device [bs]: a view valid until the next replay is queued)."""
         bs = len(positions)
         cbs = self._capture_size(bs) if pad_to is None else pad_to
         assert bs <= cbs and cbs in self.ctxs, f"{bs} requests in the graph of size {cbs}"
@@ -179,7 +179,7 @@ class DecodeGraphRunner:
             host[3, : self.dp_size] = group_counts if group_counts is not None else cbs
         else:
             host[3, 0] = bs
-        # NOTE: the whole staging tensor (3 x the largest size, a few KB): one copy, no slicing ops; columns past
+        # NOTE: the whole staging tensor (4 x the largest size, a few KB): one copy, no slicing ops; columns past
         # cbs are stale and never read by this size's graph
         self.inputs.copy_(self.staging[i], non_blocking=True)
         if not self.captured:                             # the same padded forward, run eagerly
