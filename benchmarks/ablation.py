@@ -1,8 +1,8 @@
 """The seeds' two ablation tables (issue 17) for this engine: single-query tokens/s and offline throughput, one row
 per combination of torch.compile, CUDA graphs, radix cache, NextN (EAGLE chain), EP and DP attention.
 
-Run on two H200s at concurrency 256: benchmarks/results/ablation-h200x2.md. On one GPU, `--tp 1` runs the single-GPU rows and
-lists the EP / DP rows as needing two GPUs; `--tp 2` runs them all.
+Run on two H200s at concurrency 256: benchmarks/results/ablation-h200x2.md. On one GPU, `--tp 1` runs the
+single-GPU rows and lists the EP / DP rows as needing two GPUs; `--tp 2` runs them all.
 There is no Flashinfer-MLA column (one MLA backend here). Correctness of every combination is
 tests/test_combinations.py; this only times them. Every row is expected to run (DP attention keys its decode graphs
 by the size the groups agree on each step); a graph switch a server resolved off (the CPU) is shown as "resolved
