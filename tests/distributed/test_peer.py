@@ -125,9 +125,9 @@ def _model_on_ranks(group, path: str, msgs: list, flags: dict) -> dict:
 def _noting(fn, calls: list):
     """MoE.forward_normed, noting which kernels sum over the ranks: "router" (sum_in given), "combine"
     (all_reduce given)."""
-    def noted(x, residual, norm, next_norm=None, all_reduce=None, sum_in=None):
+    def noted(x, residual, norm, next_norm=None, all_reduce=None, sum_in=None, row_mask=None):
         calls.extend(["router"] * (sum_in is not None) + ["combine"] * (all_reduce is not None))
-        return fn(x, residual, norm, next_norm, all_reduce, sum_in)
+        return fn(x, residual, norm, next_norm, all_reduce, sum_in, row_mask)
     return noted
 
 
