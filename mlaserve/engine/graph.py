@@ -91,7 +91,6 @@ class DecodeGraphRunner:
             self.inputs[:2, :bs] = 0
             self.inputs[2, :bs] = self.dummy_req
             self.group_counts.fill_(bs)                       # every row routes, as in a full step
-            self.ctxs[bs].seq_lens_cpu = [1] * bs
             self._prologue(bs)
             self._fn(bs)(self.input_ids[:bs], self.positions[:bs], self.ctxs[bs])
         if self.device.type == "cuda":
@@ -184,7 +183,9 @@ class DecodeGraphRunner:
         self.inputs.copy_(self.staging[i], non_blocking=True)
         if not self.captured:                             # the same padded forward, run eagerly
             # NOTE: the PyTorch reference attention reads the lengths on the host (a kernel reads `seq_lens`)
-            self.ctxs[cbs].seq_lens_cpu = [p + 1 for p in positions] + [1] * (cbs - bs)
+            ctx = self.ctxs[cbs]
+            if ctx.attn_backend.host_seq_lens:        # (a kernel reads none: nothing for torch.compile to guard on)
+                ctx.seq_lens_cpu = [p + 1 for p in positions] + [1] * (cbs - bs)
             self._prologue(cbs)
             out = self._fn(cbs)(self.input_ids[:cbs], self.positions[:cbs], self.ctxs[cbs]).logits
             return out[:bs], self.req_pool_idx[:bs]
