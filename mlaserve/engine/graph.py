@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
 import time
 
 import torch
@@ -29,6 +30,12 @@ from mlaserve.engine.spec_tree import DraftTree, accept_tree, draft_tree, query_
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 
 logger = logging.getLogger(__name__)
+
+
+def pad_mask_on() -> bool:
+    """Whether padded graphs route their padding rows to no expert (default); MLASERVE_PAD_MASK=0 turns it off,
+    for A/B runs (benchmarks/gpu_pad_mask.sh)."""
+    return os.environ.get("MLASERVE_PAD_MASK", "1") != "0"
 
 
 class DecodeGraphRunner:
@@ -107,7 +114,7 @@ class DecodeGraphRunner:
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=1,
             logits_indices=None, num_kv_splits=splits,
             global_num_tokens=[bs] * self.dp_size if self.dp_size else None,
-            moe_row_mask=self.row_mask[: self.groups * bs] if self.groups * bs > 1 else None)
+            moe_row_mask=self.row_mask[: self.groups * bs] if self.groups * bs > 1 and pad_mask_on() else None)
 
     @torch.no_grad()
     def _capture(self, kv_pool, attn_backend, req_to_token, max_context: int) -> None:
@@ -234,7 +241,7 @@ class SpecGraphRunner:
         width = slots_per_step(s, spec.topk, spec.num_draft)              # slots per request of a step
         n = self.batch_sizes[-1]
         self.dummy_req = dummy_req
-        spec.pad_req = dummy_req                          # the padding rows route to no expert (`_decode_ctx`)
+        spec.pad_req = dummy_req if pad_mask_on() else None       # padding rows route to no expert (`_decode_ctx`)
         req_to_token[dummy_req, : width + 2] = 0
         self.rows = torch.full((n,), dummy_req, dtype=torch.int64, device=device)
         self.base = torch.ones(n, dtype=torch.int64, device=device)

@@ -3,7 +3,7 @@
 tokens equal the unpadded engine's, and every padding row reaches the experts with all its slots -1."""
 from __future__ import annotations
 
-import torch
+import pytest
 
 from engine.test_spec import DEMO, HEADERS, make, msg, same
 from mlaserve.engine.graph import DecodeGraphRunner
@@ -12,7 +12,10 @@ from mlaserve.tokenizer import load_tokenizer
 from seq_runner import drive_scheduler as run
 
 
-def test_padding_rows_route_to_no_expert(monkeypatch):
+@pytest.mark.parametrize("mask", ["1", "0"])
+def test_padding_rows_route_to_no_expert(mask, monkeypatch):
+    """MLASERVE_PAD_MASK=0 (the A/B switch): the padding rows route as before, the tokens are the same."""
+    monkeypatch.setenv("MLASERVE_PAD_MASK", mask)
     tok = load_tokenizer(DEMO)
     msgs = [msg(f"r{i}", tok.encode(h), max_new=n) for i, (h, n) in enumerate(zip(HEADERS[:3], (10, 6, 12)))]
     arrivals = {"r1": 2, "r2": 4}                         # decode batches of 1, 2 and 3 requests
@@ -26,6 +29,9 @@ def test_padding_rows_route_to_no_expert(monkeypatch):
     monkeypatch.setattr(RoutedExperts, "forward", lambda self, x, w, ids: seen.append(ids) or forward(self, x, w, ids))
     same(base, run(sched, msgs, arrivals))
     padded = [ids for ids in seen if ids.shape[0] == 4]      # 2 or 3 requests in the graph of 4
+    if mask == "0":
+        assert padded and all((ids >= 0).all() for ids in padded)
+        return
     assert padded and all((ids[-1] == -1).all() for ids in padded)
     assert all((ids[0] >= 0).all() for ids in padded)          # a request's row routes
     assert any((ids == -1).all(dim=1).sum() == 2 for ids in padded)      # 2 requests: two padding rows
