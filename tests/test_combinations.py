@@ -259,9 +259,12 @@ def test_mixed_chunk_with_parallel_layouts(models, baseline, name: str):
 
 # --- GPU: CUDA graphs and torch.compile ----------------------------------------------------------------------
 
-# name -> (flags over the eager GPU baseline's, GPUs). Graphs are on by default on a GPU; compile acts inside them.
+# name -> (flags over the eager GPU baseline's, GPUs). Graphs are on by default on a GPU; compile acts inside them,
+# or without them on the graphs' padded sizes (the seeds' "compile, no graph" row)
 GPU_ROWS = {"graphs": ({}, 1),
             "graphs-compile": ({"enable_torch_compile": True}, 1),
+            "compile-nographs-spec": ({"enable_torch_compile": True, "disable_cuda_graph": True,
+                                       "speculative_algorithm": "EAGLE"}, 1),
             "graphs-spec": ({"speculative_algorithm": "EAGLE"}, 1),
             "graphs-compile-spec-fp8kv": ({"enable_torch_compile": True, "speculative_algorithm": "EAGLE",
                                            "kv_cache_dtype": "fp8_e4m3"}, 1),
@@ -280,7 +283,10 @@ GPU_ROWS = {"graphs": ({}, 1),
             "dp2-ep2-piecewise-mixed-chunk": (LAYOUTS["dp2-ep2"] | {"enable_piecewise_cuda_graph": True,
                                                                     "enable_mixed_chunk": True}, 2),
             "dp2-ep2-graphs-spec-fp8kv": (LAYOUTS["dp2-ep2"] | {"speculative_algorithm": "EAGLE",
-                                                                "kv_cache_dtype": "fp8_e4m3"}, 2)}
+                                                                "kv_cache_dtype": "fp8_e4m3"}, 2),
+            "tp2-ep2-compile-nographs": ({"tp_size": 2, "ep_size": 2, "enable_torch_compile": True,
+                                          "disable_cuda_graph": True}, 2),
+            "dp2-compile-nographs": (LAYOUTS["dp2"] | {"enable_torch_compile": True, "disable_cuda_graph": True}, 2)}
 
 
 def _gpu_params() -> list:
@@ -309,7 +315,8 @@ def test_gpu_graphs_and_compile(name: str):
 
     base, _, _ = go(disable_cuda_graph=True, **fp8)
     first, second, info = go(**flags)
-    assert info["disable_cuda_graph"] is False
+    assert info["disable_cuda_graph"] is bool(flags.get("disable_cuda_graph"))
+    assert (info["torch_compile_max_bs"] > 0) is bool(flags.get("enable_torch_compile"))
     if flags.get("enable_piecewise_cuda_graph"):         # the prompts' extends (both passes) fit the pieces
         assert info["piecewise_graph_steps"] >= 2, info
     for a, b in zip(base, first, strict=True):
