@@ -67,6 +67,7 @@ class DecodeGraphRunner:
         self.positions, self.out_slots, self.req_pool_idx = self.inputs[0], self.inputs[1], self.inputs[2]
         # the MoE's rows [groups * bs] that are requests' (group d's first counts[d] of its bs), made by the
         # prologue from the counts: padding rows then route to no expert (no weights read for them)
+        self.masking = pad_mask_on()
         self.group_counts = self.inputs[3, : self.groups]
         self.columns = torch.arange(n, device=device)
         self.row_mask = torch.ones(self.groups * n, dtype=torch.bool, device=device)
@@ -114,7 +115,7 @@ class DecodeGraphRunner:
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=1,
             logits_indices=None, num_kv_splits=splits,
             global_num_tokens=[bs] * self.dp_size if self.dp_size else None,
-            moe_row_mask=self.row_mask[: self.groups * bs] if self.groups * bs > 1 and pad_mask_on() else None)
+            moe_row_mask=self.row_mask[: self.groups * bs] if self.masking and self.groups * bs > 1 else None)
 
     @torch.no_grad()
     def _capture(self, kv_pool, attn_backend, req_to_token, max_context: int) -> None:
@@ -149,7 +150,7 @@ class DecodeGraphRunner:
         for its pool row (`token_buf`)."""
         torch.add(self.positions[:bs], 1, out=self.seq_lens[:bs])
         torch.index_select(self.token_buf, 0, self.req_pool_idx[:bs], out=self.input_ids[:bs])
-        if self.groups * bs > 1:
+        if self.masking and self.groups * bs > 1:
             torch.lt(self.columns[:bs].expand(self.groups, bs), self.group_counts[:, None],
                      out=self.row_mask[: self.groups * bs].view(self.groups, bs))
 
@@ -241,7 +242,7 @@ class SpecGraphRunner:
         width = slots_per_step(s, spec.topk, spec.num_draft)              # slots per request of a step
         n = self.batch_sizes[-1]
         self.dummy_req = dummy_req
-        spec.pad_req = dummy_req if pad_mask_on() else None       # padding rows route to no expert (`_decode_ctx`)
+        self.pad_req = dummy_req if pad_mask_on() else None         # set on the spec inside `_fns`
         req_to_token[dummy_req, : width + 2] = 0
         self.rows = torch.full((n,), dummy_req, dtype=torch.int64, device=device)
         self.base = torch.ones(n, dtype=torch.int64, device=device)
@@ -260,7 +261,7 @@ class SpecGraphRunner:
             self.fns[bs] = self._padded(bs, tree, splits, counts)
         self.eager, self.compiled = eager, compiled
         if capture:
-            self._capture(compiled, eager, compile_max_bs)
+            self._capture()
             logger.info("captured %d speculative draft + verify CUDA graph pairs (bs %s) in %.1f s", len(self.graphs),
                         self.batch_sizes, time.monotonic() - t0)
         elif warm:
@@ -275,14 +276,18 @@ class SpecGraphRunner:
 
     @contextlib.contextmanager
     def _fns(self, cbs: int):
-        """capture=False: the target and draft forwards of a size-cbs step, compiled up to compile_max_bs."""
+        """A padded size-cbs step (captured or run eagerly): the target and draft forwards compiled up to
+        compile_max_bs, the padding request's rows routed to no expert (`SpecDecoder._decode_ctx`); eager calls
+        outside (batches past the graphs) keep the plain forwards and no mask."""
         spec = self.spec
         if self.compiled is not None and cbs <= self.compile_max_bs:
             spec.target_fn, spec.draft_fn = self.compiled
+        spec.pad_req = self.pad_req
         try:
             yield
         finally:
             spec.target_fn, spec.draft_fn = self.eager
+            spec.pad_req = None
 
     def _padded(self, bs: int, tree: bool, splits: list[int], counts: list[list[int]] | None):
         """The two device functions of a size-bs step over the static buffers (`base_cpu`: the reference attention's
@@ -303,26 +308,24 @@ class SpecGraphRunner:
                                counts[-1] if counts is not None else None)
         return first, second
 
-    def _capture(self, compiled, eager, compile_max_bs: int) -> None:
-        spec = self.spec
+    def _capture(self) -> None:
         pool, stream = None, torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):
             first, second = self.fns[bs]
-            spec.target_fn, spec.draft_fn = compiled if compiled is not None and bs <= compile_max_bs else eager
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):                # warm up: Triton (and torch.compile) compile here
-                    d, _, h = first()
-                    second(d, h)
-            torch.cuda.current_stream().wait_stream(stream)
-            g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g1, pool=pool, stream=stream):
-                out1 = first()
-            pool = g1.pool()
-            with torch.cuda.graph(g2, pool=pool, stream=stream):
-                out2 = second(out1[0], out1[2])
+            with self._fns(bs):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):            # warm up: Triton (and torch.compile) compile here
+                        d, _, h = first()
+                        second(d, h)
+                torch.cuda.current_stream().wait_stream(stream)
+                g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g1, pool=pool, stream=stream):
+                    out1 = first()
+                pool = g1.pool()
+                with torch.cuda.graph(g2, pool=pool, stream=stream):
+                    out2 = second(out1[0], out1[2])
             self.graphs[bs], self.outputs[bs] = (g1, g2), (out1, out2)
-        spec.target_fn, spec.draft_fn = eager           # eager calls (batches past the graphs) stay eager
         torch.cuda.synchronize()
 
     def can_run(self, bs: int) -> bool:

@@ -119,7 +119,7 @@ class SpecDecoder:
         assert self.model.mtp is not None, "the model was built without its NextN layer"
         # the target and the draft as the decode steps call them (torch.compile'd by SpecGraphRunner when asked)
         self.target_fn, self.draft_fn = self.model, self.model.mtp
-        self.pad_req: int | None = None          # the graphs' padding request (SpecGraphRunner): its rows route nowhere
+        self.pad_req: int | None = None    # inside a padded graph step (SpecGraphRunner._fns): the padding request
         self.hidden_buf: torch.Tensor | None = None       # [rows, h]: target hidden at each request's last KV position
         self.base_buf: torch.Tensor | None = None         # [rows] int64: each request's tokens with KV (its next L)
         self.step_cols: torch.Tensor | None = None        # [slots_per_step] a step's columns past each base
