@@ -28,7 +28,10 @@ transformers = pytest.importorskip("transformers")
 #   through 3 layers of random weights with logits of std 4). Asserted: mean <= 0.7 and p90 <= 1.3; the
 #   same checkpoint with dequantised weights (no activation quantisation) matches HF to 1e-4.
 FP32_TOL = 1e-4
-FLIPS = 2               # bf16: positions a flipped routed-expert choice may move by several nats (see the test)
+# bf16: positions a flipped routed-expert choice may move by several nats (see the test). Measured over 40 seeds of
+# 120 positions on the CPU: v2-lite none, v3 at most 1, v2 a mean of 1.0 (13 seeds 0, 21 seeds 1, 5 seeds 2, one 3);
+# about Poisson(1): more than 6 in about 1 run in 12,000 (more than 2, the bound before, in 1 in 12: CI saw 3)
+FLIPS = 6
 
 
 def assert_close_stats(d: torch.Tensor, mean: float, p90: float, what: str) -> None:
@@ -111,12 +114,12 @@ def test_prompt_logprobs_bf16(checkpoints, variant):
     torch.manual_seed(seed)
     # NOTE: a bf16 rounding that flips one routed expert moves that position by up to ~10 nats (seen in CI: over 40
     # positions a mean of 0.28 from two such positions; over 120 a mean of 0.26 from one of 9.8, p90 0.17). At most
-    # FLIPS such positions are allowed; the statistics are over the others
+    # FLIPS such positions (> 2 nats) are allowed; the statistics are over the others
     ids = random_prompt(cfg, 120)
     a, b = ours_prompt_logprobs(model, cfg, ids), hf_prompt_logprobs(hf(path, torch.bfloat16), ids)
     d = (a - b).abs().float()
     assert (d > 2.0).sum() <= FLIPS, f"bf16 {variant}: {(d > 2.0).sum()} positions off by > 2 nats: {d.max():.3f}"
-    assert_close_stats(d.sort().values[:-FLIPS], 0.2, 0.35, f"bf16 {variant} (the {FLIPS} largest left out)")
+    assert_close_stats(d[d <= 2.0], 0.2, 0.35, f"bf16 {variant} (positions > 2 nats left out)")
 
 
 @pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3"])
