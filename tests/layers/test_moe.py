@@ -158,11 +158,12 @@ def test_masked_rows_route_to_no_expert(kernels: str, tokens: int, one_thread, m
     torch.manual_seed(seed)
     cfg = dataclasses.replace(ModelConfig.from_hf(CONFIGS / "deepseek-v3.json"), hidden_size=64,
                               moe_intermediate_size=32, n_routed_experts=16)
-    layer = moe_layer.MoE(cfg, quant=None, dtype=torch.float32, device="cpu", ops=get_ops(kernels))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = moe_layer.MoE(cfg, quant=None, dtype=torch.float32, device=device, ops=get_ops(kernels))
     for p in layer.parameters():
         p.data.normal_(0, 0.2)
-    x = torch.randn(tokens, cfg.hidden_size)
-    mask = torch.rand(tokens) < 0.5
+    x = torch.randn(tokens, cfg.hidden_size, device=device)
+    mask = torch.rand(tokens, device=device) < 0.5
     mask[0], mask[-1] = True, False
     seen = []
     experts = layer.experts.forward
