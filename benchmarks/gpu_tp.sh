@@ -2,8 +2,10 @@
 # Device call for tensor parallelism (nvidia-h200-x2), in parts (default: all, in this order):
 #   allreduce   the all-reduce alone (NCCL, pull and push peer kernels, in a CUDA graph)
 #   one-batch   V2-Lite tp 1 vs tp 2 (tp 2 with the pull kernel, then MLASERVE_PEER_PUSH=1)
-#   push        V2-Lite tp 2: MLASERVE_PEER_PUSH=0 (pull kernel, separate all-reduces), then the default (auto: push
-#               up to 4096 elements, the sums inside the router and the one-token fused MoE)
+#   push        V2-Lite tp 2: MLASERVE_PEER_PUSH=0 (pull kernel only), the default (auto: push up to 4096 elements),
+#               then auto with MLASERVE_KERNEL_SUMS=1 (the sums inside the router and the one-token fused MoE), each
+#               run's whole log kept; a run still going after 150 s gets `kill -USR1` (every rank prints its Python
+#               stacks to the log), then is killed
 #   v3          V3 full width FP8: 4 layers at tp 1 and tp 2, then $V3_LAYERS (20; 8 on H100s) at tp 2
 #   tests-tp    the GPU-marked tests of test_peer.py and test_tensor_parallel.py only
 #   tests       the GPU-marked tests of tests/distributed and the parallel server
@@ -18,6 +20,20 @@ PARTS=${*:-allreduce one-batch v3 tests startup}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
 B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
+# run_or_dump SECONDS LOG CMD...: CMD with its output in LOG; past SECONDS its processes print their stacks (USR1),
+# then are killed
+run_or_dump() {
+  local secs=$1 log=$2; shift 2
+  "$@" > "$log" 2>&1 &
+  local pid=$! i
+  for i in $(seq 1 "$secs"); do kill -0 $pid 2> /dev/null || break; sleep 1; done
+  if kill -0 $pid 2> /dev/null; then
+    echo "still running after $secs s: stacks below" >> "$log"
+    pkill -USR1 -f "mlaserve" ; sleep 5
+    pkill -KILL -f "mlaserve.cli"; pkill -KILL -f "multiprocessing.spawn"
+  fi
+  wait $pid; echo "exit code $?" >> "$log"
+}
 for PART in $PARTS; do
   echo "== $PART $(date +%T)"
   case $PART in
@@ -29,8 +45,11 @@ for PART in $PARTS; do
       MLASERVE_PEER_PUSH=1 timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push.md" 2>&1 | grep "^|" | tail -4 ;;
     push)       # tp 2 with each rule, back to back on the same machine
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
-      for P in 0 auto; do
-        MLASERVE_PEER_PUSH=$P timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push$P.md" 2>&1 | grep "^|" | tail -3
+      for R in "0 0" "auto 0" "auto 1"; do
+        set -- $R
+        MLASERVE_PEER_PUSH=$1 MLASERVE_KERNEL_SUMS=$2 run_or_dump 150 "$OUT/push$1_sums$2.log" \
+          $B $C --tp-size 2 --output-file "$OUT/one_batch_push$1_sums$2.md"
+        echo "MLASERVE_PEER_PUSH=$1 MLASERVE_KERNEL_SUMS=$2"; grep "^|\|still running\|exit code" "$OUT/push$1_sums$2.log" | tail -4
       done ;;
     v3)         # 4 layers fit one GPU: tp 1 against tp 2; then $V3_LAYERS at tp 2 (20 fit an H200, 8 an H100)
       python3 benchmarks/v3_config.py --layers 4 --out /tmp/v3_4l.json

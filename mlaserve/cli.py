@@ -1,7 +1,9 @@
 """`mlaserve` command line: serve | bench ... | tune ... | make-checkpoint | export-nextn | ... (imported lazily)."""
 from __future__ import annotations
 
+import faulthandler
 import importlib
+import signal
 import sys
 
 COMMANDS = {
@@ -29,6 +31,7 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)    # `kill -USR1 PID`: every thread's stack to stderr
     for words in (2, 1):
         name = " ".join(argv[:words])
         if name in COMMANDS:

@@ -124,8 +124,9 @@ class TensorParallel:
 
     def push_group(self, x: torch.Tensor) -> "LLGroup | None":
         """The push all-reduce's buffers where a call on x would take it (`PeerAllReduce.pushes`): a kernel
-        producing x may then sum it over the ranks itself (`fused_moe_norm`'s all_reduce). Same on every rank."""
-        if self.fuses_norm(x) and self.peer.pushes(x):
+        producing x may then sum it over the ranks itself (`fused_moe_norm`'s all_reduce), where
+        MLASERVE_KERNEL_SUMS=1 (`peer.kernel_sums`). Same on every rank."""
+        if self.fuses_norm(x) and self.peer.kernel_sums and self.peer.pushes(x):
             return self.peer.ll_group
         return None
 
@@ -354,10 +355,20 @@ def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 360
                 proc.kill()
 
 
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack of this process to stderr (where a rank waits when a
+    collective or a spinning all-reduce never returns); the process goes on."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
 def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn, dp_size: int = 1,
                peer_all_reduce: bool | None = None) -> None:
     import traceback
 
+    dump_stacks_on_sigusr1()
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

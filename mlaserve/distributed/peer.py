@@ -81,6 +81,7 @@ class PeerAllReduce:
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
         self.ll = LLPointers(lls, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=device))
         self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "auto"))   # every rank inherits it
+        self.kernel_sums = kernel_sums(os.environ.get("MLASERVE_KERNEL_SUMS", "0"))
         self.ll_group = LLGroup(self.ll, group_rank, self.world)     # for kernels that run the push themselves
 
     def __repr__(self) -> str:
@@ -139,6 +140,20 @@ def push_elems(setting: str) -> int:
     if setting not in limits:
         raise ValueError(f"MLASERVE_PEER_PUSH={setting!r}: expected auto, 1 or 0")
     return limits[setting]
+
+
+def kernel_sums(setting: str) -> bool:
+    """MLASERVE_KERNEL_SUMS=1: where the push variant would take the call, the router sums the attention output over
+    the ranks inside its own launch and a one-token MoE layer's experts' combine its output (`TensorParallel.
+    push_group`), instead of an all-reduce launch before each. 0 (default): off.
+
+    Off by default since its first two-GPU run (2026-11-27, two H200s, V2-Lite tp 2, one-batch bs 1 16 64): with it
+    on, bs 1 and 16 finished (bs 1 429 tok/s against 406 without push and sums) but bs 64 did not finish within 200 s,
+    while the same command without push and sums finished every size in under 120 s; not yet explained
+    (`benchmarks/results/tp-h200x2.md`)."""
+    if setting not in ("0", "1"):
+        raise ValueError(f"MLASERVE_KERNEL_SUMS={setting!r}: expected 0 or 1")
+    return setting == "1"
 
 
 class _IpcHandle(ctypes.Structure):

@@ -143,10 +143,11 @@ def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel)
     """The model's all-reduces over the peer buffers, with the norms after them fused in (V3 shape with a dense
     first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's. `push`:
     MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto (the default) the smallest.
-    `auto-triton`: every op a Triton kernel (the interpreter), so the router sums the attention output over the
+    `auto-triton`: every op a Triton kernel (the interpreter) and MLASERVE_KERNEL_SUMS=1, so the router sums the attention output over the
     ranks (moe_route_norm's all_reduce) and a one-token MoE layer's experts' combine its output (fused_moe_norm's),
     instead of all-reduces around them."""
     monkeypatch.setenv("MLASERVE_PEER_PUSH", {"pull": "0", "push": "1"}.get(kernel, "auto"))   # ranks inherit it
+    monkeypatch.setenv("MLASERVE_KERNEL_SUMS", "1" if kernel == "auto-triton" else "0")
     flags = dict(attention_backend="triton") if kernel == "auto-triton" else {}
     from parallel_common import checkpoint_builder
     from test_tensor_parallel import _msg, _scheduler
@@ -252,6 +253,23 @@ def test_push_setting_is_checked():
     assert push_elems("auto") == PUSH_AUTO_ELEMS and push_elems("0") == 0 and push_elems("1") >= LL_ROWS * 2048
     with pytest.raises(ValueError, match="MLASERVE_PEER_PUSH='yes'"):
         push_elems("yes")
+
+
+def test_kernel_sums_are_opt_in():
+    """The router's and the one-token combine's own sums over the ranks (`push_group`) only with
+    MLASERVE_KERNEL_SUMS=1; otherwise the model all-reduces before them."""
+    from types import SimpleNamespace
+
+    from mlaserve.distributed import TensorParallel
+    from mlaserve.distributed.peer import kernel_sums
+
+    assert kernel_sums("1") and not kernel_sums("0")
+    with pytest.raises(ValueError, match="MLASERVE_KERNEL_SUMS='on'"):
+        kernel_sums("on")
+    tp, x = TensorParallel(0, 2), torch.zeros(1, 2048)
+    for on in (False, True):
+        tp.peer = SimpleNamespace(fits=lambda x: True, pushes=lambda x: True, kernel_sums=on, ll_group="ll")
+        assert tp.push_group(x) == ("ll" if on else None)
 
 
 # --- the experts' combine summing its rows over the ranks itself (fused_moe_norm's all_reduce) -----------------
