@@ -243,3 +243,20 @@ def test_tp2_on_two_gpus_equals_one_gpu(checkpoint, variant):
     assert [o["output_ids"] for o in ref] == [o["output_ids"] for o in got]
     diff = max(abs(x - y) for a, b in zip(ref, got) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b)))
     assert diff <= 1e-4, diff
+
+
+def test_ranks_print_their_stacks_on_sigusr1():
+    """`kill -USR1` on a rank (what `gpu_tp.sh` sends a run that does not finish) prints where every thread of it
+    is, and the rank goes on."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from mlaserve.distributed import dump_stacks_on_sigusr1\n"
+            "def waiting_in_a_collective():\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2); print('went on')\n"
+            "dump_stacks_on_sigusr1()\n"
+            "waiting_in_a_collective()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "went on", out
+    assert "waiting_in_a_collective" in out.stderr, out.stderr
