@@ -29,7 +29,7 @@ run_or_dump() {
   for i in $(seq 1 "$secs"); do kill -0 $pid 2> /dev/null || break; sleep 1; done
   if kill -0 $pid 2> /dev/null; then
     echo "still running after $secs s: stacks below" >> "$log"
-    pkill -USR1 -f "mlaserve" ; sleep 5
+    pkill -USR1 -f "mlaserve|multiprocessing.spawn"; sleep 5
     pkill -KILL -f "mlaserve.cli"; pkill -KILL -f "multiprocessing.spawn"
   fi
   wait $pid; echo "exit code $?" >> "$log"
