@@ -7,6 +7,7 @@ every rank applies them before the same step; only the leader answers and sends 
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -188,5 +189,7 @@ class Watchdog:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
             if self.started is not None and time.monotonic() - self.started > self.timeout:
-                logger.error("watchdog: a scheduler step has run for over %.0f s; exiting", self.timeout)
+                logger.error("watchdog: a scheduler step has run for over %.0f s; exiting (where each thread "
+                             "was: below)", self.timeout)
+                faulthandler.dump_traceback(all_threads=True)     # e.g. which collective the step waits in
                 os._exit(3)

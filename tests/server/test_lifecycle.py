@@ -159,3 +159,21 @@ def test_unsupported_flags_exit_in_one_line_before_any_process_starts(tmp_path, 
                          capture_output=True, text=True, timeout=120)
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
     assert out.returncode != 0 and len(lines) == 1 and words in lines[0], lines
+
+
+def test_watchdog_exits_a_stuck_step_and_says_where_it_was():
+    """A step past --watchdog-timeout ends the rank's process with code 3, a one-line error, and every thread's
+    stack (where the step waits: a collective, a kernel's sync)."""
+    import subprocess
+    import sys
+
+    code = ("import logging, time\n"
+            "from mlaserve.scheduler.process import Watchdog\n"
+            "logging.basicConfig()\n"
+            "def a_step_that_never_ends():\n"
+            "    w = Watchdog(0.5); w.beat(); time.sleep(60)\n"
+            "a_step_that_never_ends()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out
+    assert "watchdog: a scheduler step has run for over" in out.stderr, out.stderr
+    assert "a_step_that_never_ends" in out.stderr, out.stderr
