@@ -31,7 +31,8 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)    # `kill -USR1 PID`: every thread's stack to stderr
+    if sys.__stderr__ is not None:    # `kill -USR1 PID`: every thread's stack to the process's stderr
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     for words in (2, 1):
         name = " ".join(argv[:words])
         if name in COMMANDS:

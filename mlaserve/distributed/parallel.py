@@ -360,8 +360,10 @@ def dump_stacks_on_sigusr1() -> None:
     collective or a spinning all-reduce never returns); the process goes on."""
     import faulthandler
     import signal
+    import sys
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    if sys.__stderr__ is not None:    # (sys.stderr may be a stand-in without a file descriptor, e.g. under pytest)
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn, dp_size: int = 1,

@@ -191,5 +191,6 @@ class Watchdog:
             if self.started is not None and time.monotonic() - self.started > self.timeout:
                 logger.error("watchdog: a scheduler step has run for over %.0f s; exiting (where each thread "
                              "was: below)", self.timeout)
-                faulthandler.dump_traceback(all_threads=True)     # e.g. which collective the step waits in
+                if sys.__stderr__ is not None:                     # e.g. which collective the step waits in
+                    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
                 os._exit(3)
