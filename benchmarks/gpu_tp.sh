@@ -7,6 +7,8 @@
 #               run's whole log kept; a run still going after 150 s gets `kill -USR1` (every rank prints its Python
 #               stacks to the log), then is killed
 #   v3          V3 full width FP8: 4 layers at tp 1 and tp 2, then $V3_LAYERS (20; 8 on H100s) at tp 2
+#   stress      benchmarks/peer_stress.py: the peer kernels in a decode's order (bs 1 with in-kernel sums, in and out
+#               of a CUDA graph, then bs 16 / 64 pull calls, twice), then the same with the push kernel (--sums 0)
 #   tests-tp    the GPU-marked tests of test_peer.py and test_tensor_parallel.py only
 #   tests       the GPU-marked tests of tests/distributed and the parallel server
 #   startup     startup to first served token at tp 2
@@ -58,6 +60,11 @@ for PART in $PARTS; do
       python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
       timeout 240 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
         --output-file "$OUT/one_batch_v3.md" 2>&1 | grep "^|" | tail -4 ;;
+    stress)
+      for S in 1 0; do
+        run_or_dump 280 "$OUT/stress_sums$S.log" python3 benchmarks/peer_stress.py --sums $S --phase-timeout 60
+        echo "peer_stress --sums $S"; grep "^round\|^ok\|rror\|still running\|exit code" "$OUT/stress_sums$S.log" | tail -12
+      done ;;
     tests-tp)   # the peer kernels (push, split rows) and tp 2 == tp 1 with graphs (the fold in the fused MoE)
       timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" \
         tests/distributed/test_peer.py tests/distributed/test_tensor_parallel.py 2>&1 | tail -8 | tee "$OUT/tests_tp.txt" ;;
