@@ -24,7 +24,8 @@ cell.
            the server's default --max-running-requests unless --serve-args sets it
 With `--plot FILE.png` (matplotlib) it also charts every runnable row as bars: single-query TPS@1, offline throughput
 and per-request throughput at each concurrency. `--points` keeps the chart's points; `--plot-from` charts saved ones
-(a run split over device calls, or a device without matplotlib).
+(a run split over device calls, or a device without matplotlib; a row measured again in a later file keeps the later
+figure at each concurrency).
 """
 from __future__ import annotations
 
@@ -260,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.plot:
             print("error: --plot-from needs --plot FILE.png", file=sys.stderr)
             return 2
-        merged: Points = {"throughput": {}, "per_req": {}}
+        # NOTE: a row measured again (a later call) replaces its earlier point at the same concurrency
+        latest: dict[str, dict[str, dict[float, float]]] = {"throughput": {}, "per_req": {}}
         for f in args.plot_from:
             for chart, rows in json.loads(Path(f).read_text()).items():
                 for label, pts in rows.items():
-                    merged[chart].setdefault(label, []).extend(tuple(x) for x in pts)
+                    latest[chart].setdefault(label, {}).update((x, y) for x, y in pts)
+        merged: Points = {chart: {label: list(pts.items()) for label, pts in rows.items()}
+                          for chart, rows in latest.items()}
         plot(args, merged)
         return 0
     if not args.model_path:

@@ -103,3 +103,8 @@ def test_plot_from_merges_the_halves_points(ablation, tmp_path, monkeypatch):
     assert throughput.series == {"concurrency 256": [5000.0, 6000.0]}
     assert per_req.series == {"concurrency 256": [20.0, None]}
     assert ablation.main(["--plot-from", str(a)]) == 2                      # no --plot: nothing to draw to
+    again = tmp_path / "c.json"                                    # a later call measured "graph" at 1 again
+    again.write_text('{"throughput": {}, "per_req": {"graph": [[1, 95.0]]}}')
+    assert ablation.main(["--plot-from", str(a), str(b), str(again), "--plot", str(tmp_path / "y.png")]) == 0
+    single, throughput, per_req = drawn["panels"]
+    assert single.series == {"concurrency 1": [95.0, 80.0]} and per_req.series == {"concurrency 256": [20.0, None]}
