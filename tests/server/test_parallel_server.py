@@ -1,6 +1,7 @@
 """Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2 (with and
 without --ep-size 2) and against data-parallel attention (--tp-size 2 --dp-size 2, with and without --ep-size 2),
-two "nodes" on loopback (tensor parallel, and DP attention with a group on each node), a rank killed while serving, and a busy --dist-init-addr."""
+two "nodes" on loopback (tensor parallel, and DP attention with a group on each node; on a two-GPU host, two nodes of one
+GPU each), a rank killed while serving, and a busy --dist-init-addr."""
 from __future__ import annotations
 
 import os
@@ -161,6 +162,41 @@ def test_two_nodes_on_loopback_equal_one_process(start_server, demo_cache, refer
     assert node1.wait(timeout=60) != 0
     lines = [ln for ln in node1_log.read_text().splitlines() if "ERROR" in ln or "error" in ln.lower()]
     assert any("rank 1" in ln for ln in lines), node1_log.read_text()[-2000:]
+
+
+@pytest.mark.multi_gpu
+def test_two_gpus_as_two_nodes_equal_one_gpu(start_server, demo_cache, tmp_path, monkeypatch):
+    """One host's two GPUs as two nodes of one GPU each (each node's process sees only its own GPU; the ranks meet
+    over NCCL, the peer buffers refused as the group spans nodes), fp32: the one-GPU Engine's greedy completions."""
+    from mlaserve.server.launch import demo_model_path
+
+    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        monkeypatch.setenv(var, value)                             # never NVLink multicast (inherited by the nodes)
+    with mlaserve.Engine(dtype="float32", log_level="warning") as engine:
+        outs = engine.generate(prompt=PROMPTS, sampling_params={"max_new_tokens": 12, "temperature": 0})
+    expected = [o["text"] for o in outs]
+    common = ["--model-path", str(demo_model_path()), "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
+              f"127.0.0.1:{_free_ports(4)}", "--dtype", "float32", "--log-level", "warning"]
+    node1_log = tmp_path / "node1.log"
+    with open(node1_log, "w") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", *common, "--node-rank", "1"],
+                                 stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "MLASERVE_CACHE": str(demo_cache), "CUDA_VISIBLE_DEVICES": "1"})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")               # node 0 (start_server inherits this process's env)
+    node0 = start_server(*common, "--node-rank", "0", "--served-model-name", MODEL, wait=False)
+    try:
+        node0.wait_healthy()
+        assert [complete(node0.url, p) for p in PROMPTS] == expected
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(lambda p: complete(node0.url, p), PROMPTS)) == expected
+    finally:
+        node0.stop()
+        try:
+            node1.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            node1.kill()
+            raise AssertionError(f"node 1 outlived node 0:\n{node1_log.read_text()[-2000:]}") from None
 
 
 def test_busy_dp_attention_port_is_one_line(demo_cache):
