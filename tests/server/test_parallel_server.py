@@ -1,7 +1,7 @@
 """Tensor parallelism through `mlaserve serve` on the CPU (gloo): the openai client against --tp-size 2 (with and
 without --ep-size 2) and against data-parallel attention (--tp-size 2 --dp-size 2, with and without --ep-size 2),
-two "nodes" on loopback (tensor parallel, and DP attention with a group on each node; on a two-GPU host, two nodes of one
-GPU each), a rank killed while serving, and a busy --dist-init-addr."""
+two "nodes" on loopback (tensor parallel, and DP attention with a group on each node; on a two-GPU host, two nodes
+of one GPU each), a rank killed while serving, and a busy --dist-init-addr."""
 from __future__ import annotations
 
 import os
