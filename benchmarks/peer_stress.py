@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("error: needs two GPUs (or --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
-    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")     # never NVLink multicast
+    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(var, value)                           # never NVLink multicast (the ranks inherit it)
     limit = args.phase_timeout * 4 * args.rounds + 300
     ranks = spawn_ranks(_rank, 2, args, device=args.device, peer_all_reduce=True, timeout=limit)
     a, b = ranks

@@ -115,7 +115,7 @@ class DecodeGraphRunner:
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=1,
             logits_indices=None, num_kv_splits=splits,
             global_num_tokens=[bs] * self.dp_size if self.dp_size else None,
-            moe_row_mask=self.row_mask[: self.groups * bs] if self.masking and self.groups * bs > 1 else None)
+            moe_row_mask=self._row_mask(bs))
 
     @torch.no_grad()
     def _capture(self, kv_pool, attn_backend, req_to_token, max_context: int) -> None:
@@ -150,9 +150,15 @@ class DecodeGraphRunner:
         for its pool row (`token_buf`)."""
         torch.add(self.positions[:bs], 1, out=self.seq_lens[:bs])
         torch.index_select(self.token_buf, 0, self.req_pool_idx[:bs], out=self.input_ids[:bs])
-        if self.masking and self.groups * bs > 1:
+        mask = self._row_mask(bs)
+        if mask is not None:
             torch.lt(self.columns[:bs].expand(self.groups, bs), self.group_counts[:, None],
-                     out=self.row_mask[: self.groups * bs].view(self.groups, bs))
+                     out=mask.view(self.groups, bs))
+
+    def _row_mask(self, bs: int) -> torch.Tensor | None:
+        """The MoE's row mask of a size-bs step (`row_mask`'s first groups * bs), or None where no row can be
+        padding (one row in all) or MLASERVE_PAD_MASK=0."""
+        return self.row_mask[: self.groups * bs] if self.masking and self.groups * bs > 1 else None
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.batch_sizes[-1]
