@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_dp_ep.sh serve A B ..  for each configuration named (tp tp-ep dp dp-ep dp-ep-a2a: N = $GPUS
 #                                              ranks, DP attention with N groups of one rank): start the server,
 #                                              time it to the first served token, read its KV capacity, run
-#                                              `bench serving` random 256 in / 128 out at $CONCURRENCY (16 128 512)
+#                                              `bench serving` random 256 in / 128 out at $CONCURRENCY (16 128 512),
+#                                              $PROMPTS_X (2) x concurrency prompts a level, at least 64
 # One call can hold two configurations (startup ~1-2 min each). Results under $OUT: serving_NAME.jsonl,
 # capacity.txt (KV tokens and startup per configuration), serve_NAME.log, and the summary on stdout.
 # CPU dry run of the plumbing: DRY_CPU=1 V3_LAYERS=2 CONCURRENCY="2 4" NUM_PROMPTS=8 bash benchmarks/gpu_dp_ep.sh serve dp
@@ -74,7 +75,7 @@ import json, sys; i = json.load(sys.stdin)
 print(f\"$NAME ($FLAGS): KV capacity {i['max_total_tokens']} tokens, startup to first served token $startup s\")" \
     | tee -a "$OUT/capacity.txt"
   for c in $CONCURRENCY; do
-    n=${NUM_PROMPTS:-$((c * 2 > 64 ? c * 2 : 64))}
+    n=${NUM_PROMPTS:-$((c * ${PROMPTS_X:-2} > 64 ? c * ${PROMPTS_X:-2} : 64))}
     timeout 300 python3 -m mlaserve.cli bench serving --backend mlaserve --port $PORT --num-prompts $n \
       --random-input-len 256 --random-output-len 128 --random-range-ratio 1 --request-rate inf --max-concurrency $c \
       --tokenizer $M --disable-tqdm --output-file "$OUT/serving_$NAME.jsonl" > /dev/null 2>&1 \

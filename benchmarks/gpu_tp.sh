@@ -5,7 +5,7 @@
 #   push        V2-Lite tp 2: MLASERVE_PEER_PUSH=0 (pull kernel only), the default (auto: push up to 4096 elements),
 #               then auto with MLASERVE_KERNEL_SUMS=1 (the sums inside the router and the one-token fused MoE), each
 #               run's whole log kept; a run still going after 150 s gets `kill -USR1` (every rank prints its Python
-#               stacks to the log), then is killed
+#               stacks to the log), then is killed; PUSH_RULES="auto,0 auto,1" picks rules (PUSH,SUMS)
 #   v3          V3 full width FP8: 4 layers at tp 1 and tp 2, then $V3_LAYERS (20; 8 on H100s) at tp 2
 #   stress      benchmarks/peer_stress.py: the peer kernels in a decode's order (bs 1 with in-kernel sums, in and out
 #               of a CUDA graph, then bs 16 / 64 pull calls, twice), then the same with the push kernel (--sums 0)
@@ -22,6 +22,8 @@ PARTS=${*:-allreduce one-batch v3 tests startup}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
 B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
+# tree PID: PID and its descendants (only this script's processes: another job may run beside it, gpu_jobs.sh)
+tree() { local c; echo $1; for c in $(ps -o pid= --ppid $1 2> /dev/null); do tree $c; done; }
 # run_or_dump SECONDS LOG CMD...: CMD with its output in LOG; past SECONDS its processes print their stacks (USR1),
 # then are killed
 run_or_dump() {
@@ -31,8 +33,7 @@ run_or_dump() {
   for i in $(seq 1 "$secs"); do kill -0 $pid 2> /dev/null || break; sleep 1; done
   if kill -0 $pid 2> /dev/null; then
     echo "still running after $secs s: stacks below" >> "$log"
-    pkill -USR1 -f "mlaserve|multiprocessing.spawn"; sleep 5
-    pkill -KILL -f "mlaserve.cli"; pkill -KILL -f "multiprocessing.spawn"
+    local all; all=$(tree $pid); kill -USR1 $all 2> /dev/null; sleep 5; kill -KILL $(tree $pid) $all 2> /dev/null
   fi
   wait $pid; echo "exit code $?" >> "$log"
 }
@@ -47,8 +48,8 @@ for PART in $PARTS; do
       MLASERVE_PEER_PUSH=1 timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push.md" 2>&1 | grep "^|" | tail -4 ;;
     push)       # tp 2 with each rule, back to back on the same machine
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
-      for R in "0 0" "auto 0" "auto 1"; do
-        set -- $R
+      for R in ${PUSH_RULES:-0,0 auto,0 auto,1}; do
+        set -- ${R/,/ }
         MLASERVE_PEER_PUSH=$1 MLASERVE_KERNEL_SUMS=$2 run_or_dump 150 "$OUT/push$1_sums$2.log" \
           $B $C --tp-size 2 --output-file "$OUT/one_batch_push$1_sums$2.md"
         echo "MLASERVE_PEER_PUSH=$1 MLASERVE_KERNEL_SUMS=$2"; grep "^|\|still running\|exit code" "$OUT/push$1_sums$2.log" | tail -4
@@ -62,7 +63,7 @@ for PART in $PARTS; do
         --output-file "$OUT/one_batch_v3.md" 2>&1 | grep "^|" | tail -4 ;;
     stress)
       for S in 1 0; do
-        run_or_dump 280 "$OUT/stress_sums$S.log" python3 benchmarks/peer_stress.py --sums $S --phase-timeout 60
+        run_or_dump ${STRESS_LIMIT:-280} "$OUT/stress_sums$S.log" python3 benchmarks/peer_stress.py --sums $S --phase-timeout 60
         echo "peer_stress --sums $S"; grep "^round\|^ok\|rror\|still running\|exit code" "$OUT/stress_sums$S.log" | tail -12
       done ;;
     tests-tp)   # the peer kernels (push, split rows) and tp 2 == tp 1 with graphs (the fold in the fused MoE)
@@ -75,12 +76,12 @@ for PART in $PARTS; do
       M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/config.json
       python3 -m mlaserve.tools.tokenizer $M > /dev/null
       t0=$(date +%s.%N)
-      python3 -m mlaserve.cli serve --model-path $M --load-format dummy --tp-size 2 --port 30000 --log-level warning \
+      python3 -m mlaserve.cli serve --model-path $M --load-format dummy --tp-size 2 --port ${PORT:-30000} --log-level warning \
         > "$OUT/serve_tp2.log" 2>&1 &
       pid=$!
       up="did not serve"
       for i in $(seq 1 480); do
-        curl -sf -m 60 http://127.0.0.1:30000/generate -H 'Content-Type: application/json' \
+        curl -sf -m 60 http://127.0.0.1:${PORT:-30000}/generate -H 'Content-Type: application/json' \
           -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 1}}' > /dev/null 2>&1 && { up=served; break; }
         kill -0 $pid 2> /dev/null || break
         sleep 0.5

@@ -2,7 +2,7 @@
 # Issue 5 device runs: tune the kernels and bench them. Parts run in the order given (one call: 10 minutes):
 #   bash benchmarks/gpu_tune.sh moe-a   # fused_moe: V2-Lite bf16 and V3 fp8 tp8    -> $OUT/configs/*.json
 #   bash benchmarks/gpu_tune.sh moe-b   # fused_moe: V3 fp8 tp1                     -> $OUT/configs/*.json
-#   bash benchmarks/gpu_tune.sh moe-tp2 # fused_moe at tp 2's shapes: V2-Lite bf16 (E=64,N=704), V3 fp8 (E=256,N=1024)
+#   bash benchmarks/gpu_tune.sh moe-tp2 # fused_moe at tp 2's shapes: V3 fp8 (E=256,N=1024), V2-Lite bf16 (E=64,N=704)
 #   bash benchmarks/gpu_tune.sh moe-ep2 # fused_moe at ep 2's shape: V3 fp8 (E=128,N=2048; DP attention + EP too)
 #   bash benchmarks/gpu_tune.sh gemm    # fp8_gemm at the six V3 (N, K) shapes      -> $OUT/configs/*.json
 #   bash benchmarks/gpu_tune.sh decode  # mla_decode tile / split sweep             -> $OUT/mla_decode_sweep.txt
@@ -22,7 +22,7 @@ case "$part" in
     case "$part" in
       moe-a) shapes=("$C/deepseek-v2-lite.json --dtype bf16" "$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 8") ;;
       moe-b) shapes=("$C/deepseek-v3.json --dtype fp8_w8a8") ;;
-      moe-tp2) shapes=("$C/deepseek-v2-lite.json --dtype bf16 --tp-size 2" "$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 2") ;;
+      moe-tp2) shapes=("$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 2" "$C/deepseek-v2-lite.json --dtype bf16 --tp-size 2") ;;
       moe-ep2) shapes=("$C/deepseek-v3.json --dtype fp8_w8a8 --tp-size 2 --ep-size 2") ;;
     esac
     for args in "${shapes[@]}"; do
@@ -51,6 +51,7 @@ case "$part" in
     grep -E "^\|" "$OUT/kernels.md" | cut -c1-160 ;;
   *) echo "usage: $0 moe-a|moe-b|gemm|decode|prefill|check|profile-moe|bench ..."; exit 2 ;;
 esac
-cp "$OUT"/configs/*.json mlaserve/kernels/configs/ 2>/dev/null   # later parts (bench) use the fresh tables
+# later parts (bench) use the fresh tables; TABLES_INTO_TREE=0 when another job shares this tree (gpu_jobs.sh)
+[ "${TABLES_INTO_TREE:-1}" = 1 ] && cp "$OUT"/configs/*.json mlaserve/kernels/configs/ 2>/dev/null
 done
 tar -C "$OUT" -cf "$OUT/configs.tar" configs     # the file names hold spaces and brackets: carried as one tar

@@ -176,14 +176,15 @@ def test_two_gpus_as_two_nodes_equal_one_gpu(start_server, demo_cache, tmp_path,
     with mlaserve.Engine(dtype="float32", log_level="warning") as engine:
         outs = engine.generate(prompt=PROMPTS, sampling_params={"max_new_tokens": 12, "temperature": 0})
     expected = [o["text"] for o in outs]
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[:2]   # the first two this process may use
     common = ["--model-path", str(demo_model_path()), "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
               f"127.0.0.1:{_free_ports(4)}", "--dtype", "float32", "--log-level", "warning"]
     node1_log = tmp_path / "node1.log"
     with open(node1_log, "w") as log:
         node1 = subprocess.Popen([sys.executable, "-m", "mlaserve.cli", "serve", *common, "--node-rank", "1"],
                                  stdout=log, stderr=subprocess.STDOUT,
-                                 env={**os.environ, "MLASERVE_CACHE": str(demo_cache), "CUDA_VISIBLE_DEVICES": "1"})
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")               # node 0 (start_server inherits this process's env)
+                                 env={**os.environ, "MLASERVE_CACHE": str(demo_cache), "CUDA_VISIBLE_DEVICES": gpus[1]})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus[0])           # node 0 (start_server inherits this process's env)
     node0 = start_server(*common, "--node-rank", "0", "--served-model-name", MODEL, wait=False)
     try:
         node0.wait_healthy()
