@@ -28,7 +28,7 @@ tree() { local c; echo $1; for c in $(ps -o pid= --ppid $1 2> /dev/null); do tre
 pids=(); n=0
 for job in "$@"; do
   gpus=${job%%|*}; cmd=${job#*|}
-  d=/tmp/jobs/j$n; mkdir -p $d
+  d=/tmp/jobs/j$n; rm -rf $d; mkdir -p $d                      # (a warm machine keeps /tmp)
   echo "j$n on GPUs $gpus: $cmd" | tee -a "$OUT/env.txt"
   CUDA_VISIBLE_DEVICES=$gpus OUT=$d PORT=$((30000 + 1000 * n)) bash -c "$cmd" > $d/job.log 2>&1 &
   pids+=($!); n=$((n + 1))

@@ -64,7 +64,12 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
         _serve(sched, group, in_addr, out_addr, ready, warmup_s)
     except CollectiveError as e:
         logger.error("%s; exiting", e)
-        sys.exit(EXIT_LOST_RANK)
+        # NOTE: no teardown past a lost peer: destroying an NCCL group whose other ranks are gone can block (node 1
+        # of two GPU "nodes" outlived node 0 by over 60 s so, 2026-11-27); the OS reclaims what the process held
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_LOST_RANK)
     finally:
         shutdown_distributed()
 
