@@ -80,7 +80,7 @@ class PeerAllReduce:
         self.peers = PeerPointers(group_rank, self.world, bufs, sigs,
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
         self.ll = LLPointers(lls, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=device))
-        self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "auto"))   # every rank inherits it
+        self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "0"))      # every rank inherits it
         self.kernel_sums = kernel_sums(os.environ.get("MLASERVE_KERNEL_SUMS", "0"))
         self.ll_group = LLGroup(self.ll, group_rank, self.world)     # for kernels that run the push themselves
 
@@ -129,13 +129,20 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The push variant is faster for the smallest calls only. Two H100s (NV18), 50 calls in a CUDA graph, us per call,
 # pull / push: 1 x 2048 8.4 / 4.6, 1 x 7168 9.1 / 9.4, 4 x 7168 9.3 / 9.0, 8 x 7168 9.5 / 9.9, 16 x 7168 10.1 /
 # 11.8; V2-Lite tp 2 decode (hidden 2048) bs 1 349 -> 401 tok/s with push, bs 16 2269 -> 2215
-# (benchmarks/results/tp-h200x2.md). Calls of up to this many elements take it by default
+# (benchmarks/results/tp-h200x2.md). With MLASERVE_PEER_PUSH=auto, calls of up to this many elements take it
 PUSH_AUTO_ELEMS = 4096
 
 
 def push_elems(setting: str) -> int:
-    """The largest call (rows x hidden) the push variant takes: MLASERVE_PEER_PUSH=auto (default:
-    PUSH_AUTO_ELEMS), 1 (every call of <= LL_ROWS rows: A/B runs), 0 (never)."""
+    """The largest call (rows x hidden) the push variant takes: MLASERVE_PEER_PUSH=0 (default: never), auto
+    (PUSH_AUTO_ELEMS), 1 (every call of <= LL_ROWS rows: A/B runs).
+
+    Off by default since 2026-11-27: of five V2-Lite tp 2 one-batch runs on two H200s with the push variant taking
+    the bs-1 calls, two did not finish (one with the in-kernel sums on, at bs 64; one without, at bs 16, while
+    other jobs loaded the host), while no run with the pull kernel alone has stopped. Not yet explained; the peer
+    kernels replayed alone in a decode's order (`benchmarks/peer_stress.py`) finished every phase that ran
+    (`benchmarks/results/tp-h200x2.md`). The pull kernel takes every call that fits instead: 4.6 us against 4.5 at
+    1 x 2048 on two H200s."""
     limits = {"auto": PUSH_AUTO_ELEMS, "1": LL_ROWS * LL_DMAX, "0": 0}
     if setting not in limits:
         raise ValueError(f"MLASERVE_PEER_PUSH={setting!r}: expected auto, 1 or 0")
