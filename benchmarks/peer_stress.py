@@ -57,8 +57,12 @@ def _rank(group, args: argparse.Namespace) -> dict:
     routing = dict(topk_method="greedy", scoring_func="softmax")
     ll = peer.ll_group
 
+    on_dev = torch.Generator(device=dev).manual_seed(100 + rank)
+
     def share(t: int) -> torch.Tensor:
-        return torch.randn(t, h, generator=mine).to(dev, dtype)
+        # NOTE: drawn on the device: drawn on the host, the bs-64 phases took 59-80 s (both ranks' stacks in
+        # randn; two H200s, 2026-11-27) and that time, not the kernels', was what the phase timeout caught
+        return torch.randn(t, h, generator=on_dev, device=dev, dtype=dtype)
 
     def layer_bs1(x: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One MoE layer and one dense layer's all-reduces at one token, as the model runs them."""
