@@ -137,9 +137,10 @@ def push_elems(setting: str) -> int:
     """The largest call (rows x hidden) the push variant takes: MLASERVE_PEER_PUSH=0 (default: never), auto
     (PUSH_AUTO_ELEMS), 1 (every call of <= LL_ROWS rows: A/B runs).
 
-    Off by default since 2026-11-27: of five V2-Lite tp 2 one-batch runs on two H200s with the push variant taking
-    the bs-1 calls, two did not finish (one with the in-kernel sums on, at bs 64; one without, at bs 16, while
-    other jobs loaded the host), while no run with the pull kernel alone has stopped. Not yet explained; the peer
+    Off by default since 2026-11-27: of five V2-Lite tp 2 one-batch runs on two GPUs with the push variant taking
+    the bs-1 calls, two finished and two printed no further row before their limits (one with the in-kernel sums
+    on, at bs 64; one without, at bs 16, while other jobs loaded the host; one more was cut by its call's end),
+    while no run with the pull kernel alone has stopped. Not yet explained; the peer
     kernels replayed alone in a decode's order (`benchmarks/peer_stress.py`) finished every phase that ran
     (`benchmarks/results/tp-h200x2.md`). The pull kernel takes every call that fits instead: 4.6 us against 4.5 at
     1 x 2048 on two H200s."""
