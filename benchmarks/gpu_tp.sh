@@ -5,7 +5,7 @@
 #   push        V2-Lite tp 2: MLASERVE_PEER_PUSH=0 (pull kernel only), the default (auto: push up to 4096 elements),
 #               then auto with MLASERVE_KERNEL_SUMS=1 (the sums inside the router and the one-token fused MoE), each
 #               run's whole log kept; a run still going after 150 s gets `kill -USR1` (every rank prints its Python
-#               stacks to the log), then is killed; PUSH_RULES="auto,0 auto,1" picks rules (PUSH,SUMS)
+#               stacks to the log; each rank also prints them at 120 s unasked), then is killed; PUSH_RULES="auto,0 auto,1" picks rules (PUSH,SUMS)
 #   v3          V3 full width FP8: 4 layers at tp 1 and tp 2, then $V3_LAYERS (20; 8 on H100s) at tp 2
 #   stress      benchmarks/peer_stress.py: the peer kernels in a decode's order (bs 1 with in-kernel sums, in and out
 #               of a CUDA graph, then bs 16 / 64 pull calls, twice), then the same with the push kernel (--sums 0)
@@ -50,7 +50,7 @@ for PART in $PARTS; do
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
       for R in ${PUSH_RULES:-0,0 auto,0 auto,1}; do
         set -- ${R/,/ }
-        MLASERVE_PEER_PUSH=$1 MLASERVE_KERNEL_SUMS=$2 run_or_dump 150 "$OUT/push$1_sums$2.log" \
+        MLASERVE_PEER_PUSH=$1 MLASERVE_KERNEL_SUMS=$2 MLASERVE_DUMP_STACKS_EVERY=120 run_or_dump 150 "$OUT/push$1_sums$2.log" \
           $B $C --tp-size 2 --output-file "$OUT/one_batch_push$1_sums$2.md"
         echo "MLASERVE_PEER_PUSH=$1 MLASERVE_KERNEL_SUMS=$2"; grep "^|\|still running\|exit code" "$OUT/push$1_sums$2.log" | tail -4
       done ;;
