@@ -96,10 +96,12 @@ ROWS = [R(1, 1, 1, 0, 0, 0), R(1, 1, 1, 0, 0, 1), R(1, 1, 1, 0, 1, 1), R(1, 1, 1
 class Server:
     """`mlaserve serve` with a row's flags on `port`; `error` is its last log line when it did not come up."""
 
-    def __init__(self, args: argparse.Namespace, flags: list[str]):
+    def __init__(self, args: argparse.Namespace, flags: list[str], name: str = "row"):
+        keep = args.server_logs is not None
         cmd = [sys.executable, "-m", "mlaserve.cli", "serve", "--model-path", args.model_path, "--port",
-               str(args.port), "--log-level", "warning", *flags, *shlex.split(args.serve_args)]
-        self.log = tempfile.TemporaryFile("w+")            # a file, not a pipe: a full pipe would block the server
+               str(args.port), "--log-level", "info" if keep else "warning", *flags, *shlex.split(args.serve_args)]
+        # a file, not a pipe: a full pipe would block the server
+        self.log = open(Path(args.server_logs) / f"{name}.log", "w+") if keep else tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.url, self.error, self.model, self.info = f"http://127.0.0.1:{args.port}", None, "", {}
         deadline = time.monotonic() + args.start_timeout
@@ -187,7 +189,7 @@ def measure_row(args: argparse.Namespace, row: Row, points: Points) -> dict[str,
             out[table] = ["needs --tp 2 (two GPUs)"] + ["N/A"] * (len(head) - 1) + row.cells() + ["N/A"] * len(tail)
         return out
     t0 = time.monotonic()
-    server = Server(args, row.flags(args.tp))
+    server = Server(args, row.flags(args.tp), f"row{ROWS.index(row)}")
     started = time.monotonic() - t0
     try:
         for table in args.table:
@@ -236,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"indices into ROWS (0-{len(ROWS) - 1}) to run, in this order (default: all)")
     ap.add_argument("--serve-args", default="", help="extra `mlaserve serve` flags for every row")
     ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument("--server-logs", default=None, metavar="DIR",
+                    help="keep each row's server log (level info) as DIR/rowN.log (default: a temporary file)")
     ap.add_argument("--start-timeout", type=float, default=1200.0)
     ap.add_argument("--single-new", type=int, default=256)
     ap.add_argument("--single-repeats", type=int, default=3, help="timed single-query requests (the median is shown)")

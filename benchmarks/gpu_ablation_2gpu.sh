@@ -5,7 +5,8 @@
 # A row takes ~1-2 min (startup 25-85 s, torch.compile rows longer, single query ~20 s, offline at 256 ~45 s):
 # split the rows over device calls, four torch.compile rows in each half:
 #   ROWS="0 1 2 3 9 10 11 12" bash benchmarks/gpu_ablation_2gpu.sh     then ROWS="4 5 6 7 8 13 14 15"
-# $SERVE_EXTRA: more `mlaserve serve` flags for every row (e.g. "--cuda-graph-max-bs 256").
+# $SERVE_EXTRA: more `mlaserve serve` flags for every row (e.g. "--cuda-graph-max-bs 256"). $TABLES: "offline" for
+# the offline table only (default both); KEEP_LOGS=1 keeps each row's server log (info) as $OUT/rowN.log.
 # Offline levels: $CONCURRENCY (default "256"), $PER_LEVEL (default 1) x concurrency requests each, the seeds'
 # 760 in / 460 out. Results: $OUT/ablation.md and $OUT/points.json (rewritten after every row), $OUT/ablation.png
 # (with matplotlib; without it, chart the halves' points here: ablation.py --plot-from A.json B.json --plot X.png).
@@ -20,6 +21,7 @@ python3 -m mlaserve.tools.tokenizer $M > /dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/env.txt" 2>&1
 PLOT=""; python3 -c "import matplotlib" 2> /dev/null && PLOT="--plot $OUT/ablation.png"   # the image may lack it
 timeout ${LIMIT:-560} python3 benchmarks/ablation.py --model-path $M --tp 2 --rows ${ROWS:-0 1 2 3 9 10 11 12} \
-  --concurrency ${CONCURRENCY:-256} --prompts-per-level ${PER_LEVEL:-1} --start-timeout 300 \
+  --concurrency ${CONCURRENCY:-256} --prompts-per-level ${PER_LEVEL:-1} --start-timeout 300 --table ${TABLES:-single offline} \
+  $([ -n "${KEEP_LOGS:-}" ] && echo --server-logs "$OUT") \
   --serve-args "--load-format dummy ${SERVE_EXTRA:-}" --out "$OUT/ablation.md" --points "$OUT/points.json" $PLOT 2>&1 \
   | grep -v "Warn\|warn" | tail -40

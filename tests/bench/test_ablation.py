@@ -61,13 +61,14 @@ def test_single_query_tps_is_the_median_of_the_timed_requests(ablation, monkeypa
 
 
 def test_one_server_per_row_for_both_tables_and_rows_selected(ablation, monkeypatch, tmp_path, capsys):
-    started = []
+    started, names = [], []
 
     class Started:
         error, info, model = None, {}, "m"
 
-        def __init__(self, args, flags):
+        def __init__(self, args, flags, name):
             started.append(flags)
+            names.append(name)
 
         def stop(self):
             pass
@@ -79,6 +80,7 @@ def test_one_server_per_row_for_both_tables_and_rows_selected(ablation, monkeypa
     assert ablation.main(["--model-path", "m", "--tp", "1", "--rows", "13", "0", "--concurrency", "4", "8",
                           "--prompts-per-level", "0.5", "--out", str(out)]) == 0
     assert started == [ablation.ROWS[13].flags(1), ablation.ROWS[0].flags(1)]      # one start a row, in order
+    assert names == ["row13", "row0"]                                               # (--server-logs' file names)
     text = capsys.readouterr().out
     assert text == out.read_text()
     single = [ln for ln in text.splitlines() if "123.0" in ln]
@@ -108,3 +110,13 @@ def test_plot_from_merges_the_halves_points(ablation, tmp_path, monkeypatch):
     assert ablation.main(["--plot-from", str(a), str(b), str(again), "--plot", str(tmp_path / "y.png")]) == 0
     single, throughput, per_req = drawn["panels"]
     assert single.series == {"concurrency 1": [95.0, 80.0]} and per_req.series == {"concurrency 256": [20.0, None]}
+
+
+def test_server_logs_are_kept_where_asked(ablation, tmp_path):
+    """--server-logs DIR: a row's server log stays as DIR/rowN.log; a server that does not start reports its last
+    line as the row's error."""
+    args = argparse.Namespace(model_path=str(tmp_path / "nowhere"), port=30999, serve_args="", start_timeout=120.0,
+                              server_logs=str(tmp_path))
+    server = ablation.Server(args, [], "row7")
+    assert server.error is not None and "no such directory" in server.error, server.error
+    assert "no such directory" in (tmp_path / "row7.log").read_text()
