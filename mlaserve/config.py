@@ -340,8 +340,8 @@ class SchedConfig:
     torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)")
     watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")
     skip_server_warmup: bool = opt(False, "report ready without the warm-up requests (a prompt, then the same prompt "
-                                   "as a prefix-cache hit, so the first user requests do not pay for the kernels "
-                                   "compiled on first use)")
+                                   "as a prefix-cache hit, and on a GPU one prompt each of 200 to 8000 tokens, so "
+                                   "the first user requests do not pay for the kernels compiled on first use)")
     speculative_algorithm: str | None = opt(None, "speculative decoding: EAGLE drafts with an MTP (NextN) layer (the "
                                            "checkpoint's own, or --speculative-draft-model-path's) and verifies the "
                                            "drafts in one target forward; NEXTN is the same",

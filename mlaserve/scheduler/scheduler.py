@@ -24,6 +24,11 @@ from mlaserve.scheduler.prefill import plan_prefill
 logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT, WARMUP_NEW, WARMUP_FIRST_ID = 24, 4, 11    # `Scheduler.warm_up`: prompt tokens, new tokens, ids
+# On a GPU the warm-up also prefills one prompt of each of these lengths (those above the chunk, the context or half
+# the pool left out): the tuned kernel tables pick tiles by token count, and each tile set is one more compile on
+# first use. Without them the first batch of 16 x 256-token prompts after start-up waited ~2.5 s in serving
+# (mean TTFT 0.75 s against a median of 0.11 s; V3 10 layers at tp 2, benchmarks/results/dp-ep-h200x2.md).
+WARMUP_PREFILL_LENS = (200, 500, 1000, 2000, 4000, 8000)
 
 
 class Scheduler:
@@ -82,18 +87,29 @@ class Scheduler:
             if self.runner.group.dp is not None else None
 
     # --- start-up -------------------------------------------------------------------------------
-    def warm_up(self) -> float:
+    def warm_up(self, prefill_lens: tuple[int, ...] | None = None) -> float:
         """Run the warm-up requests before reporting ready: a prompt, then the same prompt again (a prefix-cache
         hit unless the cache is off: the extend-over-a-prefix kernels), a few decode steps each (speculative ones
-        too). On a GPU this compiles the kernels those paths launch on first use, which otherwise stall the first
-        user requests for seconds. Their outputs are dropped; the cache is flushed and the counters zeroed
-        afterwards. Every rank runs it (collectives line up: the same requests everywhere). Returns seconds."""
+        too), then one prompt of each of `prefill_lens` tokens, one at a time (default: WARMUP_PREFILL_LENS on a
+        GPU, none on the CPU, where nothing compiles). On a GPU this compiles the kernels those paths launch on
+        first use, which otherwise stall the first user requests for seconds. Their outputs are dropped; the cache
+        is flushed and the counters zeroed afterwards. Every rank runs it (collectives line up: the same requests
+        everywhere). Returns seconds."""
         t0 = time.monotonic()
         vocab = self.runner.cfg.vocab_size
         prompt = [(WARMUP_FIRST_ID + 37 * i) % vocab for i in range(min(WARMUP_PROMPT, self.context_len // 2))]
         params = SamplingParams(max_new_tokens=WARMUP_NEW, temperature=0.0, ignore_eos=True)
-        for i in range(2):
-            self.add_request(m.GenerateReqMsg(f"mlaserve-warmup-{i}", prompt, params, seed=i))
+        runs = [(prompt, params), (prompt, params)]
+        if prefill_lens is None:
+            prefill_lens = WARMUP_PREFILL_LENS if self.runner.device.type == "cuda" else ()
+        chunk = self.cfg.chunked_prefill_size
+        cap = min(self.context_len - 2, self.kv.num_slots // 2, chunk if chunk > 0 else self.context_len)
+        once = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        for k, n in enumerate(sorted(n for n in set(prefill_lens) if n <= cap)):
+            # NOTE: a first token of its own: a prefix-cache hit on an earlier prompt would shorten the prefill
+            runs.append(([(WARMUP_FIRST_ID + 7919 * (k + 1) + 37 * i) % vocab for i in range(n)], once))
+        for i, (ids, sp) in enumerate(runs):
+            self.add_request(m.GenerateReqMsg(f"mlaserve-warmup-{i}", ids, sp, seed=i))
             while self.has_work or (self.dp_sync is not None and self.dp_sync.busy):
                 self.step()
         self.step_outbox()

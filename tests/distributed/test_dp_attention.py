@@ -413,3 +413,21 @@ def test_speculative_groups_in_different_modes_equal_one_process(tree, graphs):
     for rank, ref in zip(ranks, alone):
         for rid, want in ref.items():
             assert_greedy_equal_before_ties(want, rank["results"][rid], rid)
+
+
+def _warm_up_on_rank(group, path: str, flags: dict) -> dict:
+    sched = _scheduler(path, group, **flags)
+    seen = []
+    process = sched.process
+    sched.process = lambda batch, out: (seen.append((batch.mode, list(batch.extend_lens))), process(batch, out))
+    sched.warm_up(prefill_lens=(30, 50, 500))
+    return {"extends": [n for mode, n in seen if mode is ForwardMode.EXTEND],
+            "clean": sched.kv.used() == 0 and not sched.has_work and not sched.dp_sync.busy}
+
+
+def test_warm_up_prefills_line_up_under_dp_attention(checkpoint):
+    """The warm-up's prefills of each length (GPU default; here asked for) run in every DP group at the same steps
+    (their MoE gathers line up: no hang), the one past the chunk size left out, and leave every group clean."""
+    ranks = spawn_ranks(_warm_up_on_rank, 2, checkpoint("v3"), dict(chunked_prefill_size=64), timeout=300, dp_size=2)
+    for r in ranks:
+        assert r["extends"][2:] == [[30], [50]] and r["clean"], r

@@ -259,3 +259,22 @@ def test_warm_up_runs_a_prompt_then_its_prefix_hit_and_leaves_nothing_behind(ckp
     assert sched.kv.used() == 0 and not sched.step_outbox() and not sched.has_work
     if spec:
         assert sched.get_stats()["spec_verify_steps"] == 0
+
+
+def test_warm_up_prefills_one_prompt_of_each_length_that_fits(ckpt):
+    """On a GPU the warm-up also prefills one prompt per length of WARMUP_PREFILL_LENS (the kernel tables'
+    token-count tiles compile before the first user batch): each is one extend of exactly that many tokens (no
+    prefix hit on the others), lengths past the chunk size are left out, and nothing stays behind. On the CPU
+    the default is none."""
+    sched = make(ckpt, chunked_prefill_size=64)
+    seen = []
+    process = sched.process
+    sched.process = lambda batch, out: (seen.append((batch.mode, list(batch.prefix_lens), list(batch.extend_lens))),
+                                        process(batch, out))
+    assert sched.warm_up(prefill_lens=(40, 9, 64, 65, 500)) > 0
+    extends = [(p, n) for mode, p, n in seen if mode is ForwardMode.EXTEND]
+    assert extends[2:] == [([0], [9]), ([0], [40]), ([0], [64])], extends       # 65 and 500 exceed the chunk
+    assert sched.get_stats()["steps"] == 0 and sched.kv.used() == 0 and not sched.step_outbox()
+    seen.clear()
+    sched.warm_up()                                                              # the CPU default: the two only
+    assert len([1 for mode, _, _ in seen if mode is ForwardMode.EXTEND]) == 2
