@@ -9,7 +9,8 @@
 # A job still running after LIMIT_S gets SIGUSR1 (mlaserve processes print their stacks), then SIGKILL, its whole
 # process group. At the end each job's log and $OUT are packed into $OUT/jN.tgz (the tool returns at most 8 files).
 # Jobs share the machine's CPUs and host memory and each other's NVLink traffic: their timings are reported as
-# such, beside a baseline from the same job.
+# such, beside a baseline from the same job. $OUT/env.txt names the GPUs, the cores and a hash of the sources sent
+# (run its `find ... | sha1sum` here to match it to a commit).
 set -uo pipefail
 LIMIT=$1; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,8 +22,12 @@ for w in .whlx .whl; do
     mv $w /tmp/wheels_installed_$w
   fi
 done
+# NOTE: no `git log` here: the device's copy of .git can be older than the tree sent (it named the session's first
+# commit in every call, 2026-11-27); a hash of the sources identifies the tree instead (the same command here)
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader; nproc;
-  git log -1 --format='commit %h' 2>/dev/null; } > "$OUT/env.txt" 2>&1
+  echo "sources $(find mlaserve benchmarks -maxdepth 4 \( -name '*.py' -o -name '*.json' -o -name '*.sh' \) -print0 \
+    | LC_ALL=C sort -z | xargs -0 cat | sha1sum | cut -c1-12)"
+} > "$OUT/env.txt" 2>&1
 # tree PID: PID and all its descendants (`timeout` moves its command to a process group of its own)
 tree() { local c; echo $1; for c in $(ps -o pid= --ppid $1 2> /dev/null); do tree $c; done; }
 pids=(); n=0
