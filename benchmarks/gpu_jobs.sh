@@ -6,10 +6,10 @@
 # starts, and then moved aside so that no job's script installs them again while another imports them.
 #   bash benchmarks/gpu_jobs.sh LIMIT_S "GPUS|COMMAND" ["GPUS|COMMAND" ...]
 #   e.g. bash benchmarks/gpu_jobs.sh 540 "0,1|bash benchmarks/gpu_tp.sh allreduce" "2,3|ROWS=0 bash benchmarks/..."
-# A job still running after LIMIT_S gets SIGUSR1 (mlaserve processes print their stacks), then SIGKILL, its whole
-# process group. At the end each job's log and $OUT are packed into $OUT/jN.tgz (the tool returns at most 8 files).
-# Jobs share the machine's CPUs and host memory and each other's NVLink traffic: their timings are reported as
-# such, beside a baseline from the same job. $OUT/env.txt names the GPUs, the cores and a hash of the sources sent
+# A job still running after LIMIT_S gets SIGUSR1 (mlaserve processes print their stacks), then SIGKILL, it and
+# every process it started. At the end each job's log and $OUT are packed into $OUT/jN.tgz (the tool returns at most
+# 8 files). Jobs share the machine's CPUs and host memory: their timings are reported as such, beside a baseline
+# from the same job. $OUT/env.txt names the GPUs, the cores and a hash of the sources sent
 # (run its `find ... | sha1sum` here to match it to a commit).
 set -uo pipefail
 LIMIT=$1; shift
