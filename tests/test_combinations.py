@@ -9,36 +9,44 @@ Factors and their values (CPU):
     layout   tp1 | tp2 | tp2-ep2 (tp 2, ep 2) | dp2 (tp 2, dp 2, DP attention) | dp2-ep2 |
              dp2-ep2-a2a (the MoE's rows sent by all-to-all: --moe-dispatch all_to_all)
     radix    on (default) | off (disable_radix_cache)
-    spec     off | EAGLE (a chain of 3 drafts from the MTP layer)
+    spec     off | chain (EAGLE: a chain of 3 drafts from the MTP layer, (3, 1, 4)) | tree (EAGLE-2 tree drafts,
+             (3, 2, 4): 2 candidates a step, the best 4 verified with a tree mask)
     overlap  on (default) | off (disable_overlap_schedule); with speculation too (accept lengths stay on the
              device: `scheduler/decode.spec_columns`)
     fp8 kv   off (fp32, the activation dtype) | fp8_e4m3
     chunk    off (default 8192: every prompt here in one chunk) | 8 tokens (every prompt in 2..5 chunks)
 
-Not covered: tree drafts (speculative_eagle_topk > 1), tested alone and with radix hits, sampling, stops and
-log-probs in tests/engine/test_spec_tree.py, under DP attention in tests/distributed/test_dp_attention.py. GPU only: CUDA graphs and torch.compile (on the CPU every combination runs
-eagerly); `test_gpu_graphs_and_compile` runs them against the eager GPU run and is skipped without CUDA (the
-two-GPU rows also without a second GPU). Under DP attention decode graphs (and the draft + verify pairs) are keyed
+Tree drafts are also tested alone and with radix hits, sampling, stops and log-probs in
+tests/engine/test_spec_tree.py. GPU only: CUDA graphs and torch.compile (on the CPU every combination runs eagerly);
+`test_gpu_graphs_and_compile` runs them against the eager GPU run and is skipped without CUDA (the two-GPU rows
+also without a second GPU). Under DP attention decode graphs (and the draft + verify pairs) are keyed
 by the size all ranks agree on each step (on the CPU their padded functions run eagerly in
 tests/distributed/test_dp_attention.py).
 
-The 13 rows below cover every pair of factor values (with 6 layouts each needs two rows of opposite binary
-values). One row has everything on at once: demo, dp2-ep2, radix, spec, overlap, fp8 kv, chunked prefill.
+The 19 rows below cover every pair of factor values (6 layouts x 3 spec values need 18 rows at least; the last
+six, tree drafts with every layout, were added to a covering set of the other values by a greedy search). One row
+has everything on at once: demo, dp2-ep2, radix, chain drafts, overlap, fp8 kv, chunked prefill.
 
     model   layout   radix spec  overlap fp8kv chunk
     demo    tp1      off   off   off     on    off
     demo    tp2      on    off   on      off   off
     demo    tp2-ep2  off   off   on      on    8
-    demo    dp2      on    EAGLE off     on    off
-    demo    dp2-ep2  on    EAGLE on      on    8
-    random  tp1      on    EAGLE on      off   8
+    demo    dp2      on    chain off     on    off
+    demo    dp2-ep2  on    chain on      on    8
+    random  tp1      on    chain on      off   8
     random  tp1      on    off   on      off   8
-    random  tp2      off   EAGLE off     on    8
-    random  tp2-ep2  on    EAGLE off     off   off
+    random  tp2      off   chain off     on    8
+    random  tp2-ep2  on    chain off     off   off
     random  dp2      off   off   on      off   8
     random  dp2-ep2  off   off   off     off   off
-    demo    dp2-ep2-a2a off EAGLE off    off   8
+    demo    dp2-ep2-a2a off chain off    off   8
     random  dp2-ep2-a2a on  off   on     on    off
+    demo    tp1      off   tree  off     off   off
+    random  tp2      on    tree  on      on    8
+    demo    tp2-ep2  off   tree  off     off   off
+    demo    dp2      off   tree  off     off   off
+    demo    dp2-ep2  off   tree  off     off   off
+    demo    dp2-ep2-a2a off tree off     off   off
 
 The baselines are the plain single process (tp 1, radix and overlap on, no speculation, no chunking) per model,
 with the row's KV dtype: the FP8 cache rounds what it stores to e4m3, which changes the numbers by itself (see
@@ -78,45 +86,60 @@ LAYOUTS = {"tp1": {}, "tp2": {"tp_size": 2}, "tp2-ep2": {"tp_size": 2, "ep_size"
                            "moe_dispatch": "all_to_all"}}
 
 
+SPEC = {"off": {},
+        "chain": {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+                  "speculative_num_draft_tokens": 4},
+        "tree": {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 2,
+                 "speculative_num_draft_tokens": 4}}
+
+
 class Combo(NamedTuple):
     model: str
     layout: str
     radix: bool
-    spec: bool
+    spec: str              # off | chain | tree
     overlap: bool
     fp8_kv: bool
     chunk: bool
 
     @property
     def id(self) -> str:
-        on = [n for n, v in (("radix", self.radix), ("spec", self.spec), ("overlap", self.overlap),
-                             ("fp8kv", self.fp8_kv), ("chunk", self.chunk)) if v]
+        on = [n for n, v in (("radix", self.radix), ("spec" if self.spec == "chain" else "tree",
+                                                      self.spec != "off"),
+                             ("overlap", self.overlap), ("fp8kv", self.fp8_kv), ("chunk", self.chunk)) if v]
         return "-".join([self.model, self.layout, *on])
 
     def flags(self) -> dict:
         f = dict(LAYOUTS[self.layout])
         f |= {"disable_radix_cache": True} if not self.radix else {}
-        f |= {"speculative_algorithm": "EAGLE"} if self.spec else {}
+        f |= SPEC[self.spec]
         f |= {"disable_overlap_schedule": True} if not self.overlap else {}
         f |= {"kv_cache_dtype": "fp8_e4m3"} if self.fp8_kv else {}
         f |= {"chunked_prefill_size": 8} if self.chunk else {}
         return f
 
 
-ROWS = [Combo("demo", "tp1", False, False, False, True, False),
-        Combo("demo", "tp2", True, False, True, False, False),
-        Combo("demo", "tp2-ep2", False, False, True, True, True),
-        Combo("demo", "dp2", True, True, False, True, False),
-        Combo("demo", "dp2-ep2", True, True, True, True, True),
-        Combo("random", "tp1", True, True, True, False, True),
-        Combo("random", "tp1", True, False, True, False, True),
-        Combo("random", "tp2", False, True, False, True, True),
-        Combo("random", "tp2-ep2", True, True, False, False, False),
-        Combo("random", "dp2", False, False, True, False, True),
-        Combo("random", "dp2-ep2", False, False, False, False, False),
-        Combo("demo", "dp2-ep2-a2a", False, True, False, False, True),
-        Combo("random", "dp2-ep2-a2a", True, False, True, True, False)]
-VALUES = {"model": ["demo", "random"], "layout": list(LAYOUTS)} | {f: [False, True] for f in Combo._fields[2:]}
+ROWS = [Combo("demo", "tp1", False, "off", False, True, False),
+        Combo("demo", "tp2", True, "off", True, False, False),
+        Combo("demo", "tp2-ep2", False, "off", True, True, True),
+        Combo("demo", "dp2", True, "chain", False, True, False),
+        Combo("demo", "dp2-ep2", True, "chain", True, True, True),
+        Combo("random", "tp1", True, "chain", True, False, True),
+        Combo("random", "tp1", True, "off", True, False, True),
+        Combo("random", "tp2", False, "chain", False, True, True),
+        Combo("random", "tp2-ep2", True, "chain", False, False, False),
+        Combo("random", "dp2", False, "off", True, False, True),
+        Combo("random", "dp2-ep2", False, "off", False, False, False),
+        Combo("demo", "dp2-ep2-a2a", False, "chain", False, False, True),
+        Combo("random", "dp2-ep2-a2a", True, "off", True, True, False),
+        Combo("demo", "tp1", False, "tree", False, False, False),
+        Combo("random", "tp2", True, "tree", True, True, True),
+        Combo("demo", "tp2-ep2", False, "tree", False, False, False),
+        Combo("demo", "dp2", False, "tree", False, False, False),
+        Combo("demo", "dp2-ep2", False, "tree", False, False, False),
+        Combo("demo", "dp2-ep2-a2a", False, "tree", False, False, False)]
+VALUES = {"model": ["demo", "random"], "layout": list(LAYOUTS)} | {f: [False, True] for f in Combo._fields[2:]} \
+    | {"spec": list(SPEC)}
 
 
 def _pairs(row: Combo) -> set:
@@ -218,7 +241,9 @@ def test_combination_equals_the_plain_run(models, baseline, combo: Combo):
     assert info["disable_overlap_schedule"] is not combo.overlap
     assert info["disable_radix_cache"] is not combo.radix
     assert info["kv_cache_dtype"] == ("fp8_e4m3" if combo.fp8_kv else "float32")
-    assert info["speculative_algorithm"] == ("EAGLE" if combo.spec else None)
+    assert info["speculative_algorithm"] == ("EAGLE" if combo.spec != "off" else None)
+    if combo.spec != "off":
+        assert info["speculative_eagle_topk"] == SPEC[combo.spec]["speculative_eagle_topk"]
     # greedy tokens: the plain run's, on both passes
     # NOTE: exact on the FP8 rows too. A last-bit difference of a sum (two ranks' all-reduce, a 4-token verify
     # against a 1-token decode) could flip one e4m3 rounding in the cache; with these fixed prompts none changes a
@@ -228,7 +253,7 @@ def test_combination_equals_the_plain_run(models, baseline, combo: Combo):
     # the second identical pass hits the radix cache: every prompt but its last token (whose logits are needed)
     cached = [o["meta_info"]["cached_tokens"] for o in got.second]
     assert cached == ([len(p) - 1 for p in prompts] if combo.radix else [0] * len(prompts))
-    if combo.spec:
+    if combo.spec != "off":
         assert info["spec_verify_steps"] > 0
         # the demo's drafts are mostly accepted; the random model's rejected (1.0: the target's token alone)
         assert info["avg_spec_accept_length"] >= (2.0 if combo.model == "demo" else 1.0)
