@@ -261,12 +261,13 @@ def test_warm_up_runs_a_prompt_then_its_prefix_hit_and_leaves_nothing_behind(ckp
         assert sched.get_stats()["spec_verify_steps"] == 0
 
 
-def test_warm_up_prefills_one_prompt_of_each_length_that_fits(ckpt):
+@pytest.mark.parametrize("spec", [False, True])
+def test_warm_up_prefills_one_prompt_of_each_length_that_fits(ckpt, spec):
     """On a GPU the warm-up also prefills one prompt per length of WARMUP_PREFILL_LENS (the kernel tables'
     token-count tiles compile before the first user batch): each is one extend of exactly that many tokens (no
     prefix hit on the others), lengths past the chunk size are left out, and nothing stays behind. On the CPU
     the default is none."""
-    sched = make(ckpt, chunked_prefill_size=64)
+    sched = make(ckpt, chunked_prefill_size=64, **({"speculative_algorithm": "EAGLE"} if spec else {}))
     seen = []
     process = sched.process
     sched.process = lambda batch, out: (seen.append((batch.mode, list(batch.prefix_lens), list(batch.extend_lens))),
