@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from mlaserve.bench.floor import decode_step_bytes, prefill_flops
 from mlaserve.config import ServerConfig
+from mlaserve.config_resolve import DEFAULT_SPEC_STEPS
 from mlaserve.kernels import pdl
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
 from mlaserve.distributed import RankGroup, spawn_ranks
@@ -60,13 +61,17 @@ def model_dir(args: argparse.Namespace) -> str:
 def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = None,
                  device: str | None = None) -> tuple[ModelRunner, ReqToTokenPool, TokenSlotAllocator]:
     max_bs = max(args.batch_size)
-    tokens = max_bs * (args.input_len + args.output_len + 8) + 64
+    # NOTE: speculative rows step every request until the last has --output-len tokens, so one may run up to
+    # (steps + 1) tokens a step for output_len steps (`_spec_decode`): its table row and the pool make room for that
+    grow = (args.speculative_num_steps or DEFAULT_SPEC_STEPS) + 1 if args.speculative_algorithm else 1
+    width = args.input_len + args.output_len * grow + 8
+    tokens = max_bs * width + 64
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
                                     tp_size=group.size if group else 1, ep_size=getattr(args, "ep", 1),
                                     device=device or args.device,
                                     max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
                                     attention_backend=args.attention_backend,
-                                    context_length=args.input_len + args.output_len + 8,
+                                    context_length=width,
                                     enable_torch_compile=args.enable_torch_compile,
                                     enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
                                     piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
@@ -81,7 +86,7 @@ def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = 
         server = resolve_for_device(replace(server, sched=sched), path)
     runner = ModelRunner(server, path, group)
     reach = _spec_slots(runner) - 1 if runner.spec is not None else 0   # a step's table columns past the end
-    pool = ReqToTokenPool(max_bs + 1, args.input_len + args.output_len + 8 + reach, runner.device)
+    pool = ReqToTokenPool(max_bs + 1, width + reach, runner.device)
     runner.attach(pool.table)
     runner.init_cuda_graphs(pool.table, pool.alloc())
     return runner, pool, TokenSlotAllocator(runner.num_slots)
@@ -146,10 +151,12 @@ def _spec_slots(runner: ModelRunner) -> int:
 def _spec_decode(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocator, reqs: list[Req],
                  output_len: int) -> dict:
     """Speculative decode steps until every request has `output_len` tokens: k = `slots_per_step` slots per
-    request a step, those past the accepted tokens freed after it (as the scheduler does). Step time, tokens per second (all
-    tokens the steps produced, the extra ones of the last step not counted) and accept length."""
+    request a step, those past the accepted tokens freed after it (as the scheduler does). A request with its tokens
+    keeps stepping, so every step runs the whole batch; its KV follows every accepted token, as the device's base
+    length does (`SpecDecoder.launch`). Step time, and from every token the steps accepted (at the batch size
+    throughout): tokens per second and accept length."""
     bs, k = len(reqs), _spec_slots(runner)
-    steps, made, t_all = [], 0, 0.0
+    steps, made, t_all = [], 0, 0.0             # made: tokens accepted, the ones past --output-len too
     while any(len(r.output_ids) < output_len for r in reqs):
         s = alloc.alloc(bs * k)
         prefix = [r.kv_len for r in reqs]
@@ -163,11 +170,12 @@ def _spec_decode(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllo
         sync()
         steps.append(time.perf_counter() - t0)
         t_all += steps[-1]
-        for r, toks in zip(reqs, out.tokens):
-            take = toks[: output_len - len(r.output_ids)]
-            made += len(take)
-            r.output_ids += take
-            keep = len(r.fill_ids) - 1                                      # every token but the newest has KV
+        for r, toks, base in zip(reqs, out.tokens, prefix):
+            r.output_ids += toks[: output_len - len(r.output_ids)]
+            made += len(toks)
+            # NOTE: the step's newest token and the accepted drafts now have KV (the bonus token not yet), whether
+            # counted or not: the device's base moved by len(toks), so the next step's slots go there
+            keep = base + len(toks)
             alloc.free(pool.slots(r.req_pool_idx, r.kv_len)[keep:])
             r.kv_len = keep
     for r in reqs:

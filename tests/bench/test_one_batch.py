@@ -53,3 +53,56 @@ def test_speculative_rows_report_accept_length(tmp_path, topk, n):
     assert [r["engine"] for r in rows] == [f"mlaserve spec (2, {topk}, {n})"] * 2
     assert all(1.0 <= r["accept_length"] <= 3.0 and r["decode_tok_s"] > 0 for r in rows)
     assert f"mlaserve spec (2, {topk}, {n}), accept " in text
+
+
+def test_spec_projection_pairs_the_runs_and_projects_from_accept_lengths(tmp_path, capsys):
+    """benchmarks/spec_projection.py over a file laid out as gpu_v3_scale.sh writes it (a heading per run: graphs,
+    compile, speculative; here the demo model on the CPU): the speculative step against the plain one per batch
+    size, and speedups projected from given accept lengths (A x plain / speculative) and per-token acceptances
+    (A = 1 + p + p^2 + p^3 for 3 drafts)."""
+    import importlib.util
+
+    from mlaserve.demo import DEMO_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("spec_projection", root / "benchmarks" / "spec_projection.py")
+    proj = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proj)
+    out = tmp_path / "one_batch.md"
+    base = ["--model-path", str(DEMO_DIR), "--batch-size", "1", "2", "--input-len", "16", "--output-len", "8",
+            "--device", "cpu", "--output-file", str(out)]
+    for heading, extra in (("(CUDA graphs)", []), ("--enable-torch-compile", []),
+                           ("--speculative-algorithm EAGLE", ["--speculative-algorithm", "EAGLE"])):
+        with open(out, "a") as f:
+            f.write(f"## tp 1 {heading}\n")
+        assert one_batch.main(base + extra) == 0
+    capsys.readouterr()
+    rows = proj.read_rows([str(out)])
+    matched = proj.pairs(rows)
+    assert [(p["batch_size"], s["batch_size"]) for p, s in matched] == [(1, 1), (2, 2)]
+    graphs_rows = [r for h, r in rows if "CUDA graphs" in h]                       # not the compile run's rows
+    assert len(graphs_rows) == 2 and all(p is r for (p, _), r in zip(matched, graphs_rows))
+    assert proj.main([str(out), "--accept", "demo=3.0", "--acceptance", "0.5"]) == 0
+    text = capsys.readouterr().out
+    assert "projections" in text and "p = 0.50: A = 1.88" in text                      # 1 + .5 + .25 + .125
+    for (plain, sp), line in zip(matched, [ln for ln in text.splitlines() if ln.startswith("| 1 ") or
+                                           ln.startswith("| 2 ")]):
+        ratio = sp["decode_step_s"] / plain["decode_step_s"]
+        assert line.endswith(f"| {3.0 / ratio:.2f}x | {1.875 / ratio:.2f}x |"), line
+    (tmp_path / "none.md").write_text("## tp 1 (CUDA graphs)\n")
+    assert proj.main([str(tmp_path / "none.md")]) == 2                              # nothing to pair: one line
+
+
+def test_speculative_batch_keeps_stepping_requests_that_are_done(tmp_path):
+    """bs 4 after bs 1 (the demo model, 3 drafts): requests that have their tokens keep stepping until the last
+    one does, their KV following the device's accepted lengths. Their table rows ran out of columns before (an
+    IndexError in the fourth request's step, 2026-11-27): rows now have room for (steps + 1) tokens a step."""
+    from mlaserve.demo import DEMO_DIR
+
+    out = tmp_path / "rows.md"
+    assert one_batch.main(["--model-path", str(DEMO_DIR), "--batch-size", "1", "4", "--input-len", "16",
+                           "--output-len", "16", "--device", "cpu", "--speculative-algorithm", "EAGLE",
+                           "--output-file", str(out)]) == 0
+    rows = json.loads(out.read_text().split("<!-- rows: ")[1].split(" -->")[0])
+    assert [r["batch_size"] for r in rows] == [1, 4]
+    assert all(1.0 <= r["accept_length"] <= 4.0 for r in rows), rows
