@@ -5,7 +5,7 @@
 #                                               + graphs, and EAGLE (3, 1, 4) with graphs (its step against the plain
 #                                               one: random weights give no real acceptance)
 #   bash benchmarks/gpu_v3_scale.sh serve A ..  gpu_dp_ep.sh serve (tp tp-ep dp dp-ep dp-ep-a2a) at CONCURRENCY (16 256 768)
-# Results under $OUT (one_batch.md; serving_*.jsonl, capacity.txt with startup times). Carry .whl.
+# Results under $OUT (one_batch.md, spec_projection.md; serving_*.jsonl, capacity.txt with startup times). Carry .whl.
 # CPU dry run: DRY_CPU=1 V3_LAYERS=2 bash benchmarks/gpu_v3_scale.sh one-batch
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
@@ -20,7 +20,7 @@ fi
 CFG=/tmp/v3_scale/config.json
 if [ -n "${DRY_CPU:-}" ]; then
   python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-2} --tiny --out $CFG
-  RUNS=("--device cpu --disable-cuda-graph")
+  RUNS=("--device cpu --disable-cuda-graph" "--device cpu --disable-cuda-graph --speculative-algorithm EAGLE")
   BS="1 2"
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/env.txt" 2>&1
@@ -34,3 +34,7 @@ for flags in "${RUNS[@]}"; do
     --batch-size $BS --input-len 256 --output-len 32 --tp-size $N $flags --output-file "$OUT/one_batch.md" 2>&1 \
     | grep "^|\|rror" | tail -8
 done
+# the speculative step's cost against the plain one, and the speedups it would give (projections: the demo model's
+# accept length at (3, 1, 4) on the H100, spec-h100.md, and DeepSeek's published 85-90% second-token acceptance)
+python3 benchmarks/spec_projection.py "$OUT/one_batch.md" --accept "demo model (3, 1, 4), H100=3.2" \
+  --acceptance 0.85 0.9 | tee "$OUT/spec_projection.md"
