@@ -15,13 +15,14 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site MLASERVE_CACHE=${MLASERVE_CACHE:-/tmp/mlaserve-cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-M=/tmp/v3_abl; mkdir -p $M
+M=/tmp/v3_abl_${PORT:-0}; mkdir -p $M          # one model folder per job (gpu_jobs.sh gives each its own $PORT)
 python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-10} --out $M/config.json
 python3 -m mlaserve.tools.tokenizer $M > /dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/env.txt" 2>&1
 PLOT=""; python3 -c "import matplotlib" 2> /dev/null && PLOT="--plot $OUT/ablation.png"   # the image may lack it
 timeout ${LIMIT:-560} python3 benchmarks/ablation.py --model-path $M --tp 2 --rows ${ROWS:-0 1 2 3 9 10 11 12} \
   --concurrency ${CONCURRENCY:-256} --prompts-per-level ${PER_LEVEL:-1} --start-timeout 300 --table ${TABLES:-single offline} \
+  --port ${PORT:-30123} \
   $([ -n "${KEEP_LOGS:-}" ] && echo --server-logs "$OUT") \
   --serve-args "--load-format dummy ${SERVE_EXTRA:-}" --out "$OUT/ablation.md" --points "$OUT/points.json" $PLOT 2>&1 \
   | grep -v "Warn\|warn" | tail -40

@@ -14,9 +14,9 @@ if [ "${1:-}" = tests ]; then
     tests/engine/test_padded_rows.py tests/models/test_gpu_fastpath.py -k "mask or pad or compile" 2>&1 | tail -5 \
     | tee "$OUT/tests.txt"
 fi
-python3 benchmarks/v3_config.py --layers 4 --out /tmp/v3_4l.json
+python3 benchmarks/v3_config.py --layers 4 --out /tmp/v3_4l_pad.json
 B="python3 -m mlaserve.cli bench one-batch --load-format dummy --input-len 256 --output-len 32"
-for cfg in mlaserve/tools/configs/deepseek-v2-lite.json /tmp/v3_4l.json; do
+for cfg in mlaserve/tools/configs/deepseek-v2-lite.json /tmp/v3_4l_pad.json; do
   tag=$(basename $cfg .json)
   for m in 0 1; do
     echo "### $tag MLASERVE_PAD_MASK=$m"
