@@ -1,10 +1,10 @@
 """`mlaserve` command line: serve | bench ... | tune ... | make-checkpoint | export-nextn | ... (imported lazily)."""
 from __future__ import annotations
 
-import faulthandler
 import importlib
-import signal
 import sys
+
+from mlaserve.env import install_stack_dumps
 
 COMMANDS = {
     "serve": ("mlaserve.server.serve", "serve a model over an OpenAI-compatible HTTP API"),
@@ -31,8 +31,7 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if sys.__stderr__ is not None:    # `kill -USR1 PID`: every thread's stack to the process's stderr
-        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    install_stack_dumps()             # `kill -USR1 PID`: every thread's stack to the process's stderr
     for words in (2, 1):
         name = " ".join(argv[:words])
         if name in COMMANDS:

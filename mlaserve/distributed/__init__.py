@@ -1,8 +1,7 @@
 """Ranks, process groups and the collectives the model and the scheduler call (DESIGN.md sec. 6)."""
 from mlaserve.distributed.parallel import (CollectiveError, ParallelInfo, RankGroup, TensorParallel,
-                                           dump_stacks_on_sigusr1, init_distributed, shutdown_distributed,
-                                           spawn_ranks)
+                                           init_distributed, shutdown_distributed, spawn_ranks)
 from mlaserve.distributed.dp_attention import DPAttention
 
-__all__ = ["CollectiveError", "DPAttention", "ParallelInfo", "RankGroup", "TensorParallel", "dump_stacks_on_sigusr1",
-           "init_distributed", "shutdown_distributed", "spawn_ranks"]
+__all__ = ["CollectiveError", "DPAttention", "ParallelInfo", "RankGroup", "TensorParallel", "init_distributed",
+           "shutdown_distributed", "spawn_ranks"]

@@ -8,7 +8,6 @@ and always a gloo group for host objects (the scheduler's step messages). Layers
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from mlaserve.env import install_stack_dumps
 
 if TYPE_CHECKING:
     from mlaserve.distributed.dp_attention import DPAttention
@@ -356,32 +357,11 @@ def spawn_ranks(fn, world: int, *args, device: str = "cpu", timeout: float = 360
                 proc.kill()
 
 
-def dump_stacks_on_sigusr1() -> None:
-    """`kill -USR1 PID` prints every thread's Python stack of this process to stderr (where a rank waits when a
-    collective or a spinning all-reduce never returns); the process goes on. With MLASERVE_DUMP_STACKS_EVERY=S
-    (seconds, for device runs that may stop) it also prints them every S seconds, unasked: a signal reaches only
-    the processes a script can find."""
-    import faulthandler
-    import signal
-    import sys
-
-    if sys.__stderr__ is None:        # (sys.stderr may be a stand-in without a file descriptor, e.g. under pytest)
-        return
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
-    every = os.environ.get("MLASERVE_DUMP_STACKS_EVERY")
-    if every:
-        try:
-            seconds = float(every)
-        except ValueError:
-            raise ValueError(f"MLASERVE_DUMP_STACKS_EVERY={every!r}: expected seconds") from None
-        faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.__stderr__)
-
-
 def _rank_main(fn, rank: int, world: int, addr: str, device: str, args: tuple, conn, dp_size: int = 1,
                peer_all_reduce: bool | None = None) -> None:
     import traceback
 
-    dump_stacks_on_sigusr1()
+    install_stack_dumps()
     dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

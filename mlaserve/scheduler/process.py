@@ -19,9 +19,9 @@ from dataclasses import replace
 from mlaserve.config import ServerConfig
 from mlaserve.config_resolve import rank_device, resolved_args
 from mlaserve.core import FinishReason
-from mlaserve.distributed import (CollectiveError, ParallelInfo, RankGroup, dump_stacks_on_sigusr1, init_distributed,
-                                  shutdown_distributed)
+from mlaserve.distributed import CollectiveError, ParallelInfo, RankGroup, init_distributed, shutdown_distributed
 from mlaserve.engine.engine import resolve_for_device
+from mlaserve.env import install_stack_dumps
 from mlaserve.ipc import messages as m
 from mlaserve.scheduler.entry import EXIT_LOST_RANK
 from mlaserve.scheduler.scheduler import Scheduler
@@ -37,7 +37,7 @@ def run_scheduler_process(server: ServerConfig, model_path: str, in_addr: str, o
     """Entry point of rank `rank`'s process: join, build, report readiness through `ready` (a Pipe end), loop."""
     import torch
 
-    dump_stacks_on_sigusr1()
+    install_stack_dumps()
     info = ParallelInfo(server.parallel.tp_size, rank, server.parallel.nnodes, server.parallel.dp_size)
     tag = "scheduler" if info.world_size == 1 else f"rank {rank}"
     logging.basicConfig(level=server.log_level.upper(), format=f"[%(asctime)s {tag}] %(message)s")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from parallel_common import first_tie
 from seq_runner import SeqRunner
 
 from mlaserve.config import ModelConfig
@@ -127,9 +128,10 @@ def test_prompt_logprobs_bf16(checkpoints, variant):
 TIE = 1e-3
 
 
-def first_tie(steps: list[torch.Tensor]) -> int:
-    """The first step whose logits [V] have their two best within TIE (len(steps) if none)."""
-    return next((i for i, x in enumerate(steps) if float(x.topk(2).values.diff().abs()) < TIE), len(steps))
+def top2(steps: list[torch.Tensor]) -> list[list[tuple[float, int]]]:
+    """Each step's two best (logit, id), best first: `parallel_common.first_tie`'s pairs (a difference of logits
+    is that of log-probs)."""
+    return [[(float(v), int(i)) for v, i in zip(*x.topk(2))] for x in steps]
 
 
 @pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3"])
@@ -156,7 +158,7 @@ def test_greedy_decode_matches_hf_generate(checkpoints, variant):
         out = ref_model.generate(p[None], max_new_tokens=32, do_sample=False, pad_token_id=0, output_scores=True,
                                  return_dict_in_generate=True)
         want, ref_steps = out.sequences[0, len(p):].tolist(), [x[0] for x in out.scores]
-        n = min(first_tie(s), first_tie(ref_steps))
+        n = min(first_tie(top2(s), TIE), first_tie(top2(ref_steps), TIE))
         assert g[:n] == want[:n], f"tokens differ before the first near-tie (step {n})"
         if n < len(want):
             assert g[n] in ref_steps[n].topk(2).indices.tolist(), f"step {n}: not among HF's two best"
