@@ -4,8 +4,8 @@
 # their own GPUs through benchmarks/gpu_jobs.sh. Carry .whlx.
 #   bash benchmarks/gpu_x4_calls.sh A    tune the FP8 GEMMs at tp 2's shapes (GPU 0); the padding-mask timing (GPU 1);
 #                                        V2-Lite tp 1 vs tp 2 and V3 at tp 1 / 2 (GPUs 2-3)
-#   bash benchmarks/gpu_x4_calls.sh B    issue 17: rows 10 11 / 12 3 at concurrency 768, offline table only
-#   bash benchmarks/gpu_x4_calls.sh C    issue 17: rows 13 14 / 15 6, then 7 8 / 4, at 768
+#   bash benchmarks/gpu_x4_calls.sh B    issue 17: rows 10 11 3 / 12 13 6 at concurrency 768, offline table only
+#   bash benchmarks/gpu_x4_calls.sh C    issue 17: rows 14 15 / 4 8 7 at 768
 #   bash benchmarks/gpu_x4_calls.sh D    issue 18's script at tp 4 on all four GPUs: one-batch (graphs, compile, EAGLE)
 #   bash benchmarks/gpu_x4_calls.sh E    the same, serving: tp 4 and dp 4 + ep 4 at 16 / 256 / 768
 # After call A, commit the tables from A's j0.tgz (configs/) before the later calls, so that they use them.
@@ -14,8 +14,8 @@ ABL="CONCURRENCY=768 TABLES=offline LIMIT=540 bash benchmarks/gpu_ablation_2gpu.
 case "${1:-}" in
   A) bash benchmarks/gpu_jobs.sh 560 "0|TABLES_INTO_TREE=0 bash benchmarks/gpu_tune.sh gemm-tp2" \
        "1|bash benchmarks/gpu_pad_mask.sh" "2,3|bash benchmarks/gpu_tp.sh one-batch v3" ;;
-  B) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='10 11' $ABL" "2,3|ROWS='12 3' $ABL" ;;
-  C) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='13 14 7' $ABL" "2,3|ROWS='15 6 8 4' $ABL" ;;
+  B) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='10 11 3' $ABL" "2,3|ROWS='12 13 6' $ABL" ;;
+  C) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='14 15' $ABL" "2,3|ROWS='4 8 7' $ABL" ;;
   D) bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 LIMIT=180 bash benchmarks/gpu_v3_scale.sh one-batch" ;;
   E) bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 CONCURRENCY='16 256 768' \
        bash benchmarks/gpu_v3_scale.sh serve tp dp-ep" ;;
