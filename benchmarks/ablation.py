@@ -310,10 +310,14 @@ def plot(args: argparse.Namespace, points: Points) -> None:
 
     levels = sorted({c for pts in points["throughput"].values() for c, _ in pts})
     single = {r: dict(points["per_req"].get(r, [])).get(1) for r in rows}
-    draw_bars([BarPanel("single query (TPS@1)", "tokens / s", rows, {"concurrency 1": [single[r] for r in rows]}),
-               BarPanel("offline throughput (p + d)", "tokens / s", rows, series("throughput", levels)),
-               BarPanel("per-request throughput (d)", "tokens / s", rows, series("per_req", levels))],
-              args.plot, args.title or f"ablation: {args.model_path}, tp {args.tp}")
+    panels = [BarPanel("single query (TPS@1)", "tokens / s", rows, {"concurrency 1": [single[r] for r in rows]}),
+              BarPanel("offline throughput (p + d)", "tokens / s", rows, series("throughput", levels)),
+              BarPanel("per-request throughput (d)", "tokens / s", rows, series("per_req", levels))]
+    # a table not run (e.g. --table offline) leaves its panel empty: draw only panels with a bar
+    panels = [p for p in panels if any(v is not None for vs in p.series.values() for v in vs)]
+    default = (f"ablation: {', '.join(Path(f).stem for f in args.plot_from)}" if args.plot_from
+               else f"ablation: {args.model_path}, tp {args.tp}")
+    draw_bars(panels, args.plot, args.title or default)
     print(f"\nplot: {args.plot}")
 
 
