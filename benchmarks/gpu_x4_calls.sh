@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_x4_calls.sh B    issue 17: rows 10 11 3 / 12 13 6 at concurrency 768, offline table only
 #   bash benchmarks/gpu_x4_calls.sh C    issue 17: rows 14 15 / 4 8 7 at 768
 #   bash benchmarks/gpu_x4_calls.sh F    issue 17: rows 15 7 / 8 at 768 (what C left)
+#   bash benchmarks/gpu_x4_calls.sh G    issue 17: row 7 at 768 (GPUs 0-1); the compile rows 0 2 1, single query then 16,
+#                                        with their server logs (GPUs 2-3: the half-speed first level)
 #   bash benchmarks/gpu_x4_calls.sh D    issue 18's script at tp 4 on all four GPUs: one-batch (graphs, compile, EAGLE)
 #   bash benchmarks/gpu_x4_calls.sh E    the same, serving: tp 4 and dp 4 + ep 4 at 16 / 256 / 768
 # After call A, commit the tables from A's j0.tgz (configs/) before the later calls, so that they use them.
@@ -19,8 +21,10 @@ case "${1:-}" in
   C) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='14 15' $ABL" "2,3|ROWS='4 8 7' $ABL" ;;
   F) A="CONCURRENCY=768 TABLES=offline LIMIT=470 bash benchmarks/gpu_ablation_2gpu.sh"
      bash benchmarks/gpu_jobs.sh 490 "0,1|ROWS='15 7' $A" "2,3|ROWS='8' $A" ;;
+  G) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='7' $ABL" \
+       "2,3|ROWS='0 2 1' CONCURRENCY=16 KEEP_LOGS=1 LIMIT=540 bash benchmarks/gpu_ablation_2gpu.sh" ;;
   D) bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 LIMIT=180 bash benchmarks/gpu_v3_scale.sh one-batch" ;;
   E) bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 CONCURRENCY='16 256 768' \
        bash benchmarks/gpu_v3_scale.sh serve tp dp-ep" ;;
-  *) echo "usage: $0 A|B|C|F|D|E"; exit 2 ;;
+  *) echo "usage: $0 A|B|C|F|G|D|E"; exit 2 ;;
 esac

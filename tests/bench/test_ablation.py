@@ -120,3 +120,15 @@ def test_server_logs_are_kept_where_asked(ablation, tmp_path):
     server = ablation.Server(args, [], "row7")
     assert server.error is not None and "no such directory" in server.error, server.error
     assert "no such directory" in (tmp_path / "row7.log").read_text()
+
+
+def test_plot_of_the_offline_table_alone_draws_no_empty_single_query_panel(ablation, tmp_path, monkeypatch):
+    """Points of `--table offline` runs have no TPS@1: the chart has the two offline panels, titled by its files."""
+    a = tmp_path / "call6b.json"
+    a.write_text('{"throughput": {"graph": [[768, 9000.0]]}, "per_req": {"graph": [[768, 7.0]]}}')
+    drawn = {}
+    monkeypatch.setattr(ablation, "missing_matplotlib", lambda: None)
+    monkeypatch.setattr(ablation, "draw_bars", lambda panels, path, title: drawn.update(panels=panels, title=title))
+    assert ablation.main(["--plot-from", str(a), "--plot", str(tmp_path / "x.png")]) == 0
+    assert [p.title for p in drawn["panels"]] == ["offline throughput (p + d)", "per-request throughput (d)"]
+    assert drawn["title"] == "ablation: call6b"
