@@ -243,13 +243,15 @@ def _quant(qc: dict | None) -> QuantConfig | None:
 # --- runtime configuration (the CLI is generated from these fields) ------------------------------
 
 def opt(default: Any = None, help: str = "", **extra: Any) -> Any:
-    """A config field with its --help text (and optional `choices`, `nargs`)."""
+    """A config field with its --help text (and optional `choices`, `nargs`, `aliases`: more flags for it, the
+    names SGLang also takes)."""
     return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    model_path: str | None = opt(None, "checkpoint directory (HF format); default: the built-in demo model")
+    model_path: str | None = opt(None, "checkpoint directory (HF format); default: the built-in demo model",
+                                 aliases=("--model",))
     tokenizer_path: str | None = opt(None, "tokenizer directory (default: --model-path)")
     load_format: str = opt("auto", "how to load weights", choices=("auto", "safetensors", "dummy"))
     dtype: str = opt("auto", "activation / weight dtype", choices=("auto", "bfloat16", "float16", "float32"))
@@ -261,16 +263,21 @@ class LoadConfig:
     disable_mla: bool = opt(False, "run decode in the non-absorbed MLA form too (ablation; no CUDA graphs)")
     dequant_fp8: bool = opt(False, "dequantise a block-FP8 checkpoint to --dtype at load time")
     seed: int = opt(0, "random seed: dummy weights, and the RNG drawing the sampling seed of each request "
-                       "without one (same --seed and request order: same sampled outputs)")
+                       "without one (same --seed and request order: same sampled outputs)", aliases=("--random-seed",))
     served_model_name: str | None = opt(None, "model name reported by the API (default: the path)")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp_size: int = opt(1, "tensor-parallel ranks (one process per GPU, or per CPU rank with gloo)")
+    tp_size: int = opt(1, "tensor-parallel ranks (one process per GPU, or per CPU rank with gloo)",
+                       aliases=("--tp", "--tensor-parallel-size"))
     ep_size: int = opt(1, "expert-parallel size (dividing --tp-size): ep sets of tp / ep ranks, each set holding "
-                          "n_routed_experts / ep of the routed experts (whole on each rank when ep = tp)")
-    dp_size: int = opt(1, "data-parallel attention groups (with --enable-dp-attention; must divide --tp-size)")
+                          "n_routed_experts / ep of the routed experts (whole on each rank when ep = tp)",
+                       aliases=("--ep", "--expert-parallel-size"))
+    enable_ep_moe: bool = opt(False, "SGLang 0.4's switch for expert parallelism: --ep-size = --tp-size (every "
+                                     "rank holds n_routed_experts / tp whole experts)")
+    dp_size: int = opt(1, "data-parallel attention groups (with --enable-dp-attention; must divide --tp-size)",
+                       aliases=("--dp", "--data-parallel-size"))
     enable_dp_attention: bool = opt(False, "data-parallel attention: --dp-size groups of tp / dp ranks each run "
                                     "attention on their own requests (one latent KV cache, scheduler and radix "
                                     "tree per group); the MoE runs over all ranks")
@@ -337,7 +344,8 @@ class SchedConfig:
                                                       "CUDA graphs (default: 4096)")
     enable_torch_compile: bool = opt(False, "torch.compile the decode step (inside its CUDA graphs; "
                                      "with --disable-cuda-graph, run eagerly)")
-    torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)")
+    torch_compile_max_bs: int | None = opt(None, "largest decode batch run through torch.compile (default: 32)",
+                                           aliases=("--max-torch-compile-bs",))
     watchdog_timeout: float = opt(300.0, "seconds a single step may take before the server exits")
     skip_server_warmup: bool = opt(False, "report ready without the warm-up requests (a prompt, then the same prompt "
                                    "as a prefix-cache hit, and on a GPU one prompt each of 200 to 8000 tokens, so "
@@ -393,6 +401,8 @@ class ServerConfig:
                 parts[owners[k]][k] = v
             elif k in own:
                 top[k] = v
+            elif k in REFUSED_FLAGS:
+                raise TypeError(f"{k}: {REFUSED_FLAGS[k][1]}")
             else:
                 raise TypeError(f"unknown server argument {k!r}")
         return cls(**{s: _SECTION_TYPES[s](**parts[s]) for s in cls.SECTIONS}, **top)
@@ -424,6 +434,32 @@ def add_config_args(parser: Any, cls: type = ServerConfig) -> None:
     for f in fields(cls):
         if f.name not in cls.SECTIONS:
             _add_flag(group, f, cls)
+    import argparse
+    for name, (nargs, why) in REFUSED_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), nargs=nargs, help=argparse.SUPPRESS,
+                            action=_refused_action(why))
+
+
+# SGLang flags that its users' commands carry (the seeds' launch lines) and mlaserve does not take: each gets one
+# line saying why, instead of argparse's "unrecognized arguments" (name -> (nargs, why))
+REFUSED_FLAGS = {
+    "trust_remote_code": (0, "mlaserve runs no code from the model folder (the DeepSeek architectures and the "
+                             "tokenizer.json reader are built in); drop the flag"),
+    "enable_flashinfer_mla": (0, "mlaserve's MLA runs on its own Triton kernels (--attention-backend triton, the "
+                                 "GPU default); drop the flag"),
+    "quantization": ("?", "mlaserve takes block FP8 from the checkpoint's quantization_config (as DeepSeek-V3 / R1 "
+                          "ship) and does not quantize a bf16 checkpoint while loading (do it once: python -m "
+                          "mlaserve.tools.quantize_fp8 SRC DST); drop the flag"),
+}
+
+
+def _refused_action(why: str) -> type:
+    import argparse
+
+    class Refused(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string}: {why}")
+    return Refused
 
 
 def config_from_args(ns: Any, cls: type = ServerConfig) -> ServerConfig:
@@ -444,7 +480,7 @@ def _add_flag(group: Any, f: Any, owner: type) -> None:
     help_ = f.metadata.get("help", "")
     if base is bool:
         action = argparse.BooleanOptionalAction if f.default else "store_true"
-        group.add_argument(flag, action=action, default=f.default, help=help_)
+        group.add_argument(flag, *f.metadata.get("aliases", ()), action=action, default=f.default, help=help_)
         return
     nargs = f.metadata.get("nargs")
     if typing.get_origin(base) is list:
@@ -452,5 +488,5 @@ def _add_flag(group: Any, f: Any, owner: type) -> None:
     if f.default is not None and "default" not in help_:
         help_ += " (default: %(default)s)"
     metavar = {int: "N", float: "X"}.get(base, f.name.split("_")[-1].upper())
-    group.add_argument(flag, type=base, default=f.default, choices=f.metadata.get("choices"), nargs=nargs,
+    group.add_argument(flag, *f.metadata.get("aliases", ()), type=base, default=f.default, choices=f.metadata.get("choices"), nargs=nargs,
                        metavar=None if f.metadata.get("choices") else metavar, help=help_)

@@ -130,6 +130,13 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
     for name in ("tp_size", "dp_size", "nnodes"):
         if getattr(p, name) < 1:
             _reject(f"{_flag(name)} {getattr(p, name)}: must be >= 1")
+    if p.enable_ep_moe:             # SGLang 0.4's meaning: expert parallelism over every rank
+        if p.ep_size not in (1, p.tp_size):
+            _reject(f"--enable-ep-moe --ep-size {p.ep_size}: --enable-ep-moe means --ep-size {p.tp_size} (the "
+                    f"--tp-size); give one of the two")
+        if p.tp_size == 1:
+            _reject("--enable-ep-moe: expert parallelism needs --tp-size > 1 (the experts are split over the ranks)")
+        p = replace(p, ep_size=p.tp_size)
     _check_dp_attention(p)
     if p.tp_size % p.nnodes:
         _reject(f"--tp-size {p.tp_size} --nnodes {p.nnodes}: every node runs the same number of ranks")

@@ -394,3 +394,47 @@ def test_piecewise_flags_fail_in_one_line(device, flags, words):
     with pytest.raises(ConfigError, match=re.escape(words)) as e:
         resolve(device, V3_FP8, **flags)
     assert "\n" not in str(e.value)
+
+
+def _parse(argv: list[str]) -> ServerConfig:
+    import argparse
+
+    from mlaserve.config import add_config_args, config_from_args
+    parser = argparse.ArgumentParser(prog="mlaserve serve")
+    add_config_args(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_sglang_flag_names_mean_the_same_here():
+    """The seeds' launch lines: `--model`, `--tp`, `--dp`, `--ep`, the long `--*-parallel-size` forms, the older
+    `--max-torch-compile-bs` and `--random-seed` set the same fields as our names; `--enable-ep-moe` is SGLang 0.4's
+    expert parallelism over every rank."""
+    c = _parse(["--model", "/m", "--tp", "8", "--dp", "8", "--enable-dp-attention", "--ep", "8",
+                "--enable-torch-compile", "--max-torch-compile-bs", "4", "--random-seed", "7"])
+    assert (c.load.model_path, c.parallel.tp_size, c.parallel.dp_size, c.parallel.ep_size) == ("/m", 8, 8, 8)
+    assert (c.sched.torch_compile_max_bs, c.load.seed) == (4, 7)
+    c = _parse(["--tensor-parallel-size", "4", "--data-parallel-size", "2", "--expert-parallel-size", "2"])
+    assert (c.parallel.tp_size, c.parallel.dp_size, c.parallel.ep_size) == (4, 2, 2)
+    assert _parse(["--tp-size", "2"]) == _parse(["--tp", "2"])
+    assert resolve(H100, V3_FP8, tp_size=8, enable_ep_moe=True).parallel.ep_size == 8
+    assert resolve(H100, V3_FP8, tp_size=8, ep_size=8, enable_ep_moe=True).parallel.ep_size == 8
+    with pytest.raises(ConfigError, match="^--enable-ep-moe --ep-size 2: --enable-ep-moe means --ep-size 8"):
+        resolve(H100, V3_FP8, tp_size=8, ep_size=2, enable_ep_moe=True)
+    with pytest.raises(ConfigError, match="^--enable-ep-moe: expert parallelism needs --tp-size > 1"):
+        resolve(H100, V3_FP8, enable_ep_moe=True)
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--trust-remote-code"], "runs no code from the model folder"),
+    (["--quantization", "fp8"], "does not quantize a bf16 checkpoint"),
+    (["--enable-flashinfer-mla"], "its own Triton kernels"),
+])
+def test_sglang_flags_we_do_not_take_get_one_line_saying_why(argv, why, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(["--tp", "8", *argv])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"mlaserve serve: error: {argv[0]}: ") and why in last
+    name = argv[0][2:].replace("-", "_")                         # the Engine API's keyword: the same line
+    with pytest.raises(TypeError, match=f"^{name}: .*{why}"):
+        ServerConfig.from_flat(**{name: True})
