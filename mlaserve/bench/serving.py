@@ -437,8 +437,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--backend", choices=list(ENDPOINTS), default="openai",
-                   help="openai-chat: /v1/chat/completions, openai: /v1/completions, mlaserve: native /generate")
+    p.add_argument("--backend", choices=[*ENDPOINTS, "sglang"], default="openai",
+                   help="openai-chat: /v1/chat/completions, openai: /v1/completions, mlaserve: native /generate; "
+                        "sglang: the same native protocol (SGLang's name for it: the seeds' bench_serving lines run "
+                        "as written, against this server or an SGLang one)")
     p.add_argument("--model", default=None, help="model name (default: the first id of GET /v1/models)")
     p.add_argument("--dataset-name", choices=["random"], default="random")
     p.add_argument("--random-input-len", type=int, default=1024)
@@ -462,6 +464,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="chart throughput, TTFT and TPOT / ITL percentiles against concurrency (needs matplotlib)")
     args = p.parse_args(argv)
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if args.backend == "sglang":
+        args.backend = "mlaserve"                # one protocol, two names
     if args.request_rate <= 0 or args.num_prompts < 1 or min(args.max_concurrency or [1]) < 1 \
             or (args.client_processes is not None and args.client_processes < 1):
         p.error("--request-rate, --num-prompts, --max-concurrency and --client-processes must be positive")

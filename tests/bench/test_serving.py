@@ -241,6 +241,15 @@ def test_url_flags() -> None:
         serving.parse_args(["--request-rate", "0"])
 
 
+def test_the_seeds_bench_serving_line_runs_as_written() -> None:
+    """SGLang's `bench_serving --backend sglang --random-input 256 --random-output 32 ...`: the native /generate
+    protocol under SGLang's name, the length flags by their prefixes."""
+    args = serving.parse_args("--backend sglang --dataset-name random --random-input 256 --random-output 32 "
+                              "--random-range-ratio 1 --num-prompts 1 --host 127.0.0.1 --port 30000".split())
+    assert (args.backend, args.random_input_len, args.random_output_len) == ("mlaserve", 256, 32)
+    assert args.base_url + serving.ENDPOINTS[args.backend] == "http://127.0.0.1:30000/generate"
+
+
 # --- ITL per generated token, several concurrency levels, the plot -----------------------------------------------
 
 def test_native_stream_counts_tokens_per_chunk() -> None:
