@@ -434,6 +434,11 @@ def add_config_args(parser: Any, cls: type = ServerConfig) -> None:
     for f in fields(cls):
         if f.name not in cls.SECTIONS:
             _add_flag(group, f, cls)
+    add_refused_flags(parser)
+
+
+def add_refused_flags(parser: Any) -> None:
+    """`REFUSED_FLAGS` on `parser`: hidden from --help, each an error line saying why where given."""
     import argparse
     for name, (nargs, why) in REFUSED_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), nargs=nargs, help=argparse.SUPPRESS,

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mlaserve.bench.floor import decode_step_bytes, prefill_flops
-from mlaserve.config import ServerConfig
+from mlaserve.config import ConfigError, ServerConfig, add_refused_flags
 from mlaserve.config_resolve import DEFAULT_SPEC_STEPS
 from mlaserve.kernels import pdl
 from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
@@ -58,21 +58,18 @@ def model_dir(args: argparse.Namespace) -> str:
     return str(tmp)
 
 
-def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = None,
-                 device: str | None = None) -> tuple[ModelRunner, ReqToTokenPool, TokenSlotAllocator]:
+def bench_config(args: argparse.Namespace, path: str, tp: int, ep: int, device: str | None = None) -> ServerConfig:
+    """The resolved server config one bench run at (tp, ep) builds its runner from (ConfigError when refused)."""
     max_bs = max(args.batch_size)
-    # NOTE: speculative rows step every request until the last has --output-len tokens, so one may run up to
-    # (steps + 1) tokens a step for output_len steps (`_spec_decode`): its table row and the pool make room for that
-    grow = (args.speculative_num_steps or DEFAULT_SPEC_STEPS) + 1 if args.speculative_algorithm else 1
-    width = args.input_len + args.output_len * grow + 8
-    tokens = max_bs * width + 64
+    width = _table_width(args)
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
-                                    tp_size=group.size if group else 1, ep_size=getattr(args, "ep", 1),
-                                    device=device or args.device,
-                                    max_total_tokens=tokens, disable_cuda_graph=args.disable_cuda_graph,
+                                    tp_size=tp, ep_size=ep, device=device or args.device,
+                                    max_total_tokens=max_bs * width + 64, disable_cuda_graph=args.disable_cuda_graph,
                                     attention_backend=args.attention_backend,
                                     context_length=width,
                                     enable_torch_compile=args.enable_torch_compile,
+                                    torch_compile_max_bs=getattr(args, "torch_compile_max_bs", None),
+                                    cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
                                     enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
                                     piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
                                     speculative_algorithm=args.speculative_algorithm,
@@ -81,9 +78,25 @@ def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = 
                                     speculative_num_draft_tokens=args.speculative_num_draft_tokens)
     server = resolve_for_device(server, path)
     if not server.sched.disable_cuda_graph:           # capture (and compile) every batch size the bench runs
-        sched = replace(server.sched, cuda_graph_bs=None, cuda_graph_max_bs=max_bs,
-                        torch_compile_max_bs=max_bs if args.enable_torch_compile else 0)
+        graph_bs = min(max_bs, getattr(args, "cuda_graph_max_bs", None) or max_bs)
+        compile_bs = min(graph_bs, getattr(args, "torch_compile_max_bs", None) or graph_bs)
+        sched = replace(server.sched, cuda_graph_bs=None, cuda_graph_max_bs=graph_bs,
+                        torch_compile_max_bs=compile_bs if args.enable_torch_compile else 0)
         server = resolve_for_device(replace(server, sched=sched), path)
+    return server
+
+
+def _table_width(args: argparse.Namespace) -> int:
+    # NOTE: speculative rows step every request until the last has --output-len tokens, so one may run up to
+    # (steps + 1) tokens a step for output_len steps (`_spec_decode`): its table row and the pool make room for that
+    grow = (args.speculative_num_steps or DEFAULT_SPEC_STEPS) + 1 if args.speculative_algorithm else 1
+    return args.input_len + args.output_len * grow + 8
+
+
+def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = None,
+                 device: str | None = None) -> tuple[ModelRunner, ReqToTokenPool, TokenSlotAllocator]:
+    max_bs, width = max(args.batch_size), _table_width(args)
+    server = bench_config(args, path, group.size if group else 1, getattr(args, "ep", 1), device)
     runner = ModelRunner(server, path, group)
     reach = _spec_slots(runner) - 1 if runner.spec is not None else 0   # a step's table columns past the end
     pool = ReqToTokenPool(max_bs + 1, width + reach, runner.device)
@@ -307,22 +320,26 @@ def bench_rank(group: RankGroup | None, args: argparse.Namespace, path: str, cei
 def build_parser() -> argparse.ArgumentParser:
     """The `bench one-batch` flags (also how benchmarks/profile_*.py describe the runner they build)."""
     ap = argparse.ArgumentParser(prog="mlaserve bench one-batch", description=__doc__.split("\n")[0])
-    ap.add_argument("--model-path")
+    ap.add_argument("--model-path", "--model")
     ap.add_argument("--model-config", help="config.json for --load-format dummy")
     ap.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--input-len", "--input", type=int, default=256)         # SGLang's bench_one_batch spellings too
+    ap.add_argument("--output-len", "--output", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "torch"))
-    ap.add_argument("--tp-size", type=int, nargs="+", default=[1], help="tensor-parallel sizes to run in turn")
+    ap.add_argument("--tp-size", "--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes to run in turn")
     ap.add_argument("--ep-size", type=int, nargs="+", default=[1],
                     help="expert-parallel sizes to run each TP size with (dividing it; others are skipped)")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="every all-reduce on NCCL (default: decode's over peer buffers where the GPUs allow)")
     ap.add_argument("--enable-torch-compile", action="store_true", help="torch.compile the decode step (in graphs)")
+    ap.add_argument("--torch-compile-max-bs", type=int, default=None,
+                    help="compile the batch sizes up to this only (default: every --batch-size)")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                    help="capture the batch sizes up to this only, larger ones run eagerly (default: every --batch-size)")
     ap.add_argument("--enable-piecewise-cuda-graph", action="store_true",
                     help="run prefills of up to --piecewise-cuda-graph-max-tokens tokens as piecewise CUDA graphs")
     ap.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
@@ -337,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-dir", default="/tmp/mlaserve-profile")
     ap.add_argument("--hf-peer", action="store_true", help="then run HF transformers on the same config")
     ap.add_argument("--output-file", help="append the markdown table and JSON rows here")
+    add_refused_flags(ap)
     return ap
 
 
@@ -346,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model_path and not (args.load_format == "dummy" and args.model_config):
         ap.error("give --model-path, or --load-format dummy with --model-config")
     path = model_dir(args)
+    combos = [(tp, ep) for tp in args.tp_size for ep in args.ep_size if not tp % ep]
+    for tp, ep in combos:                  # every refusal before any run: one line, as `serve` gives it
+        try:
+            bench_config(args, path, tp, ep)
+        except ConfigError as e:
+            ap.error(str(e))
     from mlaserve.bench.timing import Ceilings
 
     ceil = Ceilings.measure() if torch.cuda.is_available() else {"copy_bps": float("nan"), "bf16_flops": float("nan"),

@@ -29,6 +29,32 @@ def test_tp_and_ep_sizes_in_one_run(tmp_path, capsys):
     assert "skipping --tp-size 1 --ep-size 2" in capsys.readouterr().out
 
 
+def test_the_seeds_bench_one_batch_flags(tmp_path, capsys, monkeypatch):
+    """SGLang's `bench_one_batch --batch-size 1 --input 256 --output 32 --model M --tp 8 --torch-compile-max-bs 1
+    --cuda-graph-max-bs 1`: the same meanings here; --trust-remote-code and a refused configuration give one line
+    before anything runs."""
+    args = one_batch.build_parser().parse_args("--batch-size 1 16 --input 256 --output 32 --model /m --tp 8 "
+                                               "--enable-torch-compile --torch-compile-max-bs 1 "
+                                               "--cuda-graph-max-bs 8".split())
+    assert (args.model_path, args.input_len, args.output_len, args.tp_size) == ("/m", 256, 32, [8])
+    cfg = make_config(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()), num_layers=2, shrink=True, fp8=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    from mlaserve.config import ModelConfig as MC
+    from mlaserve.config_resolve import DeviceInfo, resolve_config
+    h100 = DeviceInfo("cuda", 0, "NVIDIA H100 80GB HBM3", 80 * 2**30, (9, 0), triton=True)
+    monkeypatch.setattr(one_batch, "resolve_for_device",       # as on a GPU: graphs and compile where asked
+                        lambda server, path: resolve_config(server, MC.from_hf(path), h100))
+    sched = one_batch.bench_config(args, str(tmp_path), 1, 1).sched
+    assert (sched.cuda_graph_max_bs, sched.torch_compile_max_bs) == (8, 1)      # bs 16 runs eagerly
+    monkeypatch.undo()
+    base = ["--load-format", "dummy", "--model-config", str(tmp_path / "config.json"), "--device", "cpu"]
+    for extra, line in ((["--trust-remote-code"], "--trust-remote-code: mlaserve runs no code from the model folder"),
+                        (["--tp", "1", "3"], "--tp-size 3: ")):
+        with pytest.raises(SystemExit):
+            one_batch.main(base + extra)
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"mlaserve bench one-batch: error: {line}")
+
+
 def test_floor_of_one_rank_splits_all_but_the_replicated_parts():
     v3 = ModelConfig.from_dict(json.loads((CONFIGS / "deepseek-v3.json").read_text()))
     one, two = decode_step_bytes(v3, 1, 256), decode_step_bytes(v3, 1, 256, tp=2)
