@@ -397,6 +397,7 @@ class ServerConfig:
         owners = {f.name: s for s in cls.SECTIONS for f in fields(_SECTION_TYPES[s])}
         own = {f.name for f in fields(cls)} - set(cls.SECTIONS)
         for k, v in kwargs.items():
+            k = FIELD_ALIASES.get(k, k)
             if k in owners:
                 parts[owners[k]][k] = v
             elif k in own:
@@ -444,6 +445,9 @@ def add_refused_flags(parser: Any) -> None:
         parser.add_argument("--" + name.replace("_", "-"), nargs=nargs, help=argparse.SUPPRESS,
                             action=_refused_action(why))
 
+
+# SGLang's ServerArgs field names (its Engine API's keywords) where ours differ
+FIELD_ALIASES = {"random_seed": "seed"}
 
 # SGLang flags that its users' commands carry (the seeds' launch lines) and mlaserve does not take: each gets one
 # line saying why, instead of argparse's "unrecognized arguments" (name -> (nargs, why))

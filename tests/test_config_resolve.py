@@ -416,6 +416,7 @@ def test_sglang_flag_names_mean_the_same_here():
     c = _parse(["--tensor-parallel-size", "4", "--data-parallel-size", "2", "--expert-parallel-size", "2"])
     assert (c.parallel.tp_size, c.parallel.dp_size, c.parallel.ep_size) == (4, 2, 2)
     assert _parse(["--tp-size", "2"]) == _parse(["--tp", "2"])
+    assert ServerConfig.from_flat(random_seed=5).load.seed == 5               # SGLang's Engine keyword
     assert resolve(H100, V3_FP8, tp_size=8, enable_ep_moe=True).parallel.ep_size == 8
     assert resolve(H100, V3_FP8, tp_size=8, ep_size=8, enable_ep_moe=True).parallel.ep_size == 8
     with pytest.raises(ConfigError, match="^--enable-ep-moe --ep-size 2: --enable-ep-moe means --ep-size 8"):
