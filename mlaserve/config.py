@@ -497,5 +497,6 @@ def _add_flag(group: Any, f: Any, owner: type) -> None:
     if f.default is not None and "default" not in help_:
         help_ += " (default: %(default)s)"
     metavar = {int: "N", float: "X"}.get(base, f.name.split("_")[-1].upper())
-    group.add_argument(flag, *f.metadata.get("aliases", ()), type=base, default=f.default, choices=f.metadata.get("choices"), nargs=nargs,
+    group.add_argument(flag, *f.metadata.get("aliases", ()), type=base, default=f.default,
+                       choices=f.metadata.get("choices"), nargs=nargs,
                        metavar=None if f.metadata.get("choices") else metavar, help=help_)
