@@ -441,9 +441,13 @@ def add_config_args(parser: Any, cls: type = ServerConfig) -> None:
 def add_refused_flags(parser: Any) -> None:
     """`REFUSED_FLAGS` on `parser`: hidden from --help, each an error line saying why where given."""
     import argparse
-    for name, (nargs, why) in REFUSED_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), nargs=nargs, help=argparse.SUPPRESS,
-                            action=_refused_action(why))
+
+    class Refused(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string}: {REFUSED_FLAGS[self.dest][1]}")
+
+    for name, (nargs, _) in REFUSED_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), nargs=nargs, help=argparse.SUPPRESS, action=Refused)
 
 
 # SGLang's ServerArgs field names (its Engine API's keywords) where ours differ
@@ -461,14 +465,6 @@ REFUSED_FLAGS = {
                           "mlaserve.tools.quantize_fp8 SRC DST); drop the flag"),
 }
 
-
-def _refused_action(why: str) -> type:
-    import argparse
-
-    class Refused(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None):
-            parser.error(f"{option_string}: {why}")
-    return Refused
 
 
 def config_from_args(ns: Any, cls: type = ServerConfig) -> ServerConfig:

@@ -104,9 +104,9 @@ class Combo(NamedTuple):
 
     @property
     def id(self) -> str:
-        on = [n for n, v in (("radix", self.radix), ("spec" if self.spec == "chain" else "tree",
-                                                      self.spec != "off"),
-                             ("overlap", self.overlap), ("fp8kv", self.fp8_kv), ("chunk", self.chunk)) if v]
+        spec = {"chain": "spec", "tree": "tree"}.get(self.spec, "")        # ids as before tree rows existed
+        on = [n for n, v in (("radix", self.radix), (spec, spec), ("overlap", self.overlap),
+                             ("fp8kv", self.fp8_kv), ("chunk", self.chunk)) if v]
         return "-".join([self.model, self.layout, *on])
 
     def flags(self) -> dict:

@@ -60,8 +60,7 @@ def model_dir(args: argparse.Namespace) -> str:
 
 def bench_config(args: argparse.Namespace, path: str, tp: int, ep: int, device: str | None = None) -> ServerConfig:
     """The resolved server config one bench run at (tp, ep) builds its runner from (ConfigError when refused)."""
-    max_bs = max(args.batch_size)
-    width = _table_width(args)
+    max_bs, width = max(args.batch_size), _table_width(args)
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
                                     tp_size=tp, ep_size=ep, device=device or args.device,
                                     max_total_tokens=max_bs * width + 64, disable_cuda_graph=args.disable_cuda_graph,
@@ -339,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--torch-compile-max-bs", type=int, default=None,
                     help="compile the batch sizes up to this only (default: every --batch-size)")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                    help="capture the batch sizes up to this only, larger ones run eagerly (default: every --batch-size)")
+                    help="capture the batch sizes up to this only, larger ones run eagerly "
+                         "(default: every --batch-size)")
     ap.add_argument("--enable-piecewise-cuda-graph", action="store_true",
                     help="run prefills of up to --piecewise-cuda-graph-max-tokens tokens as piecewise CUDA graphs")
     ap.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,

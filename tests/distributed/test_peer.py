@@ -143,9 +143,9 @@ def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel)
     """The model's all-reduces over the peer buffers, with the norms after them fused in (V3 shape with a dense
     first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's. `push`:
     MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto the smallest (0, the
-    default: none). `auto-triton`: every op a Triton kernel (the interpreter) and MLASERVE_KERNEL_SUMS=1, so the router sums the
-    attention output over the ranks (moe_route_norm's all_reduce) and a one-token MoE layer's experts' combine its
-    output (fused_moe_norm's), instead of all-reduces around them."""
+    default: none). `auto-triton`: every op a Triton kernel (the interpreter) and MLASERVE_KERNEL_SUMS=1, so the
+    router sums the attention output over the ranks (moe_route_norm's all_reduce) and a one-token MoE layer's
+    experts' combine its output (fused_moe_norm's), instead of all-reduces around them."""
     monkeypatch.setenv("MLASERVE_PEER_PUSH", {"pull": "0", "push": "1"}.get(kernel, "auto"))   # ranks inherit it
     monkeypatch.setenv("MLASERVE_KERNEL_SUMS", "1" if kernel == "auto-triton" else "0")
     flags = dict(attention_backend="triton") if kernel == "auto-triton" else {}
