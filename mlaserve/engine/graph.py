@@ -38,6 +38,23 @@ def pad_mask_on() -> bool:
     return os.environ.get("MLASERVE_PAD_MASK", "1") != "0"
 
 
+def allow_recompiles(layers: int, sizes: int) -> dict[str, int]:
+    """Raise dynamo's recompile limits to what compiled decode graphs need, and return them. A frame past a graph
+    break (every Triton launcher is one) resumes in each layer, whose integer attributes (layer_id) dynamo guards as
+    constants, so it is compiled once per layer and batch size. V3 at 10 layers and the 7 sizes up to 32 needs 70
+    entries of one frame; the limit was 64, and dynamo ran the rest of the frame eagerly, with a warning (the
+    ablation's compile rows, benchmarks/results/ablation-h200x2.md, seventh session). Room for twice the entries
+    (speculative decoding compiles two functions, target and draft); a limit already higher is kept."""
+    from torch._dynamo import config
+
+    want = 2 * max(layers, 1) * max(sizes, 1) + 64
+    names = [n for n in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, n)] \
+        or ["cache_size_limit", "accumulated_cache_size_limit"]        # (the names before torch 2.7)
+    for name in names:
+        setattr(config, name, max(getattr(config, name), want))
+    return {name: getattr(config, name) for name in names}
+
+
 class DecodeGraphRunner:
     """Captures `model` decode forwards; `replay(...)` returns the logits [bs, V] of a real batch."""
 
@@ -53,8 +70,7 @@ class DecodeGraphRunner:
         self.compiled = None
         if compile_max_bs:
             # NOTE: graph breaks at the Triton launchers are fine: dynamo compiles the torch code between them
-            from torch import _dynamo
-            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
+            allow_recompiles(model.num_kv_layers, len([b for b in self.batch_sizes if b <= compile_max_bs]))
             self.compiled = torch.compile(model, dynamic=False)
         self.dummy_req, self.device = dummy_req, device
         n = self.batch_sizes[-1]
@@ -241,8 +257,7 @@ class SpecGraphRunner:
         eager, compiled = (spec.target_fn, spec.draft_fn), None
         if compile_max_bs:
             # NOTE: as DecodeGraphRunner: graph breaks at the Triton launchers; one compile per batch size
-            from torch import _dynamo
-            _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
+            allow_recompiles(spec.model.num_kv_layers, len([b for b in self.batch_sizes if b <= compile_max_bs]))
             compiled = (torch.compile(spec.target_fn, dynamic=False), torch.compile(spec.draft_fn, dynamic=False))
         s, k, tree = spec.steps, spec.steps + 1, spec.topk > 1
         width = slots_per_step(s, spec.topk, spec.num_draft)              # slots per request of a step

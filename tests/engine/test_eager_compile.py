@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from engine.test_spec import DEMO, HEADERS, make, msg, same, spec
+from mlaserve.engine.graph import allow_recompiles
 from mlaserve.tokenizer import load_tokenizer
 from seq_runner import drive_scheduler as run
 
@@ -67,3 +68,53 @@ def test_compiled_eager_speculative_steps_equal_plain(monkeypatch):
     same(base, got)
     assert len(calls) > warm
     assert sched.runner.spec.target_fn is sched.runner.model          # eager again outside the compiled steps
+
+
+class _BreakLayer(torch.nn.Module):
+    """A layer whose forward breaks the graph (as a Triton launcher does) before it reads its int layer_id."""
+
+    def __init__(self, layer_id: int):
+        super().__init__()
+        self.layer_id, self.w = layer_id, torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.w
+        torch._dynamo.graph_break()
+        return x + self.layer_id
+
+
+def _compiled_calls(layers: int, sizes: tuple[int, ...], raise_limits: bool) -> int:
+    """Graphs dynamo compiled that one forward of each size runs (real torch.compile, a counting backend), after a
+    first forward of each size compiled them; eager fallbacks are not counted."""
+    torch._dynamo.reset()
+    calls = []
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+        return run
+
+    model = torch.nn.Sequential(*(_BreakLayer(i) for i in range(layers)))
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):     # torch's defaults
+        if raise_limits:
+            allow_recompiles(layers, len(sizes))
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        for bs in sizes:
+            x = torch.randn(bs, 4)
+            assert torch.equal(compiled(x), model(x))
+        calls.clear()
+        for bs in sizes:
+            compiled(torch.randn(bs, 4))
+    torch._dynamo.reset()
+    return len(calls)
+
+
+def test_recompile_limits_cover_every_layer_and_size():
+    """Each layer's code past the graph break is compiled once per layer (layer_id is guarded as a constant) and
+    batch size: 12 layers x 2 sizes pass dynamo's default limit, and it runs the rest eagerly; with the limits the
+    graph runners set (allow_recompiles), every layer at every size runs compiled."""
+    layers, sizes = 12, (1, 2)
+    full = _compiled_calls(layers, sizes, raise_limits=True)
+    assert full >= layers * len(sizes)                          # each layer's resumed code, at each size
+    assert _compiled_calls(layers, sizes, raise_limits=False) < full
