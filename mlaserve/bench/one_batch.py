@@ -105,7 +105,10 @@ def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = 
 
 
 def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocator, bs: int, input_len: int,
-              output_len: int) -> dict:
+              output_len: int, graph_stats: bool = True) -> dict:
+    """One prefill of `bs` random prompts, then decode steps to `output_len` tokens: the timings as a row.
+    graph_stats: also the captured graph's GPU time and kernel count (`graph_stats_of`), which run the torch
+    profiler: False under another profiler (--profile), which a nested one would stop."""
     vocab = runner.cfg.vocab_size
     reqs = [Req(f"b{i}", torch.randint(2, vocab, (input_len,)).tolist(),
                 SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True), seed=i) for i in range(bs)]
@@ -151,9 +154,13 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
         alloc.free(pool.slots(r.req_pool_idx, r.kv_len))
         pool.free(r.req_pool_idx)
     step = statistics.median(steps) if steps else float("nan")
-    gpu = graph_replay_s(runner, bs)
-    return {"graph_replay_s": gpu, "kernels_per_step": graph_kernels(runner, bs), "batch_size": bs, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
-            "prefill_tok_s": bs * input_len / prefill_s, "decode_step_s": step, "decode_tok_s": bs / step}
+    return (graph_stats_of(runner, bs) if graph_stats else {}) | {
+        "batch_size": bs, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
+        "prefill_tok_s": bs * input_len / prefill_s, "decode_step_s": step, "decode_tok_s": bs / step}
+
+
+def graph_stats_of(runner: ModelRunner, bs: int) -> dict:
+    return {"graph_replay_s": graph_replay_s(runner, bs), "kernels_per_step": graph_kernels(runner, bs)}
 
 
 def _spec_slots(runner: ModelRunner) -> int:
@@ -299,7 +306,9 @@ def bench_rank(group: RankGroup | None, args: argparse.Namespace, path: str, cei
     for bs in args.batch_size:
         if args.profile and bs == args.batch_size[-1] and rank == 0:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-                row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
+                row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len, graph_stats=False)
+            if runner.spec is None:
+                row |= graph_stats_of(runner, bs)
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(args.profile_dir) / f"one_batch_bs{bs}.json"))
             (Path(args.profile_dir) / f"one_batch_bs{bs}.txt").write_text(

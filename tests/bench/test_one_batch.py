@@ -132,3 +132,22 @@ def test_speculative_batch_keeps_stepping_requests_that_are_done(tmp_path):
     rows = json.loads(out.read_text().split("<!-- rows: ")[1].split(" -->")[0])
     assert [r["batch_size"] for r in rows] == [1, 4]
     assert all(1.0 <= r["accept_length"] <= 4.0 for r in rows), rows
+
+
+def test_profile_writes_the_trace_and_takes_graph_stats_outside_it(tmp_path, monkeypatch):
+    """--profile profiles the last batch size's run; the graph's replay time and kernel count use the torch profiler
+    too, and one nested in --profile's stopped it (on the GPU: "Can't disable Kineto profiler when it's not
+    running"), so they are taken after it."""
+    import torch
+
+    cfg = make_config(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()), num_layers=2, shrink=True, fp8=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    seen = []
+    monkeypatch.setattr(one_batch, "graph_stats_of", lambda runner, bs: seen.append(
+        (bs, torch.autograd.profiler._is_profiler_enabled)) or {"graph_replay_s": None, "kernels_per_step": None})
+    prof = tmp_path / "prof"
+    assert one_batch.main(["--load-format", "dummy", "--model-config", str(tmp_path / "config.json"), "--batch-size",
+                           "1", "2", "--input-len", "8", "--output-len", "2", "--device", "cpu", "--profile",
+                           "--profile-dir", str(prof), "--output-file", str(tmp_path / "rows.md")]) == 0
+    assert (prof / "one_batch_bs2.json").exists() and "Self CPU" in (prof / "one_batch_bs2.txt").read_text()
+    assert [bs for bs, _ in seen] == [1, 2, 1, 2] and not any(on for _, on in seen)      # warm-ups, then the runs
