@@ -57,11 +57,14 @@ for PART in $PARTS; do
       done ;;
     v3)         # 4 layers fit one GPU: tp 1 against tp 2; then $V3_LAYERS at tp 2 (20 fit an H200, 8 an H100)
       python3 benchmarks/v3_config.py --layers 4 --out /tmp/v3_4l.json
+      # the whole output kept (the seventh session's 20-layer run ended without a row and without a visible cause)
       timeout 200 $B --model-config /tmp/v3_4l.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 1 2 \
-        --output-file "$OUT/one_batch_v3_4l.md" 2>&1 | grep "^|" | tail -7
+        --output-file "$OUT/one_batch_v3_4l.md" > "$OUT/one_batch_v3_4l.log" 2>&1
+      echo "exit code $?"; grep "^|" "$OUT/one_batch_v3_4l.log" | tail -7
       python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-20} --out /tmp/v3_tp.json
       timeout 240 $B --model-config /tmp/v3_tp.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
-        --output-file "$OUT/one_batch_v3.md" 2>&1 | grep "^|" | tail -4 ;;
+        --output-file "$OUT/one_batch_v3.md" > "$OUT/one_batch_v3.log" 2>&1
+      echo "exit code $?"; grep "^|\|rror" "$OUT/one_batch_v3.log" | tail -6 ;;
     stress)
       for S in 1 0; do
         run_or_dump ${STRESS_LIMIT:-280} "$OUT/stress_sums$S.log" python3 benchmarks/peer_stress.py --sums $S --phase-timeout 60

@@ -28,11 +28,17 @@ else
   RUNS=("" "--enable-torch-compile" "--speculative-algorithm EAGLE")
   BS="1 16 64"
 fi
+# each run's whole output kept, and every rank's stacks printed each 60 s (the seventh session's call D lost two runs
+# to its time limit without a line of why)
+export MLASERVE_DUMP_STACKS_EVERY=${MLASERVE_DUMP_STACKS_EVERY:-60}
+i=0
 for flags in "${RUNS[@]}"; do
+  i=$((i + 1))
   echo "## tp $N ${flags:-(CUDA graphs)}" | tee -a "$OUT/one_batch.md"
   timeout ${LIMIT:-400} python3 -m mlaserve.cli bench one-batch --load-format dummy --model-config $CFG \
-    --batch-size $BS --input-len 256 --output-len 32 --tp-size $N $flags --output-file "$OUT/one_batch.md" 2>&1 \
-    | grep "^|\|rror" | tail -8
+    --batch-size $BS --input-len 256 --output-len 32 --tp-size $N $flags --output-file "$OUT/one_batch.md" \
+    > "$OUT/one_batch_run$i.log" 2>&1
+  echo "exit code $? (124: past LIMIT=${LIMIT:-400} s)"; grep "^|\|rror" "$OUT/one_batch_run$i.log" | tail -8
 done
 # the speculative step's cost against the plain one, and the speedups it would give (projections: the demo model's
 # accept length at (3, 1, 4) on the H100, spec-h100.md, and DeepSeek's published 85-90% second-token acceptance)
