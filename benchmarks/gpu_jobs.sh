@@ -19,7 +19,7 @@ for w in .whlx .whl; do
   if [ -d $w ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $w/*.whl > /dev/null 2>&1 \
       || echo "wheels from $w: install failed"
-    mv $w /tmp/wheels_installed_$w
+    rm -rf /tmp/wheels_installed_$w; mv $w /tmp/wheels_installed_$w        # (a warm machine keeps /tmp)
   fi
 done
 # NOTE: no `git log` here: the device's copy of .git can be older than the tree sent (it named the session's first

@@ -6,7 +6,7 @@
 #                                               one: random weights give no real acceptance)
 #   bash benchmarks/gpu_v3_scale.sh serve A ..  gpu_dp_ep.sh serve (tp tp-ep dp dp-ep dp-ep-a2a) at CONCURRENCY (16 256 768)
 # Results under $OUT (one_batch.md, spec_projection.md; serving_*.jsonl, capacity.txt with startup times). Carry .whl.
-# CPU dry run: DRY_CPU=1 V3_LAYERS=2 bash benchmarks/gpu_v3_scale.sh one-batch
+# CPU dry run: DRY_CPU=1 V3_LAYERS=2 bash benchmarks/gpu_v3_scale.sh one-batch. RUNS_ONLY=plain: the CUDA-graph run alone.
 set -uo pipefail
 [ -d .whl ] && python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site MLASERVE_CACHE=${MLASERVE_CACHE:-/tmp/mlaserve-cache}
@@ -26,6 +26,7 @@ else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/env.txt" 2>&1
   python3 benchmarks/v3_config.py --layers ${V3_LAYERS:-12} --out $CFG
   RUNS=("" "--enable-torch-compile" "--speculative-algorithm EAGLE")
+  [ "${RUNS_ONLY:-}" = plain ] && RUNS=("")          # the CUDA-graph run alone (no projection then)
   BS="1 16 64"
 fi
 # each run's whole output kept, and every rank's stacks printed each 60 s (the seventh session's call D lost two runs
@@ -42,5 +43,6 @@ for flags in "${RUNS[@]}"; do
 done
 # the speculative step's cost against the plain one, and the speedups it would give (projections: the demo model's
 # accept length at (3, 1, 4) on the H100, spec-h100.md, and DeepSeek's published 85-90% second-token acceptance)
+[ "${RUNS_ONLY:-}" = plain ] && exit 0
 python3 benchmarks/spec_projection.py "$OUT/one_batch.md" --accept "demo model (3, 1, 4), H100=3.2" \
   --acceptance 0.85 0.9 | tee "$OUT/spec_projection.md"

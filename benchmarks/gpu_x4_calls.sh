@@ -11,7 +11,15 @@
 #                                        with their server logs (GPUs 2-3: the half-speed first level)
 #   bash benchmarks/gpu_x4_calls.sh D    issue 18's script at tp 4 on all four GPUs: one-batch (graphs, compile, EAGLE)
 #   bash benchmarks/gpu_x4_calls.sh E    the same, serving: tp 4 and dp 4 + ep 4 at 16 / 256 / 768
-# After call A, commit the tables from A's j0.tgz (configs/) before the later calls, so that they use them.
+# Planned after the seventh session (its calls: G, A, D, E):
+#   bash benchmarks/gpu_x4_calls.sh H    the compile rows 0 and 1 against rows 5 and 9 at single query and 16 after
+#                                        the recompile-limit fix, logs kept (GPUs 0-1); tune the tp 4 tables: fused
+#                                        MoE E=256,N=512 (GPU 2), the four FP8 GEMM shapes (GPU 3)
+#   bash benchmarks/gpu_x4_calls.sh I    tp 4, 24 layers, with H's tables: one-batch (whole output, stacks each 60 s),
+#                                        then one bs-1 profile
+#   bash benchmarks/gpu_x4_calls.sh J    V3 20 layers at tp 2 with the tp 2 GEMM tables, whole log (GPUs 0-1); the
+#                                        tp 2 prefill profile of V2-Lite, 1 x 256 (GPUs 2-3)
+# After calls A and H, commit the tables from their tune jobs' tgz (configs/) before the later calls use them.
 set -uo pipefail
 ABL="CONCURRENCY=768 TABLES=offline LIMIT=540 bash benchmarks/gpu_ablation_2gpu.sh"
 case "${1:-}" in
@@ -26,5 +34,16 @@ case "${1:-}" in
   D) bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 LIMIT=180 bash benchmarks/gpu_v3_scale.sh one-batch" ;;
   E) bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 CONCURRENCY='16 256 768' \
        bash benchmarks/gpu_v3_scale.sh serve tp dp-ep" ;;
-  *) echo "usage: $0 A|B|C|F|G|D|E"; exit 2 ;;
+  H) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='0 5 1 9' CONCURRENCY=16 KEEP_LOGS=1 LIMIT=540 bash benchmarks/gpu_ablation_2gpu.sh" \
+       "2|TABLES_INTO_TREE=0 bash benchmarks/gpu_tune.sh moe-tp4" "3|TABLES_INTO_TREE=0 bash benchmarks/gpu_tune.sh gemm-tp4" ;;
+  I) P="python3 benchmarks/v3_config.py --layers 24 --out /tmp/v3_24.json && PYTHONPATH=\$PWD:/tmp/site timeout 150 \
+       python3 -m mlaserve.cli bench \
+       one-batch --load-format dummy --model-config /tmp/v3_24.json --batch-size 1 --output-len 8 --tp-size 4 --profile \
+       --profile-dir \$OUT/prof > \$OUT/profile.log 2>&1"
+     bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 LIMIT=120 RUNS_ONLY=plain bash benchmarks/gpu_v3_scale.sh one-batch; $P" ;;
+  J) bash benchmarks/gpu_jobs.sh 560 "0,1|V3_LAYERS=20 bash benchmarks/gpu_tp.sh v3" \
+       "2,3|PYTHONPATH=\$PWD:/tmp/site timeout 200 python3 -m mlaserve.cli bench one-batch --load-format dummy \
+       --model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 --input-len 256 --output-len 4 \
+       --tp-size 2 --profile --profile-dir \$OUT/prof > \$OUT/tp2_prefill_profile.log 2>&1" ;;
+  *) echo "usage: $0 A|B|C|F|G|D|E|H|I|J"; exit 2 ;;
 esac
