@@ -205,6 +205,18 @@ class ChatMessage(APIModel):
     tool_call_id: Text | None = None
     reasoning_content: Text | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        # NOTE: before the union's own checks, whose first complaint ("should be a valid string") hides the cause
+        if isinstance(v, list):
+            for p in v:
+                kind = p.get("type") if isinstance(p, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: DeepSeek V2 / V3 models "
+                                     f"read text only (parts of type 'text')")
+        return v
+
     @model_validator(mode="after")
     def _needs_content(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):

@@ -64,6 +64,15 @@ def test_bad_request_names_the_field(http, path, body, param):
     assert err["message"]
 
 
+def test_an_image_part_is_named_as_such(http):
+    """A content part other than text: the message says so, not the union's first complaint ("a valid string")."""
+    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    r = http.post(CHAT, json={"model": "mlaserve-demo", "messages": [{"role": "user", "content": parts}]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages[0].content"
+    assert "content parts of type 'image_url' are not supported" in err["message"]
+
+
 def test_malformed_json(http):
     r = http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
