@@ -321,6 +321,12 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedConfig:
     max_running_requests: int | None = opt(None, "max requests decoding at once (default: 256 on a GPU, 64 on the CPU)")
+    max_queued_requests: int | None = opt(None, "most requests waiting to start in a scheduler (each DP group's "
+                                          "own); a request past it ends at once with 503, the queue is full "
+                                          "(default: no limit)")
+    allow_auto_truncate: bool = opt(False, "keep the first tokens of a prompt too long for the context (or the KV "
+                                    "cache) and lower a max_new_tokens that cannot fit to what can, with a "
+                                    "warning, instead of answering 400")
     max_prefill_tokens: int = opt(16384, "max new tokens in one prefill batch")
     chunked_prefill_size: int = opt(8192, "split prompts longer than this across steps (-1: off)")
     schedule_policy: str = opt("fcfs", "waiting-queue order", choices=("fcfs", "lpm"))

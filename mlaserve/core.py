@@ -261,6 +261,23 @@ def check_request(ids: list[int], params: SamplingParams, limits: RequestLimits)
     return params
 
 
+def fit_request(ids: list[int], params: SamplingParams,
+                limits: RequestLimits) -> tuple[list[int], SamplingParams, str | None]:
+    """--allow-auto-truncate: the prompt cut to its first tokens and an explicit max_new_tokens lowered so that
+    `check_request` takes them (one generated token at least); returns them with what was cut, in words (None:
+    nothing). Empty prompts and token ids out of range stay errors for `check_request`."""
+    fits = min(limits.context_len, limits.max_total_tokens)
+    cut = []
+    if len(ids) >= fits:
+        cut.append(f"prompt of {len(ids)} tokens cut to its first {fits - 1}")
+        ids = ids[: fits - 1]
+    want, room = params.max_new_tokens, fits - len(ids)
+    if want is not None and want > room and "max_new_tokens" in params.model_fields_set:
+        cut.append(f"max_new_tokens {want} lowered to {room}")
+        params = params.model_copy(update={"max_new_tokens": room})
+    return ids, params, "; ".join(cut) or None
+
+
 @dataclass(frozen=True)
 class FinishReason:
     """Why a request ended; `to_json()` is SGLang's `meta_info.finish_reason`."""

@@ -7,7 +7,7 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
-from mlaserve.core import FinishReason, RequestError, RequestLimits, SamplingParams, check_request
+from mlaserve.core import FinishReason, RequestError, RequestLimits, SamplingParams, check_request, fit_request
 
 BAD = [  # (field, value): each must be refused with an error naming the field
     ("seed", "abc"), ("seed", 2**64), ("seed", 1.5), ("min_new_tokens", 10**30), ("max_new_tokens", -1),
@@ -73,6 +73,23 @@ def test_check_request_resolves_or_refuses_max_new_tokens():
     assert e.value.renamed({"max_new_tokens": "max_tokens"}).message.startswith("max_tokens=51 is too large")
     with pytest.raises(RequestError, match="maximum context length is 100"):
         check_request(ids, SamplingParams(max_new_tokens=95), RequestLimits(100, 1000, 1000))
+
+
+def test_fit_request_cuts_what_check_request_would_refuse():
+    """--allow-auto-truncate: a prompt past the pool (60 here; the context is 100) keeps its first 59 tokens, an
+    explicit max_new_tokens past the room left is lowered to it; what fits is left alone."""
+    ids = list(range(1, 81))
+    cut, params, note = fit_request(ids, SamplingParams(max_new_tokens=30), LIMITS)
+    assert cut == ids[:59] and params.max_new_tokens == 1
+    assert note == "prompt of 80 tokens cut to its first 59; max_new_tokens 30 lowered to 1"
+    assert check_request(cut, params, LIMITS).max_new_tokens == 1
+    cut, params, note = fit_request(ids[:10], SamplingParams(max_new_tokens=51), LIMITS)
+    assert cut == ids[:10] and params.max_new_tokens == 50 and note == "max_new_tokens 51 lowered to 50"
+    p = SamplingParams(max_new_tokens=20)
+    assert fit_request(ids[:10], p, LIMITS) == (ids[:10], p, None)
+    assert fit_request(ids[:10], SamplingParams(), LIMITS)[2] is None       # the default: check_request lowers it
+    with pytest.raises(RequestError, match="token ids must be in"):          # not a length problem: still refused
+        check_request(*fit_request([5000] * 70, SamplingParams(), LIMITS)[:2], LIMITS)
 
 
 def test_finish_reason_json_is_sglangs():

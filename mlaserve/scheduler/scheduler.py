@@ -9,7 +9,7 @@ import time
 
 from mlaserve.config import ServerConfig
 from mlaserve.core import (Batch, FinishReason, ForwardMode, Req, RequestError, RequestLimits, SamplingParams,
-                           check_request)
+                           check_request, fit_request)
 from mlaserve.distributed import RankGroup
 from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve_for_device
 from mlaserve.engine.spec import SpecOutput, slot_counts
@@ -124,9 +124,16 @@ class Scheduler:
         self.arrivals += 1
         req = Req(**msg.spec_fields(), arrival=self.arrivals)
         try:   # NOTE: the manager checked it already; this cheap re-check only guards the loop
+            if self.cfg.allow_auto_truncate and req.input_ids:   # (the same cut as the manager's, or a smaller pool's)
+                req.input_ids, req.params, _ = fit_request(req.input_ids, req.params, self.limits)
             req.params = check_request(req.input_ids, req.params, self.limits)
         except RequestError as e:
             self._finish(req, FinishReason("abort", message=e.message, status_code=e.status_code))
+            return
+        limit = self.cfg.max_queued_requests
+        if limit is not None and len(self.waiting) + len(self.grammar.waiting) >= limit:
+            self._finish(req, FinishReason("abort", message=f"The request queue is full: {limit} requests are "
+                                           "waiting to start (--max-queued-requests).", status_code=503))
             return
         self.live[req.rid] = req
         if req.params.grammar is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mlaserve.core import FinishReason, RequestError, RequestLimits, SamplingParams, check_request
+from mlaserve.core import FinishReason, RequestError, RequestLimits, SamplingParams, check_request, fit_request
 from mlaserve.ipc import messages as m
 from mlaserve.server.dp_controller import DataParallelController
 from mlaserve.tokenizer import Tokenizer
@@ -140,8 +140,13 @@ class TokenizerManager:
             ids = self.tokenizer.encode(obj.text)
         else:
             raise RequestError("either text (prompt) or input_ids is required", "text")
+        params = obj.sampling_params
+        if self.info.get("allow_auto_truncate") and ids:
+            ids, params, cut = fit_request(ids, params, self.limits)
+            if cut:
+                logger.warning("request %s: %s (--allow-auto-truncate)", obj.rid or "(no rid)", cut)
         try:
-            params = check_request(ids, obj.sampling_params, self.limits)
+            params = check_request(ids, params, self.limits)
         except RequestError as e:
             raise (e if obj.input_ids is not None else e.renamed({"input_ids": "text"})) from None
         if params.grammar is not None and self.info.get("grammar_backend") == "none":

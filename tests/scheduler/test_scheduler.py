@@ -94,6 +94,32 @@ def test_too_long_prompt_rejected_not_left_waiting(ckpt):
     assert res["ok"]["finished"].kind == "length"
 
 
+def test_allow_auto_truncate_keeps_the_prompts_head(ckpt):
+    """--allow-auto-truncate: a prompt past the KV pool runs on its first tokens (the same output as that head sent
+    as the prompt), and a max_new_tokens past the room is lowered to it."""
+    sched = make(ckpt, max_total_tokens=64, context_length=128, allow_auto_truncate=True)
+    fits = min(sched.limits.context_len, sched.limits.max_total_tokens)       # the pool's 64 slots
+    long = list(range(2, 100))
+    res = run(sched, [msg("long", long, max_new=1), msg("many", [5, 6, 7], max_new=500)])
+    assert res["long"]["finished"].kind == "length"
+    assert res["long"]["ids"] == run(make(ckpt, max_total_tokens=64, context_length=128),
+                                     [msg("head", long[: fits - 1], max_new=1)])["head"]["ids"]
+    assert res["many"]["finished"] == FinishReason("length", length=fits - 3) and len(res["many"]["ids"]) == fits - 3
+    assert_no_leak(sched)
+
+
+def test_max_queued_requests_ends_the_excess_with_503(ckpt):
+    """--max-queued-requests 2: of five requests arriving at once, two wait and run; the other three end at once
+    with 503 (the queue is full), nothing of theirs is held."""
+    sched = make(ckpt, max_queued_requests=2)
+    res = run(sched, [msg(f"r{i}", [3 + i, 4, 5], max_new=4) for i in range(5)])
+    full = [r for r in res if res[r]["finished"].kind == "abort"]
+    assert [res[r]["finished"].kind for r in sorted(res)] == ["length", "length", "abort", "abort", "abort"]
+    assert all(res[r]["finished"].status_code == 503 and "queue is full" in res[r]["finished"].message
+               for r in full)
+    assert_no_leak(sched)
+
+
 def test_abort_frees_everything(ckpt):
     sched = make(ckpt)
     res = run(sched, [msg("x", prompts(1, 50, 50)[0], max_new=100), msg("y", [3, 4, 5], max_new=3)],

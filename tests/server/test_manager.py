@@ -67,6 +67,27 @@ def test_seeds_come_from_the_seed_flag(demo_tokenizer, tmp_path):
     manager.ctx.destroy(linger=0)
 
 
+def test_allow_auto_truncate_cuts_before_the_check(demo_tokenizer, tmp_path, caplog):
+    """With the scheduler's allow_auto_truncate in its info, prepare cuts a prompt longer than the context to its
+    first tokens and lowers a max_new_tokens that cannot fit (one warning each); without it, both are a 400."""
+    ids, many = list(range(5, 400)), SamplingParams(max_new_tokens=1000)
+    manager, fake = make(demo_tokenizer, tmp_path)
+    try:
+        for obj, param in ((GenerateInput(input_ids=ids), "input_ids"),
+                           (GenerateInput(input_ids=ids[:6], sampling_params=many), "max_new_tokens")):
+            with pytest.raises(RequestError) as e:
+                manager.prepare(obj)
+            assert e.value.param == param and e.value.status_code == 400
+        manager.info = {**INFO, "allow_auto_truncate": True}
+        req = manager.prepare(GenerateInput(input_ids=ids, rid="long"))
+        assert req.input_ids == ids[:255] and req.params.max_new_tokens == 1        # context 256
+        assert manager.prepare(GenerateInput(input_ids=ids[:6], sampling_params=many)).params.max_new_tokens == 250
+        assert "request long: prompt of 395 tokens cut to its first 255" in caplog.text
+    finally:
+        fake.close()
+        manager.ctx.destroy(linger=0)
+
+
 def test_a_failing_output_ends_only_its_request(demo_tokenizer, tmp_path):
     async def go():
         manager, fake = make(demo_tokenizer, tmp_path)
