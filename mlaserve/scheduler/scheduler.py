@@ -132,8 +132,8 @@ class Scheduler:
             return
         limit = self.cfg.max_queued_requests
         if limit is not None and len(self.waiting) + len(self.grammar.waiting) >= limit:
-            self._finish(req, FinishReason("abort", message=f"The request queue is full: {limit} requests are "
-                                           "waiting to start (--max-queued-requests).", status_code=503))
+            self._finish(req, FinishReason("abort", message=f"The request queue is full (--max-queued-requests "
+                                           f"{limit}); try again later.", status_code=503))
             return
         self.live[req.rid] = req
         if req.params.grammar is not None:
