@@ -327,6 +327,8 @@ class SchedConfig:
     allow_auto_truncate: bool = opt(False, "keep the first tokens of a prompt too long for the context (or the KV "
                                     "cache) and lower a max_new_tokens that cannot fit to what can, with a "
                                     "warning, instead of answering 400")
+    stream_interval: int = opt(1, "send a request's new tokens once this many have come (the first token at once, "
+                               "the last ones with its end): fewer, larger stream chunks and output messages")
     max_prefill_tokens: int = opt(16384, "max new tokens in one prefill batch")
     chunked_prefill_size: int = opt(8192, "split prompts longer than this across steps (-1: off)")
     schedule_policy: str = opt("fcfs", "waiting-queue order", choices=("fcfs", "lpm"))

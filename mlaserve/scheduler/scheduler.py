@@ -343,8 +343,8 @@ class Scheduler:
         if finished is not None:
             self._drop(req)
             self._finish(req, finished)
-        elif emit:
-            self._emit(req)
+        elif emit and (req.sent_len == 0 or len(req.output_ids) - req.sent_len >= self.cfg.stream_interval):
+            self._emit(req)                   # (--stream-interval: the first token at once, then every n)
 
     def _ends(self, req: Req, tok: int, n: int) -> FinishReason | None:
         """Why `tok`, output token number n (from 1), ends `req` (stop id, eos or length), or None."""

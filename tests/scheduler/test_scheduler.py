@@ -120,6 +120,24 @@ def test_max_queued_requests_ends_the_excess_with_503(ckpt):
     assert_no_leak(sched)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stream_interval_sends_the_first_token_then_every_n(ckpt, overlap):
+    """--stream-interval 4: a request's outputs come as its first token, then 4 at a time, then the rest with its
+    end; the tokens are those of --stream-interval 1."""
+    def chunks(sched) -> tuple[list[int], list[int]]:
+        sched.add_request(msg("s", [5, 6, 7, 8], max_new=10))
+        sizes, ids = [], []
+        while sched.has_work:
+            for out in sched.step():
+                sizes.append(len(out.new_ids))
+                ids += out.new_ids
+        return sizes, ids
+
+    sizes, ids = chunks(make(ckpt, stream_interval=4, disable_overlap_schedule=not overlap))
+    every, same = chunks(make(ckpt, disable_overlap_schedule=not overlap))
+    assert sizes == [1, 4, 4, 1] and every == [1] * 10 and ids == same
+
+
 def test_abort_frees_everything(ckpt):
     sched = make(ckpt)
     res = run(sched, [msg("x", prompts(1, 50, 50)[0], max_new=100), msg("y", [3, 4, 5], max_new=3)],
