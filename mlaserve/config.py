@@ -327,6 +327,9 @@ class SchedConfig:
     allow_auto_truncate: bool = opt(False, "keep the first tokens of a prompt too long for the context (or the KV "
                                     "cache) and lower a max_new_tokens that cannot fit to what can, with a "
                                     "warning, instead of answering 400")
+    decode_log_interval: int = opt(40, "log a decode batch line (running requests, KV tokens and usage, generation "
+                                   "tok/s since the last line, queue) every this many decode steps, and a line per "
+                                   "prefill batch, at info level (each DP group's leader)")
     stream_interval: int = opt(1, "send a request's new tokens once this many have come (the first token at once, "
                                "the last ones with its end): fewer, larger stream chunks and output messages")
     max_prefill_tokens: int = opt(16384, "max new tokens in one prefill batch")

@@ -318,7 +318,8 @@ def _resolve_cache(cache: CacheConfig, load: LoadConfig, device: DeviceInfo) -> 
 
 
 def _check_sched_ranges(s: SchedConfig) -> None:
-    for name in ("max_running_requests", "max_prefill_tokens", "max_queued_requests", "stream_interval"):
+    for name in ("max_running_requests", "max_prefill_tokens", "max_queued_requests", "stream_interval",
+                 "decode_log_interval"):
         v = getattr(s, name)
         if v is not None and v < 1:
             _reject(f"{_flag(name)} {v}: must be >= 1")

@@ -138,6 +138,25 @@ def test_stream_interval_sends_the_first_token_then_every_n(ckpt, overlap):
     assert sizes == [1, 4, 4, 1] and every == [1] * 10 and ids == same
 
 
+def test_batch_lines_at_info_level(ckpt, caplog):
+    """A line per prefill batch and one every --decode-log-interval decode steps (SGLang's batch logs), at info
+    level only: none at the tests' warning level."""
+    import logging
+
+    reqs = [msg("a", [5, 6, 7, 8], max_new=9), msg("b", [9, 10], max_new=9)]
+    with caplog.at_level(logging.INFO, logger="mlaserve.scheduler.scheduler"):
+        run(make(ckpt, decode_log_interval=4, log_level="info"), reqs)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlaserve.scheduler.scheduler"]
+    prefill = [x for x in lines if x.startswith("prefill batch")]
+    decode = [x for x in lines if x.startswith("decode batch")]
+    assert prefill and prefill[0].startswith("prefill batch: 2 requests, 6 new tokens, 0 tokens from the cache")
+    assert len(decode) == 2 and decode[0].startswith("decode batch: 2 running") and "tok/s" in decode[0]  # 8 steps
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        run(make(ckpt, decode_log_interval=4), reqs)
+    assert not [r for r in caplog.records if r.getMessage().startswith(("prefill batch", "decode batch"))]
+
+
 def test_abort_frees_everything(ckpt):
     sched = make(ckpt)
     res = run(sched, [msg("x", prompts(1, 50, 50)[0], max_new=100), msg("y", [3, 4, 5], max_new=3)],
