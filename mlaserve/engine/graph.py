@@ -41,11 +41,11 @@ def pad_mask_on() -> bool:
 def allow_recompiles(layers: int, sizes: int) -> dict[str, int]:
     """Raise dynamo's recompile limits to what compiled decode graphs need, and return them. A frame past a graph
     break (every Triton launcher is one) resumes in each layer, whose integer attributes (layer_id) dynamo guards as
-    constants, so it is compiled once per layer and batch size. V3 at 10 layers and the 7 sizes up to 32 needs 70
-    entries of one frame; the limit was 64, and dynamo ran the rest of the frame eagerly, with a warning (the
-    ablation's compile rows, benchmarks/results/ablation-h200x2.md, seventh session). Room for four times that:
-    speculative decoding runs the target at two token counts a batch size (verify, repair) and the draft at its
-    own. A limit is only a cap (entries are made as shapes come); one already higher is kept."""
+    constants, so it is compiled once per layer and batch size: V3 at 10 layers and the 7 sizes up to 32 needs 70
+    entries of one frame. Past the limit dynamo runs the rest of the frame eagerly (with a warning). Room for four
+    times layers x sizes: speculative decoding runs the target at two token counts a batch size (verify, repair)
+    and the draft at its own. A limit is only a cap (entries are made as shapes come); one already higher is
+    kept."""
     from torch._dynamo import config
 
     want = 4 * max(layers, 1) * max(sizes, 1) + 64

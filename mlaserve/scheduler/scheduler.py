@@ -15,6 +15,7 @@ from mlaserve.engine.engine import ModelRunner, PendingStep, StepOutput, resolve
 from mlaserve.engine.spec import SpecOutput, slot_counts
 from mlaserve.engine.spec_tree import slots_per_step
 from mlaserve.ipc import messages as m
+from mlaserve.scheduler.batch_log import BatchLog
 from mlaserve.scheduler.cache import KVCacheManager
 from mlaserve.scheduler.decode import plan_decode
 from mlaserve.scheduler.dp_sync import DPStepSync
@@ -73,10 +74,7 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "steps": 0,
                       "spec_verify_steps": 0, "spec_tokens": 0, "mixed_steps": 0}
         self.arrivals = 0                         # arrival order (the same on every rank, unlike a clock)
-        # the batch lines (`_log_batch`): decode steps so far, and the generation count and time of the last line
-        # (None: idle since, the next decode step sets it)
-        self.logs = self.runner.group.info.is_leader and logger.isEnabledFor(logging.INFO)
-        self.decode_steps, self.log_mark = 0, None
+        self.batch_log = BatchLog(self.cfg.decode_log_interval, on=self.runner.group.info.is_leader)
         # DP attention: every plan is agreed with all ranks (an IDLE batch when only other groups have work)
         slots, extend_slot = None, 0
         if self.spec_tokens > 1:                  # every group runs the drafts, the target and the draft layer
@@ -119,7 +117,7 @@ class Scheduler:
         self.step_outbox()
         assert self.kv.flush(), "nothing runs after the warm-up"
         self.stats = dict.fromkeys(self.stats, 0)
-        self.decode_steps, self.log_mark = 0, None
+        self.batch_log.reset()
         self.num_retracted = 0
         self.new_token_ratio = self.cfg.init_new_token_ratio
         return time.monotonic() - t0
@@ -185,34 +183,10 @@ class Scheduler:
         if batch is not None:
             for req in batch.reqs:
                 req.last_batch = batch
-            if self.logs:
-                self._log_batch(batch)
+            self.batch_log.batch(batch, self)
         else:
-            self.log_mark = None              # idle: the next decode line's rate starts after it
+            self.batch_log.idle()
         return batch if self.dp_sync is None else self.dp_sync.agree(batch)
-
-    def _log_batch(self, batch: Batch) -> None:
-        """SGLang's batch lines, in our words: one per prefill batch, one every --decode-log-interval decode steps
-        with the generation rate since the last (tokens counted as they are processed: overlap lags a step)."""
-        queued = len(self.waiting) + len(self.grammar.waiting)
-        usage = self.kv.used() / self.kv.num_slots
-        if batch.mode is ForwardMode.EXTEND:
-            n = batch.size - batch.num_decode
-            logger.info("prefill batch: %d requests, %d new tokens, %d tokens from the cache or earlier chunks, "
-                        "%d decoding alongside; KV usage %.2f, %d running, %d queued", n,
-                        sum(batch.extend_lens[:n]), sum(batch.prefix_lens[:n]), batch.num_decode, usage,
-                        len(self.running), queued)
-            return
-        made, now = self.stats["generation_tokens"], time.monotonic()
-        if self.log_mark is None:
-            self.log_mark = (made, now)
-        self.decode_steps += 1
-        if self.decode_steps % self.cfg.decode_log_interval:
-            return
-        rate = (made - self.log_mark[0]) / max(now - self.log_mark[1], 1e-9)
-        self.log_mark = (made, now)
-        logger.info("decode batch: %d running, %d KV tokens, KV usage %.2f, generation %.1f tok/s, %d queued",
-                    batch.size, self.kv.used(), usage, rate, queued)
 
     def run(self, batch: Batch) -> StepOutput | SpecOutput:
         if self._speculates(batch):

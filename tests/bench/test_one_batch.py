@@ -136,7 +136,7 @@ def test_speculative_batch_keeps_stepping_requests_that_are_done(tmp_path):
 
 def test_profile_writes_the_trace_and_takes_graph_stats_outside_it(tmp_path, monkeypatch):
     """--profile profiles the last batch size's run; the graph's replay time and kernel count use the torch profiler
-    too, and one nested in --profile's stopped it (on the GPU: "Can't disable Kineto profiler when it's not
+    too, and a profiler nested in another stops it (on the GPU: "Can't disable Kineto profiler when it's not
     running"), so they are taken after it."""
     import torch
 

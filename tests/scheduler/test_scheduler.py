@@ -144,9 +144,9 @@ def test_batch_lines_at_info_level(ckpt, caplog):
     import logging
 
     reqs = [msg("a", [5, 6, 7, 8], max_new=9), msg("b", [9, 10], max_new=9)]
-    with caplog.at_level(logging.INFO, logger="mlaserve.scheduler.scheduler"):
+    with caplog.at_level(logging.INFO, logger="mlaserve.scheduler.batch_log"):
         run(make(ckpt, decode_log_interval=4, log_level="info"), reqs)
-    lines = [r.getMessage() for r in caplog.records if r.name == "mlaserve.scheduler.scheduler"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlaserve.scheduler.batch_log"]
     prefill = [x for x in lines if x.startswith("prefill batch")]
     decode = [x for x in lines if x.startswith("decode batch")]
     assert prefill and prefill[0].startswith("prefill batch: 2 requests, 6 new tokens, 0 tokens from the cache")
