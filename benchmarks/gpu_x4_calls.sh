@@ -40,7 +40,7 @@ case "${1:-}" in
        python3 -m mlaserve.cli bench \
        one-batch --load-format dummy --model-config /tmp/v3_24.json --batch-size 1 --output-len 8 --tp-size 4 --profile \
        --profile-dir \$OUT/prof > \$OUT/profile.log 2>&1"
-     bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 LIMIT=120 RUNS_ONLY=plain bash benchmarks/gpu_v3_scale.sh one-batch; $P" ;;
+     bash benchmarks/gpu_jobs.sh 560 "0,1,2,3|GPUS=4 V3_LAYERS=24 LIMIT=200 RUNS_ONLY=plain bash benchmarks/gpu_v3_scale.sh one-batch; $P" ;;
   J) bash benchmarks/gpu_jobs.sh 560 "0,1|V3_LAYERS=20 bash benchmarks/gpu_tp.sh v3" \
        "2,3|PYTHONPATH=\$PWD:/tmp/site timeout 200 python3 -m mlaserve.cli bench one-batch --load-format dummy \
        --model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 --input-len 256 --output-len 4 \
