@@ -477,7 +477,6 @@ REFUSED_FLAGS = {
 }
 
 
-
 def config_from_args(ns: Any, cls: type = ServerConfig) -> ServerConfig:
     """The config from a namespace parsed with `add_config_args`."""
     names = [f.name for s in cls.SECTIONS for f in fields(_SECTION_TYPES[s])]

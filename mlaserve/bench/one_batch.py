@@ -67,8 +67,8 @@ def bench_config(args: argparse.Namespace, path: str, tp: int, ep: int, device: 
                                     attention_backend=args.attention_backend,
                                     context_length=width,
                                     enable_torch_compile=args.enable_torch_compile,
-                                    torch_compile_max_bs=getattr(args, "torch_compile_max_bs", None),
-                                    cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
+                                    torch_compile_max_bs=args.torch_compile_max_bs,
+                                    cuda_graph_max_bs=args.cuda_graph_max_bs,
                                     enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
                                     piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
                                     speculative_algorithm=args.speculative_algorithm,
@@ -77,8 +77,8 @@ def bench_config(args: argparse.Namespace, path: str, tp: int, ep: int, device: 
                                     speculative_num_draft_tokens=args.speculative_num_draft_tokens)
     server = resolve_for_device(server, path)
     if not server.sched.disable_cuda_graph:           # capture (and compile) every batch size the bench runs
-        graph_bs = min(max_bs, getattr(args, "cuda_graph_max_bs", None) or max_bs)
-        compile_bs = min(graph_bs, getattr(args, "torch_compile_max_bs", None) or graph_bs)
+        graph_bs = min(max_bs, args.cuda_graph_max_bs or max_bs)
+        compile_bs = min(graph_bs, args.torch_compile_max_bs or graph_bs)
         sched = replace(server.sched, cuda_graph_bs=None, cuda_graph_max_bs=graph_bs,
                         torch_compile_max_bs=compile_bs if args.enable_torch_compile else 0)
         server = resolve_for_device(replace(server, sched=sched), path)

@@ -71,7 +71,7 @@ class DecodeGraphRunner:
         self.compiled = None
         if compile_max_bs:
             # NOTE: graph breaks at the Triton launchers are fine: dynamo compiles the torch code between them
-            allow_recompiles(model.num_kv_layers, len([b for b in self.batch_sizes if b <= compile_max_bs]))
+            allow_recompiles(model.num_kv_layers, sum(b <= compile_max_bs for b in self.batch_sizes))
             self.compiled = torch.compile(model, dynamic=False)
         self.dummy_req, self.device = dummy_req, device
         n = self.batch_sizes[-1]
@@ -258,7 +258,7 @@ class SpecGraphRunner:
         eager, compiled = (spec.target_fn, spec.draft_fn), None
         if compile_max_bs:
             # NOTE: as DecodeGraphRunner: graph breaks at the Triton launchers; one compile per batch size
-            allow_recompiles(spec.model.num_kv_layers, len([b for b in self.batch_sizes if b <= compile_max_bs]))
+            allow_recompiles(spec.model.num_kv_layers, sum(b <= compile_max_bs for b in self.batch_sizes))
             compiled = (torch.compile(spec.target_fn, dynamic=False), torch.compile(spec.draft_fn, dynamic=False))
         s, k, tree = spec.steps, spec.steps + 1, spec.topk > 1
         width = slots_per_step(s, spec.topk, spec.num_draft)              # slots per request of a step
