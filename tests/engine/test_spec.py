@@ -363,3 +363,21 @@ def test_token_map_keeps_outputs(demo_prompts, tmp_path, size):
     if size == 2048:                      # 2048 of 8192 ids cover ~94% of the held-out tokens
         assert accept_length(s) > 2.0
     assert_no_leak(s)
+
+
+def test_stream_interval_under_speculation():
+    """--stream-interval 5 with chain drafts (several tokens a step): the first token at once, then chunks of at
+    least 5, the rest with the end; the tokens equal those of the plain scheduler."""
+    tok = load_tokenizer(DEMO)
+    m = msg("s", tok.encode(HEADERS[3]), max_new=30)
+
+    def chunks(sched: Scheduler) -> list[list[int]]:
+        sched.add_request(m)
+        out = []
+        while sched.has_work:
+            out += [o.new_ids for o in sched.step() if o.new_ids]
+        return out
+
+    got = chunks(spec(DEMO, stream_interval=5))
+    assert len(got[0]) == 1 and all(len(c) >= 5 for c in got[1:-1])
+    assert [t for c in got for t in c] == [t for c in chunks(make(DEMO)) for t in c]

@@ -190,3 +190,20 @@ def test_structured_output_through_the_engine(engine):
     with pytest.raises(RequestError) as info:
         engine.generate(prompt="a", sampling_params={"regex": "a", "json_schema": "{}"})
     assert "at most one" in info.value.message
+
+
+def test_truncate_and_stream_interval_at_tp2_equal_tp1(ckpt, engine):
+    """--allow-auto-truncate and --stream-interval 3 on two gloo ranks: a prompt past the 256-token context runs
+    on its first 255 tokens with the tokens the single process gives that head (fp32, greedy), and a stream's
+    snapshots hold the first token, then 3 more each, then the rest."""
+    long = [5 + i % 3000 for i in range(400)]
+    greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with mlaserve.Engine(model_path=ckpt, device="cpu", dtype="float32", max_total_tokens=2048, context_length=256,
+                         tp_size=2, allow_auto_truncate=True, stream_interval=3, log_level="error") as tp2:
+        got = tp2.generate(input_ids=long, sampling_params=greedy | {"max_new_tokens": 1000})
+        snaps = list(tp2.generate(input_ids=long[:20], sampling_params=greedy, stream=True))
+    head = engine.generate(input_ids=long[:255], sampling_params=greedy | {"max_new_tokens": 1})
+    assert got["meta_info"]["prompt_tokens"] == 255 and got["output_ids"] == head["output_ids"]
+    lens = [len(s["output_ids"]) for s in snaps]
+    assert lens[-1] == 8 and all(n % 3 == 1 for n in lens[:-1])
+    assert snaps[-1]["output_ids"] == engine.generate(input_ids=long[:20], sampling_params=greedy)["output_ids"]
