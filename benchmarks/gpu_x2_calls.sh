@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Device calls on nvidia-h200-x2 (two GPUs, 10 minutes a call) for issue 11, eighth session. Carry .whlx.
+#   bash benchmarks/gpu_x2_calls.sh K   V2-Lite decode profile of one graph replay and of a 1 x 256 prefill at tp 1 and tp 2
+#                                       (benchmarks/profile_decode_tp.py), bs 1 then tp 2 bs 64; then V3 20 layers FP8
+#                                       at tp 2, one-batch bs 1 / 16 / 64, whole log
+# Every output goes to $OUT (the whole logs too).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site MLASERVE_CACHE=/tmp/mlaserve-cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+git log -1 --format=%h >> "$OUT/env.txt" 2>/dev/null
+P="python3 benchmarks/profile_decode_tp.py"
+B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
+case "${1:-}" in
+  K)
+    for R in "1 1" "2 1" "2 64"; do
+      set -- $R
+      echo "== profile tp $1 bs $2 $(date +%T)"
+      timeout 130 $P --tp-size $1 --bs $2 > "$OUT/prof_v2l_tp$1_bs$2.txt" 2>&1; echo "exit code $?" >> "$OUT/prof_v2l_tp$1_bs$2.txt"
+      grep -A14 "^== decode" "$OUT/prof_v2l_tp$1_bs$2.txt"; grep -A8 "^== prefill" "$OUT/prof_v2l_tp$1_bs$2.txt"
+      tail -2 "$OUT/prof_v2l_tp$1_bs$2.txt"
+    done
+    echo "== V3 20 layers tp 2 $(date +%T)"
+    python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
+    timeout 230 $B --model-config /tmp/v3_20.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
+      --output-file "$OUT/one_batch_v3_20l.md" > "$OUT/one_batch_v3_20l.log" 2>&1
+    echo "exit code $?" >> "$OUT/one_batch_v3_20l.log"; grep "^|\|rror\|exit code" "$OUT/one_batch_v3_20l.log" | tail -8 ;;
+  *) echo "usage: $0 K"; exit 2 ;;
+esac

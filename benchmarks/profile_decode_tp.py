@@ -1,0 +1,109 @@
+"""Kernel-level profile of one decode graph replay at tensor parallelism (dummy weights): where a tp rank's step goes.
+
+Every rank builds its runner, warms up with one batch, then replays its captured decode graph in lockstep with the
+others (the graph holds the collectives); rank 0 replays under the torch profiler and prints the kernels of one
+step: launches per step, mean us, us per step. Then each rank times one prefill of `--input-len` tokens, synced over
+the ranks, then under the profiler, and rank 0 prints one prefill's kernel time beside its wall time (the GPU idle
+between kernels is host launch time). `--tp-size 1` runs the single process the same way, for comparison.
+
+    python3 benchmarks/profile_decode_tp.py --tp-size 2 --bs 1
+"""
+import argparse
+import statistics
+
+import torch
+
+from mlaserve.bench.one_batch import PREFILL_REPEATS, build_parser, build_runner, model_dir, one_batch, sync
+from mlaserve.distributed.parallel import spawn_ranks
+
+
+def kernel_rows(prof, steps: int) -> tuple[list, float, float]:
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count
+            and not e.key.startswith(("Memset", "Memcpy"))]
+    rows.sort(key=lambda e: -e.device_time_total)
+    return rows, sum(e.device_time_total for e in rows) / steps, sum(e.count for e in rows) / steps
+
+
+def print_rows(rows: list, steps: int, limit: int = 30) -> None:
+    print(f"{'per step':>8} {'mean us':>8} {'us/step':>8}  kernel")
+    for e in rows[:limit]:
+        print(f"{e.count / steps:8.1f} {e.device_time_total / e.count:8.2f} {e.device_time_total / steps:8.1f}  {e.key[:100]}")
+
+
+def rank_main(group, args, path: str, bs: int, replays: int, input_len: int) -> None:
+    rank = group.info.rank if group else 0
+    device = f"cuda:{rank}" if group else None
+    torch.manual_seed(0)                                   # the same prompts on every rank
+    runner, pool, alloc = build_runner(args, path, group, device)
+    one_batch(runner, pool, alloc, bs, input_len, 4)
+    g = runner.graphs.graphs[min(b for b in runner.graphs.batch_sizes if b >= bs)]
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    sync(group)
+    # one replay at a time, synced over the ranks: the GPU time a synchronous step sees
+    gpus = []
+    for _ in range(20):
+        sync(group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        gpus.append(start.elapsed_time(end))
+    sync(group)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if rank == 0 else None
+    if prof:
+        prof.__enter__()
+    for _ in range(replays):
+        g.replay()
+    torch.cuda.synchronize()
+    if prof:
+        prof.__exit__(None, None, None)
+    sync(group)
+    n = runner.model.cfg.num_hidden_layers
+    if rank == 0:
+        rows, total, launches = kernel_rows(prof, replays)
+        tp = group.size if group else 1
+        print(f"== decode, tp {tp}, bs {bs}: one replay {statistics.median(gpus):.3f} ms (GPU events, median of 20); "
+              f"{launches:.0f} kernels per step ({launches / n:.1f} per layer), {total / 1000:.3f} ms of kernel time")
+        print_rows(rows, replays)
+    # prefill of one prompt: wall time (synced), then its kernels under the profiler
+    wall = one_batch(runner, pool, alloc, 1, input_len, 2, graph_stats=False)["prefill_s"]
+    sync(group)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if rank == 0 else None
+    if prof:
+        prof.__enter__()
+    one_batch(runner, pool, alloc, 1, input_len, 1, graph_stats=False)
+    torch.cuda.synchronize()
+    if prof:
+        prof.__exit__(None, None, None)
+    sync(group)
+    if rank == 0:
+        rows, total, launches = kernel_rows(prof, 1 + PREFILL_REPEATS)        # one-batch runs the prefill 1 + 3 times
+        print(f"== prefill 1 x {input_len}, tp {group.size if group else 1}: wall "
+              f"{wall * 1e3:.1f} ms (one-batch's median), {launches:.0f} kernels, "
+              f"{total / 1000:.2f} ms of kernel time")
+        print_rows(rows, 1 + PREFILL_REPEATS, 20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
+    ap.add_argument("--tp-size", type=int, default=2)
+    ap.add_argument("--bs", type=int, default=1)
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--input-len", type=int, default=256)
+    a = ap.parse_args()
+    args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size",
+                                      str(a.bs), "--input-len", str(a.input_len), "--output-len", "8"])
+    args.ep = 1
+    path = model_dir(args)
+    if a.tp_size == 1:
+        rank_main(None, args, path, a.bs, a.replays, a.input_len)
+    else:
+        spawn_ranks(rank_main, a.tp_size, args, path, a.bs, a.replays, a.input_len, device="cuda")
+
+
+if __name__ == "__main__":
+    main()
