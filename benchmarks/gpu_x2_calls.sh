@@ -3,6 +3,9 @@
 #   bash benchmarks/gpu_x2_calls.sh K   V2-Lite decode profile of one graph replay and of a 1 x 256 prefill at tp 1 and tp 2
 #                                       (benchmarks/profile_decode_tp.py), bs 1 then tp 2 bs 64; then V3 20 layers FP8
 #                                       at tp 2, one-batch bs 1 / 16 / 64, whole log
+#   bash benchmarks/gpu_x2_calls.sh L   the peer all-reduce with PDL (9fa7d11): its GPU tests, then the tp 2 decode replay
+#                                       profile at bs 1 and 64 against the tree before it (carried as .old, 82bf4e6),
+#                                       alternating, then one-batch V2-Lite tp 1 against tp 2 (bs 1 / 16 / 64)
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
@@ -10,7 +13,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site MLASERVE_CACHE=/tmp/mlaserve
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-git log -1 --format=%h >> "$OUT/env.txt" 2>/dev/null
+# the device's .git may be stale: a hash of the sources names the tree (the same command here, at a commit)
+echo "sources $(find mlaserve benchmarks -maxdepth 4 \( -name '*.py' -o -name '*.json' -o -name '*.sh' \) -print0 \
+  | LC_ALL=C sort -z | xargs -0 cat | sha1sum | cut -c1-12)" >> "$OUT/env.txt"
 P="python3 benchmarks/profile_decode_tp.py"
 B="python3 -m mlaserve.cli bench one-batch --load-format dummy"
 case "${1:-}" in
@@ -27,5 +32,19 @@ case "${1:-}" in
     timeout 230 $B --model-config /tmp/v3_20.json --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 2 \
       --output-file "$OUT/one_batch_v3_20l.md" > "$OUT/one_batch_v3_20l.log" 2>&1
     echo "exit code $?" >> "$OUT/one_batch_v3_20l.log"; grep "^|\|rror\|exit code" "$OUT/one_batch_v3_20l.log" | tail -8 ;;
-  *) echo "usage: $0 K"; exit 2 ;;
+  L)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" tests/distributed/test_peer.py \
+      tests/distributed/test_tensor_parallel.py -k "gpu" 2>&1 | tail -6 | tee "$OUT/tests_peer_tp.txt"
+    for R in 1 64; do
+      for T in old new; do
+        D=$PWD; [ $T = old ] && D=$PWD/.old
+        (cd $D && PYTHONPATH=$D:/tmp/site timeout 100 python3 benchmarks/profile_decode_tp.py --tp-size 2 --bs $R) \
+          > "$OUT/prof_tp2_bs${R}_$T.txt" 2>&1
+        echo "$T: $(grep '^== decode' "$OUT/prof_tp2_bs${R}_$T.txt")"; grep -A4 "^== decode" "$OUT/prof_tp2_bs${R}_$T.txt" | tail -3
+      done
+    done
+    C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
+    timeout 200 $B $C --tp-size 1 2 --output-file "$OUT/one_batch_tp1_tp2.md" > "$OUT/one_batch_tp1_tp2.log" 2>&1
+    echo "exit code $?"; grep "^|" "$OUT/one_batch_tp1_tp2.log" | tail -7 ;;
+  *) echo "usage: $0 K|L"; exit 2 ;;
 esac
