@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu_x2_calls.sh L   the peer all-reduce with PDL (9fa7d11): its GPU tests, then the tp 2 decode replay
 #                                       profile at bs 1 and 64 against the tree before it (carried as .old, 82bf4e6),
 #                                       alternating, then one-batch V2-Lite tp 1 against tp 2 (bs 1 / 16 / 64)
+#   bash benchmarks/gpu_x2_calls.sh M   the prefill's host ops at tp 1 and tp 2, and tp 2 with the piecewise prefill graphs
+#                                       (profile_decode_tp.py); the all-reduce alone (allreduce.py, after the PDL change);
+#                                       V3 20 layers FP8 at tp 2, bs 64 (K's run ended before it)
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
@@ -46,5 +49,16 @@ case "${1:-}" in
     C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
     timeout 200 $B $C --tp-size 1 2 --output-file "$OUT/one_batch_tp1_tp2.md" > "$OUT/one_batch_tp1_tp2.log" 2>&1
     echo "exit code $?"; grep "^|" "$OUT/one_batch_tp1_tp2.log" | tail -7 ;;
-  *) echo "usage: $0 K|L"; exit 2 ;;
+  M)
+    for R in "1" "2" "2 --piecewise"; do
+      F="$OUT/prof_prefill_tp${R// /}.txt"; F=${F//--/_}
+      timeout 120 $P --tp-size $R --bs 1 > "$F" 2>&1; echo "exit code $?" >> "$F"
+      echo "== tp $R"; grep "^== decode\|^== prefill\|^== host" "$F"; grep "^  rank" "$F" | head -24
+    done
+    timeout 90 python3 benchmarks/allreduce.py --tp-size 2 > "$OUT/allreduce.md" 2>&1; tail -12 "$OUT/allreduce.md"
+    python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
+    timeout 200 $B --model-config /tmp/v3_20.json --batch-size 64 --input-len 256 --output-len 32 --tp-size 2 \
+      --output-file "$OUT/one_batch_v3_20l_bs64.md" > "$OUT/one_batch_v3_20l_bs64.log" 2>&1
+    echo "exit code $?" >> "$OUT/one_batch_v3_20l_bs64.log"; grep "^|\|rror\|exit code" "$OUT/one_batch_v3_20l_bs64.log" | tail -5 ;;
+  *) echo "usage: $0 K|L|M"; exit 2 ;;
 esac

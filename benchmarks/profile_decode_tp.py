@@ -4,7 +4,8 @@ Every rank builds its runner, warms up with one batch, then replays its captured
 others (the graph holds the collectives); rank 0 replays under the torch profiler and prints the kernels of one
 step: launches per step, mean us, us per step. Then each rank times one prefill of `--input-len` tokens, synced over
 the ranks, then under the profiler, and rank 0 prints one prefill's kernel time beside its wall time (the GPU idle
-between kernels is host launch time). `--tp-size 1` runs the single process the same way, for comparison.
+between kernels is host launch time), and every rank its prefill's top host ops. `--tp-size 1` runs the single
+process the same way, for comparison; `--piecewise` builds the runner with the piecewise prefill graphs.
 
     python3 benchmarks/profile_decode_tp.py --tp-size 2 --bs 1
 """
@@ -85,6 +86,17 @@ def rank_main(group, args, path: str, bs: int, replays: int, input_len: int) -> 
               f"{wall * 1e3:.1f} ms (one-batch's median), {launches:.0f} kernels, "
               f"{total / 1000:.2f} ms of kernel time")
         print_rows(rows, 1 + PREFILL_REPEATS, 20)
+    # the host side of one prefill on every rank (the eager prefill is host-bound): its top CPU ops
+    sync(group)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as cpu:
+        one_batch(runner, pool, alloc, 1, input_len, 1, graph_stats=False)
+        torch.cuda.synchronize()
+    sync(group)
+    ops = sorted(cpu.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]
+    total = sum(e.self_cpu_time_total for e in cpu.key_averages()) / (1 + PREFILL_REPEATS) / 1e3
+    print(f"== host, rank {rank}, one prefill 1 x {input_len}: {total:.1f} ms of self CPU time (under the profiler)\n"
+          + "\n".join(f"  rank {rank} {e.count / (1 + PREFILL_REPEATS):7.1f} calls {e.self_cpu_time_total / 1e3 / (1 + PREFILL_REPEATS):7.2f} ms  {e.key[:70]}"
+                      for e in ops), flush=True)
 
 
 def main() -> None:
@@ -94,9 +106,11 @@ def main() -> None:
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--piecewise", action="store_true", help="with --enable-piecewise-cuda-graph")
     a = ap.parse_args()
     args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size",
-                                      str(a.bs), "--input-len", str(a.input_len), "--output-len", "8"])
+                                      str(a.bs), "--input-len", str(a.input_len), "--output-len", "8"]
+                                     + ["--enable-piecewise-cuda-graph"] * a.piecewise)
     args.ep = 1
     path = model_dir(args)
     if a.tp_size == 1:
