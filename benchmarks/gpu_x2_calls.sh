@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_x2_calls.sh M   the prefill's host ops at tp 1 and tp 2, and tp 2 with the piecewise prefill graphs
 #                                       (profile_decode_tp.py); the all-reduce alone (allreduce.py, after the PDL change);
 #                                       V3 20 layers FP8 at tp 2, bs 64 (K's run ended before it)
+#   bash benchmarks/gpu_x2_calls.sh N   the eager prefill's Python functions at tp 1 and tp 2 (cProfile, every rank)
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
@@ -60,5 +61,10 @@ case "${1:-}" in
     timeout 200 $B --model-config /tmp/v3_20.json --batch-size 64 --input-len 256 --output-len 32 --tp-size 2 \
       --output-file "$OUT/one_batch_v3_20l_bs64.md" > "$OUT/one_batch_v3_20l_bs64.log" 2>&1
     echo "exit code $?" >> "$OUT/one_batch_v3_20l_bs64.log"; grep "^|\|rror\|exit code" "$OUT/one_batch_v3_20l_bs64.log" | tail -5 ;;
-  *) echo "usage: $0 K|L|M"; exit 2 ;;
+  N)  # the eager prefill's Python side, tp 1 and tp 2 (cProfile)
+    for R in 1 2; do
+      CPROFILE=1 timeout 120 $P --tp-size $R --bs 1 > "$OUT/cprofile_tp$R.txt" 2>&1; echo "exit code $?" >> "$OUT/cprofile_tp$R.txt"
+      grep "^== prefill\|^== host\|^== cProfile" "$OUT/cprofile_tp$R.txt"; grep "rank 0 " "$OUT/cprofile_tp$R.txt" | grep -v " calls " | head -34
+    done ;;
+  *) echo "usage: $0 K|L|M|N"; exit 2 ;;
 esac

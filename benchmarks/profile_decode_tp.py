@@ -5,11 +5,13 @@ others (the graph holds the collectives); rank 0 replays under the torch profile
 step: launches per step, mean us, us per step. Then each rank times one prefill of `--input-len` tokens, synced over
 the ranks, then under the profiler, and rank 0 prints one prefill's kernel time beside its wall time (the GPU idle
 between kernels is host launch time), and every rank its prefill's top host ops. `--tp-size 1` runs the single
-process the same way, for comparison; `--piecewise` builds the runner with the piecewise prefill graphs.
+process the same way, for comparison; `--piecewise` builds the runner with the piecewise prefill graphs; CPROFILE=1
+also prints every rank's prefill under cProfile (the Python side of an eager prefill).
 
     python3 benchmarks/profile_decode_tp.py --tp-size 2 --bs 1
 """
 import argparse
+import os
 import statistics
 
 import torch
@@ -92,6 +94,19 @@ def rank_main(group, args, path: str, bs: int, replays: int, input_len: int) -> 
         one_batch(runner, pool, alloc, 1, input_len, 1, graph_stats=False)
         torch.cuda.synchronize()
     sync(group)
+    if os.environ.get("CPROFILE"):       # the Python side too: one prefill under cProfile, top functions by own time
+        import cProfile, io, pstats
+        pr = cProfile.Profile()
+        sync(group)
+        pr.enable()
+        one_batch(runner, pool, alloc, 1, input_len, 1, graph_stats=False)
+        torch.cuda.synchronize()
+        pr.disable()
+        sync(group)
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+        print(f"== cProfile, rank {rank}, {1 + PREFILL_REPEATS} prefills of 1 x {input_len}\n"
+              + "\n".join(f"  rank {rank} {line}" for line in buf.getvalue().splitlines() if line.strip()), flush=True)
     ops = sorted(cpu.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]
     total = sum(e.self_cpu_time_total for e in cpu.key_averages()) / (1 + PREFILL_REPEATS) / 1e3
     print(f"== host, rank {rank}, one prefill 1 x {input_len}: {total:.1f} ms of self CPU time (under the profiler)\n"
