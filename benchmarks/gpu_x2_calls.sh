@@ -10,8 +10,6 @@
 #                                       (profile_decode_tp.py); the all-reduce alone (allreduce.py, after the PDL change);
 #                                       V3 20 layers FP8 at tp 2, bs 64 (K's run ended before it)
 #   bash benchmarks/gpu_x2_calls.sh N   the eager prefill's Python functions at tp 1 and tp 2 (cProfile, every rank)
-#   bash benchmarks/gpu_x2_calls.sh O   prefill all-reduces over the peer buffers (up to 16 MiB at tp 2): the GPU tests,
-#                                       the tp 2 prefill profile, then one-batch V2-Lite tp 1 against tp 2
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
@@ -68,13 +66,5 @@ case "${1:-}" in
       CPROFILE=1 timeout 120 $P --tp-size $R --bs 1 > "$OUT/cprofile_tp$R.txt" 2>&1; echo "exit code $?" >> "$OUT/cprofile_tp$R.txt"
       grep "^== prefill\|^== host\|^== cProfile" "$OUT/cprofile_tp$R.txt"; grep "rank 0 " "$OUT/cprofile_tp$R.txt" | grep -v " calls " | head -34
     done ;;
-  O)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" tests/distributed/test_peer.py \
-      tests/distributed/test_tensor_parallel.py -k "gpu" 2>&1 | tail -6 | tee "$OUT/tests_peer_tp.txt"
-    timeout 100 $P --tp-size 2 --bs 1 > "$OUT/prof_prefill_tp2.txt" 2>&1; echo "exit code $?" >> "$OUT/prof_prefill_tp2.txt"
-    grep -A8 "^== prefill" "$OUT/prof_prefill_tp2.txt"; grep "^== decode\|^== host" "$OUT/prof_prefill_tp2.txt"
-    C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
-    timeout 200 $B $C --tp-size 1 2 --output-file "$OUT/one_batch_tp1_tp2.md" > "$OUT/one_batch_tp1_tp2.log" 2>&1
-    echo "exit code $?"; grep "^|" "$OUT/one_batch_tp1_tp2.log" | tail -7 ;;
-  *) echo "usage: $0 K|L|M|N|O"; exit 2 ;;
+  *) echo "usage: $0 K|L|M|N"; exit 2 ;;
 esac

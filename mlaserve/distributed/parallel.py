@@ -310,8 +310,8 @@ def _attach_peer(info: ParallelInfo, tp: TensorParallel, cpu_group, device: torc
         return
     tp.peer = PeerAllReduce(tp.rank, members, cpu_group, device)
     if info.rank == 0:
-        logger.info("%s all-reduces of up to %d rows and %d MiB run over peer buffers in one launch", what,
-                    tp.peer.peers.max_rows, tp.peer.peers.half_bytes >> 20)
+        logger.info("small %s all-reduces (<= %d rows) run over peer buffers in one launch", what,
+                    tp.peer.peers.max_rows)
 
 
 def shutdown_distributed() -> None:

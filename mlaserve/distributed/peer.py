@@ -1,6 +1,5 @@
-"""The fast all-reduce of the decode path (and, on GPUs, of prefill chunks up to `half_bytes_for`): every rank of a
-tensor-parallel group maps the others' staging buffers and signal pads, and one Triton launch sums a batch of rows
-(`kernels/allreduce.py`).
+"""The fast small all-reduce of the decode path: every rank of a tensor-parallel group maps the others' staging
+buffers and signal pads, and one Triton launch sums a batch of rows (`kernels/allreduce.py`).
 
 GPUs of one host share memory through CUDA IPC: the buffers are allocated with the driver API (`libcuda`, through
 ctypes) and each rank opens the others' handles in its own device's context, with peer access enabled lazily (no
@@ -27,20 +26,8 @@ from mlaserve.kernels.allreduce import (LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLGroup,
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 4096                 # rows (tokens) of one call: decode batches and prefill chunks
-HALF_BYTES = 1 << 20            # bytes of one call's rows at least: 64 x 7168 bf16 fits
-READ_BYTES = 16 << 20           # on GPUs, up to this many bytes read from the peers per call (one-shot: world - 1 copies)
-
-
-def half_bytes_for(world: int, device: torch.device) -> int:
-    """Bytes of one call's rows over the peer buffers. On GPUs the eager prefill's all-reduces go there too: NCCL
-    costs ~0.2 ms of host time a call, which an eager prefill (host-bound) pays 2 x layers times (V2-Lite tp 2,
-    1 x 256 on two H100s: 75-110 ms against 56-58 ms at tp 1, benchmarks/results/tp-h200x2.md). One-shot reads
-    (world - 1) copies, so wider groups take less (tp 2: 16 MB, 4096 x 2048 bf16; tp 8: 2.3 MB); NCCL's ring
-    beyond. CPU ranks (tests) keep the decode size in shared memory."""
-    if device.type != "cuda":
-        return HALF_BYTES
-    return max(HALF_BYTES, READ_BYTES // max(1, world - 1) // 4096 * 4096)
+MAX_ROWS = 128                  # rows (tokens) of one call: the decode batches the graphs capture
+HALF_BYTES = 1 << 20            # bytes of one call's rows: 64 x 7168 bf16 fits
 
 
 class PeerAllReduce:
@@ -51,9 +38,8 @@ class PeerAllReduce:
     """
 
     def __init__(self, group_rank: int, members: list[int], cpu_group, device: torch.device,
-                 max_rows: int = MAX_ROWS, half_bytes: int | None = None):
+                 max_rows: int = MAX_ROWS, half_bytes: int = HALF_BYTES):
         self.rank, self.world, self.device = group_rank, len(members), device
-        half_bytes = half_bytes_for(len(members), device) if half_bytes is None else half_bytes
         self._keep: list = []                        # shared-memory segments and their tensors (CPU)
         # staging buffer, signal pad, the push variant's receive buffer
         sizes = (buffer_bytes(half_bytes), sig_pad_ints(len(members), max_rows) * 4, ll_buffer_bytes(len(members)))

@@ -2,7 +2,7 @@
 
 Every rank of a group maps every other rank's staging buffer and signal pad (CUDA IPC between GPUs of one
 host; shared memory between CPU processes, where the kernel runs under the Triton interpreter). One launch
-per rank; for each token row its program (at most one per SM, each taking every G-th row):
+per rank, one program per token row:
 
     1. copy its row of x into its own staging buffer (half `epoch & 1` of it),
     2. raise flag [rank, row] = epoch on every rank's signal pad (release, system scope),
@@ -40,7 +40,6 @@ peer's launch before it has ended.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -53,14 +52,15 @@ from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 
 
 @triton.jit
-def _start_row(x_ptr, epoch_ptr, row, D, stride_x, BLOCK: tl.constexpr):
-    """The row's epoch (advanced and stored), its lanes and its values of x."""
+def _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK: tl.constexpr):
+    """This program's row, its epoch (advanced and stored), its lanes and its values of x."""
+    row = tl.program_id(0)
     e = tl.load(epoch_ptr + row) + 1
     tl.store(epoch_ptr + row, e)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
-    return e, offs, mask, x
+    return row, e, offs, mask, x
 
 
 @triton.jit
@@ -87,36 +87,31 @@ def _finish_row(acc, like, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, str
 
 
 @triton.jit
-def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, epoch_ptr, rank, T, D, half, eps,
+def _peer_all_reduce_kernel(x_ptr, res_ptr, w_ptr, out_ptr, buf_ptrs, sig_ptrs, epoch_ptr, rank, D, half, eps,
                             stride_x, stride_res, stride_out,
                             WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr,
                             NORM: tl.constexpr, PDL: tl.constexpr):
-    # program i takes rows i, i + G, i + 2G, ... (G programs, all resident at once: see `peer_all_reduce`)
     pdl_enter(PDL)                                       # x, the epoch, the buffers: all the previous kernel's
-    step = tl.num_programs(0)
-    for r in range(tl.program_id(0), T, step):
-        row = tl.program_id(0) * 0 + r                   # a tensor under the interpreter too (a plain int there)
-        e, offs, mask, x = _start_row(x_ptr, epoch_ptr, row, D, stride_x, BLOCK)
-        slot = (e & 1).to(tl.int64) * half + row.to(tl.int64) * D
-        mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(x.dtype))
-        tl.store(mine + slot + offs, x, mask=mask)
-        tl.debug_barrier()                               # every thread's store before the flag
-        for p in tl.static_range(WORLD):
-            pad = tl.load(sig_ptrs + p).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(pad + rank * MAX_ROWS + row, e, sem="release", scope="sys")
-        own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
-        for p in tl.static_range(WORLD):
+    row, e, offs, mask, x = _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK)
+    slot = (e & 1).to(tl.int64) * half + row.to(tl.int64) * D
+    mine = tl.load(buf_ptrs + rank).to(tl.pointer_type(x.dtype))
+    tl.store(mine + slot + offs, x, mask=mask)
+    tl.debug_barrier()                                   # every thread's store before the flag
+    for p in tl.static_range(WORLD):
+        pad = tl.load(sig_ptrs + p).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(pad + rank * MAX_ROWS + row, e, sem="release", scope="sys")
+    own = tl.load(sig_ptrs + rank).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(WORLD):
+        seen = tl.atomic_add(own + p * MAX_ROWS + row, 0, sem="acquire", scope="sys")
+        while seen - e < 0:                              # wrap-around safe "seen < e"
             seen = tl.atomic_add(own + p * MAX_ROWS + row, 0, sem="acquire", scope="sys")
-            while seen - e < 0:                          # wrap-around safe "seen < e"
-                seen = tl.atomic_add(own + p * MAX_ROWS + row, 0, sem="acquire", scope="sys")
-        tl.debug_barrier()
-        if row + step >= T:                              # this program's last row: the flags are in
-            pdl_release(PDL)                             # the next kernel may load its weights while we sum
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in tl.static_range(WORLD):                 # rank order: the same sum on every rank
-            src = tl.load(buf_ptrs + p).to(tl.pointer_type(x.dtype))
-            acc += tl.load(src + slot + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
-        _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
+    tl.debug_barrier()
+    pdl_release(PDL)                                     # the next kernel may load its weights while we sum
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in tl.static_range(WORLD):                     # rank order: the same sum on every rank
+        src = tl.load(buf_ptrs + p).to(tl.pointer_type(x.dtype))
+        acc += tl.load(src + slot + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+    _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
 
 
 LL_ROWS = 16            # rows of one push call (receive slots per source rank)
@@ -304,21 +299,12 @@ def peer_all_reduce(x: torch.Tensor, peers: PeerPointers, residual: torch.Tensor
     t, d = x.shape
     block = triton.next_power_of_2(d)
     half = peers.half_bytes // x.element_size()
-    # NOTE: a program waits for the peers' programs of its rows, so every program of every rank must be resident
-    # at once (more rows than programs would wait on programs not yet scheduled): at most one per SM, each
-    # taking every G-th row. Under the interpreter (programs run one after another) a few, to test the loop.
-    programs = min(t, _sms(x.device) if x.is_cuda else 4)
-    _peer_all_reduce_kernel[(programs,)](
+    _peer_all_reduce_kernel[(t,)](
         x, residual if norm else x, weight if norm else x, out, peers.buf_ptrs, peers.sig_ptrs, peers.epochs,
-        peers.rank, t, d, half, float(eps), x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
+        peers.rank, d, half, float(eps), x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
         WORLD=peers.world, MAX_ROWS=peers.max_rows, BLOCK=block, NORM=norm, **pdl_meta(x.device),
         num_warps=num_warps_for(block))
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _operands(x: torch.Tensor, residual: torch.Tensor | None,
