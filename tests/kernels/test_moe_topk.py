@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -30,11 +31,47 @@ def by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return weights.gather(1, order), ids
 
 
-def assert_same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+def assert_same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+                        ties: torch.Tensor | None = None) -> None:
+    """Same experts and weights per row; rows where `ties` ([T] bool, `near_ties`) is set are left out."""
     gw, gi = by_id(*got)
     ww, wi = by_id(*want)
+    if ties is not None and ties.any():
+        print(f"rows {ties.nonzero().flatten().tolist()}: a near-tie at the selection's edge, not compared")
+        assert len(ties) == 1 or ties.float().mean() <= 0.5, f"near-ties in {int(ties.sum())} of {len(ties)} rows"
+        gw, gi, ww, wi = (t[~ties] for t in (gw, gi, ww, wi))
     assert torch.equal(gi, wi), f"different experts chosen:\n{gi}\n{wi}"
     torch.testing.assert_close(gw.float(), ww.float(), rtol=TOL, atol=TOL)
+
+
+def near_ties(logits: torch.Tensor, top_k: int, *, topk_method: str, scoring_func: str, n_group: int = 1,
+              topk_group: int = 1, e_score_correction_bias: torch.Tensor | None = None, gap: float = 1e-5,
+              **_) -> torch.Tensor:
+    """[T] bool: rows whose selection could flip when the fp32 logits move by sum-order rounding (~1e-6 relative):
+    the last kept group and the first dropped one, or the last chosen expert and the first one left out, score
+    within `gap` of the row's largest value (moe_route's gate GEMV sums in another order than F.linear; seed
+    421102229 flipped two groups)."""
+    t, e = logits.shape
+    # what the selection orders by: the logits themselves where the scoring keeps their order (softmax, sigmoid),
+    # sigmoid + bias for noaux_tc; gaps relative to the values' size
+    scores = logits.float()
+    edge = torch.full((t,), float("inf"), device=logits.device)
+    if topk_method == "noaux_tc":
+        bias = e_score_correction_bias if e_score_correction_bias is not None else torch.zeros(e, device=logits.device)
+        scores = scores.sigmoid() + bias.to(scores)
+    size = scores.abs().amax(dim=-1).clamp(min=1.0)                                     # [T]
+    if topk_method != "greedy":
+        per = scores.view(t, n_group, e // n_group)
+        groups = per.topk(2, dim=-1).values.sum(-1) if topk_method == "noaux_tc" else per.amax(-1)   # [T, G]
+        if topk_group < n_group:
+            g = groups.sort(dim=-1, descending=True).values
+            edge = torch.minimum(edge, g[:, topk_group - 1] - g[:, topk_group])
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
+        scores = scores.masked_fill(~kept.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    s = scores.sort(dim=-1, descending=True).values
+    if top_k < e:
+        edge = torch.minimum(edge, s[:, top_k - 1] - s[:, top_k])
+    return edge < gap * size
 
 
 @pytest.mark.parametrize("kw,num_experts", [(V2_GREEDY, 24), (V2_GROUPED, 64), (V3_NOAUX, 64),
@@ -139,7 +176,8 @@ def test_moe_route_matches_ref(kw: dict, num_experts: int, hidden: int, tokens: 
         got = moe_route(x, weight, e_score_correction_bias=bias, n_shared=n_shared, sync=sync, **kw)
         assert got[0].shape == got[1].shape == (tokens, kw["top_k"] + n_shared) and got[1].dtype == torch.int32
         assert not sync.any()
-        assert_same_routing(got, moe_route_ref(x, weight, e_score_correction_bias=bias, n_shared=n_shared, **kw))
+        ties = near_ties(F.linear(x.float(), weight.float()), e_score_correction_bias=bias, **kw)
+        assert_same_routing(got, moe_route_ref(x, weight, e_score_correction_bias=bias, n_shared=n_shared, **kw), ties)
 
 
 @pytest.mark.parametrize("config", [dict(BLOCK_E=1, BLOCK_H=64, num_warps=1), dict(BLOCK_E=32, BLOCK_H=32, num_warps=4)])
@@ -149,7 +187,7 @@ def test_moe_route_tile_configs(config: dict, device: str) -> None:
     x = torch.randn(3, 100, device=device)
     weight = torch.randn(32, 100, device=device)
     got = moe_route(x, weight, config=config, **V2_GREEDY)
-    assert_same_routing(got, moe_route_ref(x, weight, **V2_GREEDY))
+    assert_same_routing(got, moe_route_ref(x, weight, **V2_GREEDY), near_ties(F.linear(x, weight), **V2_GREEDY))
 
 
 @pytest.mark.gpu
@@ -168,7 +206,8 @@ def test_moe_route_cuda_graph_replays() -> None:
     for _ in range(20):
         x.copy_(torch.randn_like(x))
         graph.replay()
-        assert_same_routing(out, moe_route_ref(x, weight, e_score_correction_bias=bias, n_shared=1, **kw))
+        ties = near_ties(F.linear(x.float(), weight.float()), e_score_correction_bias=bias, **kw)
+        assert_same_routing(out, moe_route_ref(x, weight, e_score_correction_bias=bias, n_shared=1, **kw), ties)
     assert not sync.any()
 
 
@@ -196,7 +235,9 @@ def test_moe_route_norm_matches_ref(kw: dict, num_experts: int, hidden: int, tok
         assert torch.equal(got[3], want[3])                                   # x + residual, rounded once
         # NOTE: the routing of the kernel's own normed rows: a last-bit difference of the norm (its sum order)
         # can flip a near-tie between experts, as any two norm kernels would
-        assert_same_routing(got[:2], moe_route_ref(got[2], weight, e_score_correction_bias=bias, n_shared=2, **kw))
+        ties = near_ties(F.linear(got[2].float(), weight.float()), e_score_correction_bias=bias, **kw)
+        assert_same_routing(got[:2], moe_route_ref(got[2], weight, e_score_correction_bias=bias, n_shared=2, **kw),
+                            ties)
 
 
 @pytest.mark.parametrize("fn", ["topk", "route", "route_norm"])
