@@ -11,6 +11,7 @@ also prints every rank's prefill under cProfile (the Python side of an eager pre
     python3 benchmarks/profile_decode_tp.py --tp-size 2 --bs 1
 """
 import argparse
+import contextlib
 import os
 import statistics
 
@@ -18,6 +19,12 @@ import torch
 
 from mlaserve.bench.one_batch import PREFILL_REPEATS, build_parser, build_runner, model_dir, one_batch, sync
 from mlaserve.distributed.parallel import spawn_ranks
+
+
+def cuda_profile(rank: int):
+    """The CUDA-kernel profiler on rank 0; nothing on the others (they run the same collectives unprofiled)."""
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if rank == 0 \
+        else contextlib.nullcontext()
 
 
 def kernel_rows(prof, steps: int) -> tuple[list, float, float]:
@@ -55,14 +62,10 @@ def rank_main(group, args, path: str, bs: int, replays: int, input_len: int) -> 
         end.synchronize()
         gpus.append(start.elapsed_time(end))
     sync(group)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if rank == 0 else None
-    if prof:
-        prof.__enter__()
-    for _ in range(replays):
-        g.replay()
-    torch.cuda.synchronize()
-    if prof:
-        prof.__exit__(None, None, None)
+    with cuda_profile(rank) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
     sync(group)
     n = runner.model.cfg.num_hidden_layers
     if rank == 0:
@@ -74,13 +77,9 @@ def rank_main(group, args, path: str, bs: int, replays: int, input_len: int) -> 
     # prefill of one prompt: wall time (synced), then its kernels under the profiler
     wall = one_batch(runner, pool, alloc, 1, input_len, 2, graph_stats=False)["prefill_s"]
     sync(group)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if rank == 0 else None
-    if prof:
-        prof.__enter__()
-    one_batch(runner, pool, alloc, 1, input_len, 1, graph_stats=False)
-    torch.cuda.synchronize()
-    if prof:
-        prof.__exit__(None, None, None)
+    with cuda_profile(rank) as prof:
+        one_batch(runner, pool, alloc, 1, input_len, 1, graph_stats=False)
+        torch.cuda.synchronize()
     sync(group)
     if rank == 0:
         rows, total, launches = kernel_rows(prof, 1 + PREFILL_REPEATS)        # one-batch runs the prefill 1 + 3 times

@@ -31,7 +31,7 @@ class BatchLog:
     def batch(self, batch: Batch, sched: Scheduler) -> None:
         if not self.on:
             return
-        queued = len(sched.waiting) + len(sched.grammar.waiting)
+        queued = sched.num_queued
         usage = sched.kv.used() / sched.kv.num_slots
         if batch.mode is ForwardMode.EXTEND:
             n = batch.size - batch.num_decode

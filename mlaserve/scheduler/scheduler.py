@@ -134,7 +134,7 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message=e.message, status_code=e.status_code))
             return
         limit = self.cfg.max_queued_requests
-        if limit is not None and len(self.waiting) + len(self.grammar.waiting) >= limit:
+        if limit is not None and self.num_queued >= limit:
             self._finish(req, FinishReason("abort", message=f"The request queue is full (--max-queued-requests "
                                            f"{limit}); try again later.", status_code=503))
             return
@@ -174,6 +174,11 @@ class Scheduler:
         return not (self.running or self.waiting or self.chunked) and self.kv.flush()
 
     # --- one iteration: plan -> run -> process ----------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting to start: the waiting queue and those waiting for their compiled grammar."""
+        return len(self.waiting) + len(self.grammar.waiting)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.pending or self.grammar.waiting)
