@@ -10,6 +10,9 @@
 #                                       (profile_decode_tp.py); the all-reduce alone (allreduce.py, after the PDL change);
 #                                       V3 20 layers FP8 at tp 2, bs 64 (K's run ended before it)
 #   bash benchmarks/gpu_x2_calls.sh N   the eager prefill's Python functions at tp 1 and tp 2 (cProfile, every rank)
+#   bash benchmarks/gpu_x2_calls.sh Q   (ninth session) on H100s: tune the fused MoE at V2-Lite's tp 2 shape (E=64,N=704,
+#                                       no H100 table yet), then one-batch V2-Lite tp 1 against tp 2 with it; on H200s:
+#                                       V3 20 layers FP8 tp 2 at bs 64 alone, then the same one-batch
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
@@ -66,5 +69,24 @@ case "${1:-}" in
       CPROFILE=1 timeout 120 $P --tp-size $R --bs 1 > "$OUT/cprofile_tp$R.txt" 2>&1; echo "exit code $?" >> "$OUT/cprofile_tp$R.txt"
       grep "^== prefill\|^== host\|^== cProfile" "$OUT/cprofile_tp$R.txt"; grep "rank 0 " "$OUT/cprofile_tp$R.txt" | grep -v " calls " | head -34
     done ;;
-  *) echo "usage: $0 K|L|M|N"; exit 2 ;;
+  Q)
+    C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
+    if grep -q H100 "$OUT/env.txt"; then
+      mkdir -p "$OUT/configs"
+      echo "== tune E=64,N=704 bf16 on GPU 1 $(date +%T)"
+      CUDA_VISIBLE_DEVICES=1 timeout 290 python3 -m mlaserve.cli tune fused-moe --model-config \
+        mlaserve/tools/configs/deepseek-v2-lite.json --dtype bf16 --tp-size 2 --out-dir "$OUT/configs" \
+        > "$OUT/tune_moe_tp2.txt" 2> "$OUT/tune_moe_tp2_err.txt"; echo "exit code $?"; tail -16 "$OUT/tune_moe_tp2.txt"
+      cp "$OUT"/configs/*.json mlaserve/kernels/configs/ && tar -C "$OUT" -cf "$OUT/configs.tar" configs
+    else
+      echo "== V3 20 layers tp 2 bs 64 $(date +%T)"
+      python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
+      timeout 300 $B --model-config /tmp/v3_20.json --batch-size 64 --input-len 256 --output-len 32 --tp-size 2 \
+        --output-file "$OUT/one_batch_v3_20l_bs64.md" > "$OUT/one_batch_v3_20l_bs64.log" 2>&1
+      echo "exit code $?" >> "$OUT/one_batch_v3_20l_bs64.log"; grep "^|\|rror\|exit code" "$OUT/one_batch_v3_20l_bs64.log" | tail -5
+    fi
+    echo "== one-batch tp 1 / tp 2 $(date +%T)"
+    timeout 220 $B $C --tp-size 1 2 --output-file "$OUT/one_batch_tp1_tp2.md" > "$OUT/one_batch_tp1_tp2.log" 2>&1
+    echo "exit code $?"; grep "^|\|untuned\|no tuned" "$OUT/one_batch_tp1_tp2.log" | tail -9 ;;
+  *) echo "usage: $0 K|L|M|N|Q"; exit 2 ;;
 esac
