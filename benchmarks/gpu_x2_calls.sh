@@ -13,9 +13,6 @@
 #   bash benchmarks/gpu_x2_calls.sh Q   (ninth session) on H100s: tune the fused MoE at V2-Lite's tp 2 shape (E=64,N=704,
 #                                       no H100 table yet), then one-batch V2-Lite tp 1 against tp 2 with it; on H200s:
 #                                       V3 20 layers FP8 tp 2 at bs 64 alone, then the same one-batch
-#   bash benchmarks/gpu_x2_calls.sh R   split-K fused MoE: its GPU tests; the tuner at V2-Lite's tp 1 (GPU 0) and tp 2
-#                                       (GPU 1) shapes for 1-16 tokens (on H100s tp 2 at every count: no table yet),
-#                                       merged into the shipped tables; one-batch tp 1 / tp 2 at bs 1 / 16 with them
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
@@ -91,23 +88,5 @@ case "${1:-}" in
     echo "== one-batch tp 1 / tp 2 $(date +%T)"
     timeout 220 $B $C --tp-size 1 2 --output-file "$OUT/one_batch_tp1_tp2.md" > "$OUT/one_batch_tp1_tp2.log" 2>&1
     echo "exit code $?"; grep "^|\|untuned\|no tuned" "$OUT/one_batch_tp1_tp2.log" | tail -9 ;;
-  R)
-    timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fused_moe.py \
-      -k "split_k or cuda_graph" > "$OUT/tests_split.txt" 2>&1; tail -3 "$OUT/tests_split.txt"
-    T2="--batch-sizes 1 2 4 8 16"; grep -q H100 "$OUT/env.txt" && T2=""
-    V=mlaserve/tools/configs/deepseek-v2-lite.json
-    echo "== tune $(date +%T)"
-    for G in 0 1; do
-      A="--batch-sizes 1 2 4 8 16"; [ $G = 1 ] && A="--tp-size 2 $T2"
-      CUDA_VISIBLE_DEVICES=$G timeout 240 python3 -m mlaserve.cli tune fused-moe --model-config $V --dtype bf16 \
-        $A --jobs 15 --out-dir "$OUT/tuned$G" > "$OUT/tune$G.txt" 2> "$OUT/tune${G}_err.txt" &
-    done
-    wait; grep -h "^T=\|^  T=\|wrote\|rror" "$OUT/tune0.txt" "$OUT/tune1.txt" | cut -c1-150
-    for G in 0 1; do [ -d "$OUT/tuned$G" ] && python3 benchmarks/merge_moe_tables.py "$OUT/tuned$G" "$OUT/configs"; done \
-      > "$OUT/merge.txt" 2>&1; tar -C "$OUT" -cf "$OUT/configs.tar" configs 2>/dev/null
-    echo "== one-batch tp 1 / tp 2 $(date +%T)"
-    timeout 190 $B --model-config $V --batch-size 1 16 --input-len 256 --output-len 32 --tp-size 1 2 \
-      --output-file "$OUT/one_batch_tp1_tp2.md" > "$OUT/one_batch_tp1_tp2.log" 2>&1
-    echo "exit code $?"; grep "^|\|untuned\|no tuned" "$OUT/one_batch_tp1_tp2.log" | tail -9 ;;
-  *) echo "usage: $0 K|L|M|N|Q|R"; exit 2 ;;
+  *) echo "usage: $0 K|L|M|N|Q"; exit 2 ;;
 esac

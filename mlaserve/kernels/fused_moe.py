@@ -371,36 +371,9 @@ def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, nu
                            ROUND_BF16, BLOCK_D)
 
 
-@triton.jit
-def _split_k_sum(acc, acc_up, ws_ptr, cnt_ptr, cnt_idx, split, slots, valid, offs_n, n_ok, num_slots, N,
-                 GATED: tl.constexpr, SPLIT_K: tl.constexpr):
-    # Split-K: store this program's partial tile (gate and up: [.., N + n]) in ws [SPLIT_K, slots, N or 2N] (fp32),
-    # then one acq_rel count per tile; the last of its SPLIT_K programs sums the partials in split order (the same
-    # bits whichever came last) and goes on, the others are done: returns (acc, acc_up, 1 if this one goes on).
-    width = 2 * N if GATED else N
-    rows = ws_ptr + slots[:, None] * width + offs_n[None, :]
-    mask = valid[:, None] & n_ok[None, :]
-    plane = num_slots.to(tl.int64) * width
-    tl.store(rows + split * plane, acc, mask=mask)
-    if GATED:
-        tl.store(rows + split * plane + N, acc_up, mask=mask)
-    tl.debug_barrier()
-    last = (tl.atomic_add(cnt_ptr + cnt_idx, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1).to(tl.int32)
-    if last == 1:
-        tl.atomic_xchg(cnt_ptr + cnt_idx, 0, sem="relaxed", scope="gpu")        # ready for the next launch
-        acc = tl.zeros_like(acc)
-        acc_up = tl.zeros_like(acc_up)
-        for j in tl.static_range(SPLIT_K):
-            acc += tl.load(rows + j * plane, mask=mask, other=0.0, cache_modifier=".cg")
-            if GATED:
-                acc_up += tl.load(rows + j * plane + N, mask=mask, other=0.0, cache_modifier=".cg")
-    return acc, acc_up, last
-
-
 @triton.jit(do_not_specialize=["num_slots", "num_padded"])   # one compile for every token count
 def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
-                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, ws_ptr, cnt_ptr,
-                      N, K, num_slots, num_padded,
+                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, N, K, num_slots, num_padded,
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_om,
                       nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, stride_res, ar_ptrs, ar_epochs, ar_rank, ar_half,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
@@ -409,18 +382,14 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                       GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                      AR_WORLD: tl.constexpr, SPLIT_K: tl.constexpr):
+                      AR_WORLD: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
     # SLOT_BLOCKS (`_slot_blocks`): row block b is slot b alone, its other rows padding, and expert_ids_ptr is the
     # flat topk_ids [S]; sorted_ids_ptr and num_post_pad_ptr are not read.
-    # SPLIT_K > 1: SPLIT_K programs per tile, each over a share of K (more programs streaming weights when the tiles
-    # are few: decode), summed by the last one (`_split_k_sum`, ws_ptr / cnt_ptr), which alone goes on.
     pdl_enter(PDL)                        # (the experts' weights to read are the router's output)
-    split = tl.program_id(0) % SPLIT_K
-    num_pid_n = tl.cdiv(N, TILE_N)
-    pid_m, pid_n = _tile_coords(tl.program_id(0) // SPLIT_K, tl.cdiv(num_padded, BLOCK_SIZE_M), num_pid_n,
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(num_padded, BLOCK_SIZE_M), tl.cdiv(N, TILE_N),
                                 GROUP_SIZE_M)
     if SLOT_BLOCKS:                       # the grid has exactly num_slots row blocks: every one is used
         used = num_slots * BLOCK_SIZE_M
@@ -436,7 +405,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     n_ok = offs_n < N
     c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
     if expert < 0:                        # slots of id -1 (another rank's expert): they contribute zero
-        if not GATED and split == 0:      # (one program of a split tile)                     # (their h rows are never read: the second GEMM lands here too)
+        if not GATED:                     # (their h rows are never read: the second GEMM lands here too)
             tl.store(c_ptrs, tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=c_ptr.dtype.element_ty),
                      mask=valid[:, None] & n_ok[None, :])
             if COMBINE:
@@ -452,11 +421,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
     acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
-    k_lo, k_hi = 0, K
-    if SPLIT_K > 1:                       # this program's share of the k tiles (the last ones may have none)
-        k_share = tl.cdiv(tl.cdiv(K, BLOCK_SIZE_K), SPLIT_K) * BLOCK_SIZE_K
-        k_lo, k_hi = split * k_share, tl.minimum(K, (split + 1) * k_share)
-    for k0 in range(k_lo, k_hi, BLOCK_SIZE_K):
+    for k0 in range(0, K, BLOCK_SIZE_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
         a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
@@ -470,11 +435,6 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
             acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8, INTERPRET,
                           DOT_PREC)
     pdl_release(PDL)
-    if SPLIT_K > 1:
-        acc, acc_up, last = _split_k_sum(acc, acc_up, ws_ptr, cnt_ptr, pid_m * num_pid_n + pid_n, split, slots,
-                                         valid, offs_n, n_ok, num_slots, N, GATED, SPLIT_K)
-        if last == 0:
-            return
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up                                  # silu(gate) * up
     if MUL_WEIGHT:
@@ -499,7 +459,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
                   weights: torch.Tensor | None, cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int,
                   gated: bool, combine: tuple[torch.Tensor, torch.Tensor] | None = None,
                   norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None,
-                  all_reduce: LLGroup | None = None, split_k: int = 1) -> None:
+                  all_reduce: LLGroup | None = None) -> None:
     # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
     # norm = (residual, norm weight, eps, h, residual_out), with combine: also the next layer's input norm
     # routing: `moe_align_block_size`'s, or `_slot_blocks`'s (None, ids [S], None); one expert id per row block
@@ -515,8 +475,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         assert a_scale.stride(1) == 1, "activation scales need a contiguous last dim"
     n_out, k = c.shape[1], a.shape[1]
     tile_n = cfg["BLOCK_SIZE_N"] // 2 if gated else cfg["BLOCK_SIZE_N"]
-    num_tiles = num_blocks * triton.cdiv(n_out, tile_n)
-    grid = (num_tiles * split_k,)
+    grid = (num_blocks * triton.cdiv(n_out, tile_n),)
     bs = w_scale if fp8 else w
     out, sync = combine or (c, sorted_ids)
     if combine:
@@ -528,14 +487,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
     if norm:
         assert combine and sync.numel() > triton.cdiv(n_out, tile_n), "the norm needs the combine and one more count"
         assert nh.stride(0) == nro.stride(0) == out.stride(0), "h and residual_out rows must be strided as out's"
-    if split_k > 1:   # the partial tiles (gate and up side by side) and the per-tile counts
-        ws = torch.empty(split_k, c.shape[0], 2 * n_out if gated else n_out, dtype=torch.float32, device=c.device)
-        cnt = split_counters(c.device, num_tiles)
-    else:
-        ws, cnt = c, sync                                                         # not read
     _fused_moe_kernel[grid](
         a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
-        ws, cnt, n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps), res.stride(0),
         ar_ptrs, ar_epochs, ar_rank, ar_half, A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8,
         QUANT_A=fp8 and fuse_quant,
@@ -545,22 +499,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
-        AR_WORLD=all_reduce.world if all_reduce else 1, SPLIT_K=split_k, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-
-
-# One zeroed int32 count per tile of a split-K launch, left zero by the launch (its last program per tile resets
-# its count). Kept per device and shared by every launch: launches on one device must not overlap, which the
-# stream order (and PDL's wait before any read) gives; graphs capture the same buffer.
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-SPLIT_COUNTERS = 1 << 16
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    assert n <= SPLIT_COUNTERS, f"a split-K launch of {n} tiles exceeds the {SPLIT_COUNTERS} counts"
-    if device not in _SPLIT_COUNTERS:
-        _SPLIT_COUNTERS[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return _SPLIT_COUNTERS[device]
+        AR_WORLD=all_reduce.world if all_reduce else 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 # One token: its k slots name distinct experts (moe_topk / moe_route pick each routed expert at most once while the
@@ -679,17 +618,15 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     cfg = dict(config)
     # quantising activations inside the GEMM pays while few rows share each weight tile (decode)
     fuse_quant = bool(cfg.pop("FUSE_QUANT", t <= 128 and cfg["BLOCK_SIZE_K"] == block_shape[1]))
-    split_up, split_down = int(cfg.pop("SPLIT_K", 1)), int(cfg.pop("SPLIT_K_DOWN", 1))
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
-    assert split_up >= 1 and split_down >= 1, f"SPLIT_K / SPLIT_K_DOWN must be >= 1, got {config}"
     routing = _slot_blocks(topk_ids) if t == 1 else moe_align_block_size(topk_ids, cfg["BLOCK_SIZE_M"], e)
     h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
-    _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True, split_k=split_up)
+    _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
     combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     assert all_reduce is None or (combine and norm), "the all-reduce runs in the norm's program"
     _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg, fuse_quant,
-                  block_shape, 1, False, combine, norm, all_reduce, split_down)
+                  block_shape, 1, False, combine, norm, all_reduce)
     if combine:
         return out
     if t <= (SUM_DIM1_MAX_TOKENS if k <= SUM_DIM1_NARROW_HIDDEN else SUM_DIM1_MAX_TOKENS_WIDE):
@@ -791,9 +728,8 @@ def get_moe_config(E: int, N: int, dtype: str | None, M: int, device_name: str |
 
     Read from CONFIG_DIR/`config_file_name(...)` (JSON {"M": config}, nearest M key wins), else
     `default_moe_config` and one WARNING per shape on a GPU. Keys: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps,
-    num_stages; BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns); optional
-    FUSE_QUANT (fp8), SPLIT_K / SPLIT_K_DOWN (programs per tile of the first / second GEMM, each over a share of
-    K; default 1). `device_name` defaults to this process's GPU (`gpu_name()`).
+    num_stages; BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns).
+    `device_name` defaults to this process's GPU (`gpu_name()`).
     """
     gpu = device_name or gpu_name()
     name = config_file_name(E, N, dtype, gpu)

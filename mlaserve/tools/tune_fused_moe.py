@@ -21,10 +21,6 @@ from mlaserve.tools.tuning import best_config, graph_timer, precompile
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SMEM_BYTES = 200 * 1024          # leave headroom under the H100/H200 227 KiB per block
 PRECOMPILE_EXPERTS = 16          # workers compile with this many experts: same kernels, little memory
-# Split-K candidates (programs per tile of the first, second GEMM) while the tiles are few (decode): tp 2 halves
-# V2-Lite's expert width and a one-token first GEMM has 88 tiles for an H100's 132 SMs
-SPLITS = ((1, 2, 4), (1, 2))
-SPLIT_MAX_TOKENS = 16
 
 
 def shape_from_hf_config(path: Path, tp_size: int, dtype: str, ep_size: int = 1) -> MoeShape:
@@ -48,7 +44,7 @@ def shape_from_hf_config(path: Path, tp_size: int, dtype: str, ep_size: int = 1)
 def search_space(tokens: int, s: MoeShape) -> Iterator[dict]:
     """Candidate configs, pruned: BLOCK_SIZE_M between an eighth of and the rows per expert (powers of two),
     swizzle and 8 warps only for tall tiles, fused activation quantisation (fp8) only for few tokens, tiles
-    fitting shared memory, split K (`SPLITS`) up to SPLIT_MAX_TOKENS tokens."""
+    fitting shared memory."""
     rows = 2 ** math.ceil(math.log2(max(1, tokens * s.top_k / (s.num_experts * s.ep))))   # per expert
     elt = 1 if s.fp8 else 2
     for bm, bn, bk, gm, warps, stages in itertools.product(
@@ -62,9 +58,7 @@ def search_space(tokens: int, s: MoeShape) -> Iterator[dict]:
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=warps,
                    num_stages=stages)
         for fuse in ((True, False) if s.fp8 and tokens <= 256 else (False,) if s.fp8 else (None,)):
-            base = cfg if fuse is None else {**cfg, "FUSE_QUANT": fuse}
-            for up, down in itertools.product(*(SPLITS if tokens <= SPLIT_MAX_TOKENS else ((1,), (1,)))):
-                yield {**base, **({"SPLIT_K": up} if up > 1 else {}), **({"SPLIT_K_DOWN": down} if down > 1 else {})}
+            yield cfg if fuse is None else {**cfg, "FUSE_QUANT": fuse}
 
 
 _WORKER_WEIGHTS: dict[MoeShape, dict[str, torch.Tensor]] = {}
@@ -97,17 +91,8 @@ def tune(s: MoeShape, batch_sizes: list[int], bench: Callable[[int], Callable[[d
     """Best config per batch size; `bench(tokens)` returns a timer `cfg -> ms` (raises if cfg cannot run)."""
     best: dict[str, dict] = {}
     for tokens in batch_sizes:
-        timer, times = bench(tokens), []
-
-        def timed(cfg: dict) -> float:
-            ms = timer(cfg)
-            times.append((ms, cfg))
-            return ms
-        cfg, ms = best_config(search_space(tokens, s), timed, f"T={tokens}")
+        cfg, ms = best_config(search_space(tokens, s), bench(tokens), f"T={tokens}")
         print(f"T={tokens}: {ms * 1e3:.1f} us {cfg}", flush=True)
-        if "SPLIT_K" in cfg or "SPLIT_K_DOWN" in cfg:          # what the split bought, in the same run
-            whole = min((t for t in times if not {"SPLIT_K", "SPLIT_K_DOWN"} & t[1].keys()), key=lambda t: t[0])
-            print(f"  T={tokens} unsplit: {whole[0] * 1e3:.1f} us {whole[1]}", flush=True)
         best[str(tokens)] = cfg
     return best
 

@@ -192,9 +192,6 @@ def test_tuner_shape_space_and_output(tmp_path: Path, monkeypatch: pytest.Monkey
     space = list(tuner.search_space(4096, s))
     assert space and all(c["BLOCK_SIZE_K"] == 128 for c in space)
     assert {c["BLOCK_SIZE_M"] for c in tuner.search_space(1, s)} == {16}
-    splits = {(c.get("SPLIT_K", 1), c.get("SPLIT_K_DOWN", 1)) for c in tuner.search_space(1, s)}
-    assert splits == {(u, d) for u in tuner.SPLITS[0] for d in tuner.SPLITS[1]}          # decode: split K too
-    assert not any("SPLIT_K" in c or "SPLIT_K_DOWN" in c for c in space)                  # prefill: never
     # fake timer: prefers the widest N tile; the tuner must pick it and write a file get_moe_config reads
     best = tuner.tune(s, [1, 4096], lambda tokens: lambda c: 1.0 / c["BLOCK_SIZE_N"] + c["num_stages"] * 1e-3)
     path = tuner.write_configs(best, s, "fp8_w8a8", tmp_path, device_name="Test_GPU")
@@ -506,7 +503,7 @@ def test_fused_moe_sorts_from_two_tokens(monkeypatch: pytest.MonkeyPatch) -> Non
     stubbed)."""
     sorted_for: list[int] = []
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: sorted_for.append(ids.shape[0]))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
     monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
     w = dense_weights(V2_LITE, torch.float16, "meta")
     for t in (1, 2, 64):
@@ -521,7 +518,7 @@ def test_fused_moe_combine_launch_by_hidden_size(monkeypatch: pytest.MonkeyPatch
     reduction) and up to 4 at 7168 (V3), torch.sum above, as measured (meta tensors, launches stubbed)."""
     summed: list[tuple[int, int]] = []
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
     monkeypatch.setattr(fm, "sum_dim1", lambda y, out: summed.append((y.shape[0], y.shape[2])) or out)
     for hidden, tokens in ((2048, (2, 64, 65, 256)), (7168, (2, 4, 5, 64))):
         s = Shape(8, 8, hidden, 128)
@@ -556,82 +553,3 @@ def test_fused_moe_norm_is_the_moe_then_the_next_norm(fp8: bool, dtype: torch.dt
     ref_h, _ = fm.fused_moe_norm_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, residual=residual,
                                      norm_weight=norm_w, eps=1e-6)
     assert rel_err(h, ref_h) < (FP8_TOL if fp8 else TOL)[dtype] * 4          # the norm scales errors by ~rms^-1
-
-
-# --- split-K: several programs per output tile, each over a share of K ----------------------------------------------
-
-def split_counts_zero() -> bool:
-    """Whether a split-K launch ran (its counts exist) and left every count at zero."""
-    return bool(fm._SPLIT_COUNTERS) and not any(c.any() for c in fm._SPLIT_COUNTERS.values())
-
-
-@pytest.mark.parametrize("dtype,tokens,fp8,variant,splits", [
-    (torch.float32, 1, False, "routed", (2, 2)), (torch.float32, 1, False, "ep", (4, 1)),
-    (torch.float16, 1, False, "shared", (3, 2)), (torch.float32, 5, False, "ep", (2, 3)),
-    (torch.float16, 1, True, "routed", (2, 2)), (torch.bfloat16, 3, True, "ep", (2, 1))])
-def test_fused_moe_split_k(dtype: torch.dtype, tokens: int, fp8: bool, variant: str, splits: tuple[int, int],
-                           device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SPLIT_K / SPLIT_K_DOWN programs per tile of the first / second GEMM (V2-Lite's scaled K = 160 is 3 k-tiles of
-    64: 4 splits leave one program without any), summed by the last one: the unsplit output within fp32 reordering,
-    the reference, with and without the in-GEMM combine, sentinel ids and shared slots, and every count back at
-    zero (twice: the counts are reused)."""
-    monkeypatch.setattr(fm, "COMBINE_MAX_TOKENS", COMBINE_TEST_MAX)
-    if tokens == 1:
-        w, topk_weights, topk_ids, x, e = one_token_case(variant, fp8, dtype, device)
-    else:
-        _, w, topk_weights, topk_ids, x, _ = seeded_case(tokens, fp8, dtype, device)
-        e = w["w13"].shape[0]
-        if variant == "ep":                                      # experts 8.. live on another rank
-            w = {k: v[:8].contiguous() for k, v in w.items()}
-            topk_ids, e = split_ids(topk_ids, 0, 8), 8
-    config = FP8_CFG if fp8 else CFG
-    kw = dict(topk_weights=topk_weights, topk_ids=topk_ids, num_routed_experts=e)
-    whole = fused_moe(x, **w, **kw, config=config)
-    split_cfg = dict(config, SPLIT_K=splits[0], SPLIT_K_DOWN=splits[1])
-    tol = (FP8_TOL if fp8 else TOL)[dtype]
-    for sync in (None, torch.zeros(64, dtype=torch.int32, device=device)):
-        for _ in range(2):
-            got = fused_moe(x, **w, **kw, config=split_cfg, sync=sync)
-            assert split_counts_zero()
-            assert sync is None or not sync.any()
-            assert rel_err(got, whole) < tol / 4
-    ref = (spec_ref if fp8 else device_ref)(x, w, topk_weights, topk_ids)
-    assert rel_err(got, ref) < tol
-
-
-def test_fused_moe_split_k_with_norm(device: str) -> None:
-    """The split second GEMM's last program goes on to the combine and the next layer's norm: the unsplit result."""
-    shape, w, topk_weights, topk_ids, x, config = seeded_case(1, False, torch.float32, device)
-    residual, norm_w = torch.randn_like(x), torch.rand(shape.hidden, device=device) + 0.5
-    sync = torch.zeros(shape.hidden // 16 + 1, dtype=torch.int32, device=device)
-    kw = dict(topk_weights=topk_weights, topk_ids=topk_ids, residual=residual, norm_weight=norm_w, eps=1e-6, sync=sync)
-    want_h, want_res = fm.fused_moe_norm(x, **w, **kw, config=config)
-    h, res = fm.fused_moe_norm(x, **w, **kw, config=dict(config, SPLIT_K=2, SPLIT_K_DOWN=2))
-    assert not sync.any() and split_counts_zero()
-    torch.testing.assert_close(h, want_h, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(res, want_res, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_split_k_cuda_graph(fp8: bool) -> None:
-    """Split-K tiles at V2-Lite's tp 2 / V3's widths, one token, captured with the combine and replayed on new inputs:
-    every replay matches the reference, the counts are left zero."""
-    s = Shape(64, 8, 7168, 256) if fp8 else Shape(64, 6, 2048, 704)
-    w = fp8_weights(s, "cuda") if fp8 else dense_weights(s, torch.bfloat16, "cuda")
-    topk_weights, topk_ids = routing(1, s, "cuda")
-    x = torch.randn(1, s.hidden, device="cuda", dtype=torch.bfloat16)
-    sync = torch.zeros(s.hidden // 16 + 1, dtype=torch.int32, device="cuda")
-    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4,
-               SPLIT_K=4, SPLIT_K_DOWN=2)
-    ref_fn = spec_ref if fp8 else device_ref
-    fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, sync=sync, config=cfg)         # compile
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, sync=sync, config=cfg)
-    for _ in range(10):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, ref_fn(x, w, topk_weights, topk_ids)) < (FP8_TOL if fp8 else TOL)[torch.bfloat16]
-    assert not sync.any() and split_counts_zero()
