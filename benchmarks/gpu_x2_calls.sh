@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_x2_calls.sh Q   (ninth session) on H100s: tune the fused MoE at V2-Lite's tp 2 shape (E=64,N=704,
 #                                       no H100 table yet), then one-batch V2-Lite tp 1 against tp 2 with it; on H200s:
 #                                       V3 20 layers FP8 tp 2 at bs 64 alone, then the same one-batch
+#   (R, the split-K fused MoE's tuning, ran at 8ff6895 and was reverted with it)
+#   bash benchmarks/gpu_x2_calls.sh S   one-batch V2-Lite tp 1 / tp 2 (bs 1 / 16 / 64); V3 20 layers FP8 tp 2 bs 64 with
+#                                       every process's stacks every 60 s and the GPUs' use every 30 s
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
@@ -88,5 +91,18 @@ case "${1:-}" in
     echo "== one-batch tp 1 / tp 2 $(date +%T)"
     timeout 220 $B $C --tp-size 1 2 --output-file "$OUT/one_batch_tp1_tp2.md" > "$OUT/one_batch_tp1_tp2.log" 2>&1
     echo "exit code $?"; grep "^|\|untuned\|no tuned" "$OUT/one_batch_tp1_tp2.log" | tail -9 ;;
-  *) echo "usage: $0 K|L|M|N|Q"; exit 2 ;;
+  S)  # one-batch V2-Lite tp 1 / tp 2 at bs 1 / 16 / 64; V3 20 layers tp 2 bs 64 with stack dumps every 60 s
+    V=mlaserve/tools/configs/deepseek-v2-lite.json
+    timeout 240 $B --model-config $V --batch-size 1 16 64 --input-len 256 --output-len 32 --tp-size 1 2 \
+      --output-file "$OUT/one_batch_tp1_tp2.md" > "$OUT/one_batch_tp1_tp2.log" 2>&1
+    echo "exit code $?"; grep "^|" "$OUT/one_batch_tp1_tp2.log" | tail -8
+    echo "== V3 20 layers tp 2 bs 64 $(date +%T)"
+    python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
+    (while sleep 30; do echo "$(date +%T) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader \
+      | tr '\n' ' ')"; done) > "$OUT/v3_smi.txt" 2>&1 &
+    MLASERVE_DUMP_STACKS_EVERY=60 timeout 270 $B --model-config /tmp/v3_20.json --batch-size 64 --input-len 256 \
+      --output-len 32 --tp-size 2 --output-file "$OUT/one_batch_v3_20l_bs64.md" > "$OUT/one_batch_v3_20l_bs64.log" 2>&1
+    echo "exit code $?" >> "$OUT/one_batch_v3_20l_bs64.log"; kill %1
+    grep "^|\|rror\|exit code" "$OUT/one_batch_v3_20l_bs64.log" | tail -5; cat "$OUT/v3_smi.txt" ;;
+  *) echo "usage: $0 K|L|M|N|Q|S"; exit 2 ;;
 esac
