@@ -10,7 +10,7 @@ Legend: `n` this group's tokens, `N` all groups' tokens (sum of `counts`), `P` t
 
 After the MoE each rank holds partial sums of all N rows. Groups of one rank (a = 1, e.g. tp 8 dp 8) take their
 own rows' full sums by a reduce-scatter of the padded layout [D * P, h] (half the bytes of an all-reduce); where
-the peer buffers take the rows (decode sizes, `peer.HALF_BYTES`), or groups hold several ranks, one all-reduce
+the peer kernel takes the rows (decode sizes, `peer.PEER_CALL_MAX_BYTES`), or groups hold several ranks, one all-reduce
 (one launch over the peer buffers, else NCCL / gloo) and each rank keeps its group's rows.
 """
 from __future__ import annotations

@@ -28,6 +28,12 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = 128                  # rows (tokens) of one call: the decode batches the graphs capture
 HALF_BYTES = 1 << 20            # bytes of one call's rows: 64 x 7168 bf16 fits
+# The model's calls (`fits`) take the peer kernel up to this many bytes, NCCL above. On two H200s (2026-11-28,
+# benchmarks/results/tp-h200x2.md, seventh run) V3's [64, 7168] calls (896 KiB) stopped both ranks in the peer kernel,
+# 100% busy for minutes: in the decode steps with PDL, in 41 back-to-back calls without. The cause is not known. The
+# same step with NCCL ran (V3 20 layers tp 2 bs 64: 97% of the floor, the all-reduces 3% of the step), and every
+# completed peer run so far was at most V2-Lite's [64, 2048] (256 KiB).
+PEER_CALL_MAX_BYTES = 256 << 10
 
 
 class PeerAllReduce:
@@ -88,8 +94,9 @@ class PeerAllReduce:
         return f"PeerAllReduce(rank={self.rank}, world={self.world}, {self.device.type})"
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether this call can take x [T, D] (else the caller uses NCCL / gloo)."""
-        return x.dim() == 2 and x.stride(1) == 1 and x.dtype in _DTYPES and self.peers.fits(x)
+        """Whether this call can take x [T, D] (else the caller uses NCCL / gloo): at most PEER_CALL_MAX_BYTES."""
+        return x.dim() == 2 and x.stride(1) == 1 and x.dtype in _DTYPES and self.peers.fits(x) \
+            and x.numel() * x.element_size() <= PEER_CALL_MAX_BYTES
 
     # NOTE: Triton launches stay opaque to torch.compile, as the model's kernels do (layers/ops.py)
     @torch.compiler.disable

@@ -10,14 +10,16 @@ import torch
 import torch.distributed as dist
 
 from mlaserve.distributed import spawn_ranks
+from mlaserve.distributed.peer import PEER_CALL_MAX_BYTES
 from mlaserve.kernels.allreduce import LL_ROWS, ll_chunk, peer_all_reduce_ref
 
 # (rows, hidden, dtype) of consecutive calls: repeats reuse both staging halves and row flags at several epochs;
-# the last does not fit the buffers' 128 rows and must take gloo. No bf16: the interpreter rounds it otherwise (the
+# the one of 100 x 700 fp32 (273 KiB) exceeds PEER_CALL_MAX_BYTES and the last the buffers' 128 rows: both take gloo,
+# between peer calls. No bf16: the interpreter rounds it otherwise (the
 # GPU test covers it)
 CALLS = [(1, 64, torch.float32), (3, 96, torch.float16), (1, 64, torch.float32), (7, 200, torch.float16),
-         (2, 64, torch.float32), (1, 64, torch.float16), (5, 130, torch.float32), (3, 96, torch.float16),
-         (129, 8, torch.float32)]
+         (2, 64, torch.float32), (100, 700, torch.float32), (1, 64, torch.float16), (5, 130, torch.float32),
+         (3, 96, torch.float16), (129, 8, torch.float32)]
 EPS = 1e-6
 
 
@@ -78,7 +80,7 @@ def test_peer_all_reduce_equals_nccl_on_two_gpus():
 
 def _check_calls(calls: list, ranks: list) -> None:
     for i, ((t, d, dtype), a, b) in enumerate(zip(calls, *ranks)):
-        assert a["fits"] == (t <= 128 and t * d * a["sum"].element_size() <= 1 << 20), (i, t, d)
+        assert a["fits"] == (t <= 128 and t * d * a["sum"].element_size() <= PEER_CALL_MAX_BYTES), (i, t, d)
         assert torch.equal(a["sum"], b["sum"]), f"call {i}: the ranks' sums differ"
         assert torch.equal(a["sum"], a["ref"]), f"call {i}: sum != fp32 sum in rank order"
         # two terms: fp32 a + b rounded once is gloo's (NCCL's) a + b in the tensor's own dtype
