@@ -28,11 +28,12 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = 128                  # rows (tokens) of one call: the decode batches the graphs capture
 HALF_BYTES = 1 << 20            # bytes of one call's rows: 64 x 7168 bf16 fits
-# The model's calls (`fits`) take the peer kernel up to this many bytes, NCCL above. On two H200s (2026-11-28,
-# benchmarks/results/tp-h200x2.md, seventh run) V3's [64, 7168] calls (896 KiB) stopped both ranks in the peer kernel,
-# 100% busy for minutes: in the decode steps with PDL, in 41 back-to-back calls without. The cause is not known. The
-# same step with NCCL ran (V3 20 layers tp 2 bs 64: 97% of the floor, the all-reduces 3% of the step), and every
-# completed peer run so far was at most V2-Lite's [64, 2048] (256 KiB).
+# The model's calls (`fits`) take the peer kernel up to this many bytes, NCCL above (MLASERVE_PEER_MAX_BYTES=N sets
+# it, up to HALF_BYTES: A/B runs). On two H200s (2026-11-28, benchmarks/results/tp-h200x2.md, seventh run) V3's
+# [64, 7168] calls (896 KiB) stopped both ranks in the peer kernel, 100% busy for minutes: in the decode steps with
+# PDL, in 41 back-to-back calls without. The same step with NCCL ran (V3 20 layers tp 2 bs 64: 97% of the floor, the
+# all-reduces 3% of the step). The likely cause, a race on the epoch counter between a program's warps
+# (`kernels/allreduce.py`, `ll_epoch`), was found afterwards and fixed; the bound stays until a run on GPUs confirms.
 PEER_CALL_MAX_BYTES = 256 << 10
 
 
@@ -88,15 +89,16 @@ class PeerAllReduce:
         self.ll = LLPointers(lls, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=device))
         self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "0"))      # every rank inherits it
         self.kernel_sums = kernel_sums(os.environ.get("MLASERVE_KERNEL_SUMS", "0"))
+        self.max_call_bytes = max_call_bytes(os.environ.get("MLASERVE_PEER_MAX_BYTES", ""), half_bytes)
         self.ll_group = LLGroup(self.ll, group_rank, self.world)     # for kernels that run the push themselves
 
     def __repr__(self) -> str:
         return f"PeerAllReduce(rank={self.rank}, world={self.world}, {self.device.type})"
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether this call can take x [T, D] (else the caller uses NCCL / gloo): at most PEER_CALL_MAX_BYTES."""
+        """Whether this call can take x [T, D] (else the caller uses NCCL / gloo): at most `max_call_bytes`."""
         return x.dim() == 2 and x.stride(1) == 1 and x.dtype in _DTYPES and self.peers.fits(x) \
-            and x.numel() * x.element_size() <= PEER_CALL_MAX_BYTES
+            and x.numel() * x.element_size() <= self.max_call_bytes
 
     # NOTE: Triton launches stay opaque to torch.compile, as the model's kernels do (layers/ops.py)
     @torch.compiler.disable
@@ -154,6 +156,20 @@ def push_elems(setting: str) -> int:
     if setting not in limits:
         raise ValueError(f"MLASERVE_PEER_PUSH={setting!r}: expected auto, 1 or 0")
     return limits[setting]
+
+
+def max_call_bytes(setting: str, half_bytes: int) -> int:
+    """MLASERVE_PEER_MAX_BYTES: the largest call (bytes) the model's all-reduces take over the peer buffers; unset or
+    empty: PEER_CALL_MAX_BYTES. At most the buffers' half_bytes."""
+    if not setting:
+        return min(PEER_CALL_MAX_BYTES, half_bytes)
+    try:
+        n = int(setting)
+    except ValueError:
+        raise ValueError(f"MLASERVE_PEER_MAX_BYTES={setting!r}: expected a number of bytes") from None
+    if not 0 <= n <= half_bytes:
+        raise ValueError(f"MLASERVE_PEER_MAX_BYTES={n}: must be between 0 and the peer buffers' {half_bytes} bytes")
+    return n
 
 
 def kernel_sums(setting: str) -> bool:

@@ -62,6 +62,15 @@ def _calls_on_rank(group, seed: int, calls: list = CALLS) -> list[dict]:
     return out
 
 
+def test_peer_max_call_bytes_setting():
+    from mlaserve.distributed.peer import max_call_bytes
+    assert max_call_bytes("", 1 << 20) == PEER_CALL_MAX_BYTES and max_call_bytes("", 4096) == 4096
+    assert max_call_bytes("1048576", 1 << 20) == 1 << 20 and max_call_bytes("0", 1 << 20) == 0
+    for bad in ("lots", "-1", str((1 << 20) + 1)):
+        with pytest.raises(ValueError, match="MLASERVE_PEER_MAX_BYTES"):
+            max_call_bytes(bad, 1 << 20)
+
+
 def test_peer_all_reduce_equals_gloo_call_after_call():
     seed = random.randrange(2**31)
     print(f"seed {seed}")
