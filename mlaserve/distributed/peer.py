@@ -151,7 +151,8 @@ def push_elems(setting: str) -> int:
     on, at bs 64; one without, at bs 16, while other jobs loaded the host; one more was cut by its call's end),
     while no run with the pull kernel alone has stopped. Not yet explained; the peer kernels replayed alone in a
     decode's order (`benchmarks/peer_stress.py`) finished every phase that ran (`benchmarks/results/tp-h200x2.md`).
-    The pull kernel takes every call that fits instead: 4.6 us against push's 4.5 at 1 x 2048 on two H200s."""
+    The pull kernel takes every call that fits instead: 4.6 us against push's 4.5 at 1 x 2048 on two H200s.
+    The likely cause, found on 2026-11-28 and fixed, not yet rerun on GPUs: the epoch race of `ll_epoch`."""
     limits = {"auto": PUSH_AUTO_ELEMS, "1": LL_ROWS * LL_DMAX, "0": 0}
     if setting not in limits:
         raise ValueError(f"MLASERVE_PEER_PUSH={setting!r}: expected auto, 1 or 0")
@@ -179,8 +180,9 @@ def kernel_sums(setting: str) -> bool:
 
     Off by default since its first two-GPU run (2026-11-27, two H200s, V2-Lite tp 2, one-batch bs 1 16 64): with it
     on, bs 1 and 16 finished (bs 1 429 tok/s against 406 without push and sums) but bs 64 did not finish within 200 s,
-    while the same command without push and sums finished every size in under 120 s; not yet explained
-    (`benchmarks/results/tp-h200x2.md`)."""
+    while the same command without push and sums finished every size in under 120 s (`benchmarks/results/
+    tp-h200x2.md`). The likely cause, found on 2026-11-28 and fixed, not yet rerun on GPUs: the epoch race of
+    `ll_epoch`."""
     if setting not in ("0", "1"):
         raise ValueError(f"MLASERVE_KERNEL_SUMS={setting!r}: expected 0 or 1")
     return setting == "1"
