@@ -149,8 +149,9 @@ def push_elems(setting: str) -> int:
     Off by default since 2026-11-27: of five V2-Lite tp 2 one-batch runs on two GPUs with the push variant taking
     the bs-1 calls, two finished and two printed no further row before their limits (one with the in-kernel sums
     on, at bs 64; one without, at bs 16, while other jobs loaded the host; one more was cut by its call's end),
-    while no run with the pull kernel alone has stopped. Not yet explained; the peer kernels replayed alone in a
-    decode's order (`benchmarks/peer_stress.py`) finished every phase that ran (`benchmarks/results/tp-h200x2.md`).
+    while no V2-Lite run with the pull kernel alone stopped (V3's [64, 7168] pull calls did, 2026-11-28); the peer
+    kernels replayed alone in a decode's order (`benchmarks/peer_stress.py`) finished every phase that ran
+    (`benchmarks/results/tp-h200x2.md`).
     The pull kernel takes every call that fits instead: 4.6 us against push's 4.5 at 1 x 2048 on two H200s.
     The likely cause, found on 2026-11-28 and fixed, not yet rerun on GPUs: the epoch race of `ll_epoch`."""
     limits = {"auto": PUSH_AUTO_ELEMS, "1": LL_ROWS * LL_DMAX, "0": 0}
