@@ -33,7 +33,8 @@ HALF_BYTES = 1 << 20            # bytes of one call's rows: 64 x 7168 bf16 fits
 # [64, 7168] calls (896 KiB) stopped both ranks in the peer kernel, 100% busy for minutes: in the decode steps with
 # PDL, in 41 back-to-back calls without. The same step with NCCL ran (V3 20 layers tp 2 bs 64: 97% of the floor, the
 # all-reduces 3% of the step). The likely cause, a race on the epoch counter between a program's warps
-# (`kernels/allreduce.py`, `ll_epoch`), was found afterwards and fixed; the bound stays until a run on GPUs confirms.
+# (`kernels/allreduce.py`, `advance_epoch`), was found afterwards and fixed; the bound stays until a run on GPUs
+# confirms.
 PEER_CALL_MAX_BYTES = 256 << 10
 
 
@@ -153,7 +154,7 @@ def push_elems(setting: str) -> int:
     kernels replayed alone in a decode's order (`benchmarks/peer_stress.py`) finished every phase that ran
     (`benchmarks/results/tp-h200x2.md`).
     The pull kernel takes every call that fits instead: 4.6 us against push's 4.5 at 1 x 2048 on two H200s.
-    The likely cause, found on 2026-11-28 and fixed, not yet rerun on GPUs: the epoch race of `ll_epoch`."""
+    The likely cause, found on 2026-11-28 and fixed, not yet rerun on GPUs: the epoch race of `advance_epoch`."""
     limits = {"auto": PUSH_AUTO_ELEMS, "1": LL_ROWS * LL_DMAX, "0": 0}
     if setting not in limits:
         raise ValueError(f"MLASERVE_PEER_PUSH={setting!r}: expected auto, 1 or 0")
@@ -183,7 +184,7 @@ def kernel_sums(setting: str) -> bool:
     on, bs 1 and 16 finished (bs 1 429 tok/s against 406 without push and sums) but bs 64 did not finish within 200 s,
     while the same command without push and sums finished every size in under 120 s (`benchmarks/results/
     tp-h200x2.md`). The likely cause, found on 2026-11-28 and fixed, not yet rerun on GPUs: the epoch race of
-    `ll_epoch`."""
+    `advance_epoch`."""
     if setting not in ("0", "1"):
         raise ValueError(f"MLASERVE_KERNEL_SUMS={setting!r}: expected 0 or 1")
     return setting == "1"

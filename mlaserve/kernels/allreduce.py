@@ -52,12 +52,26 @@ from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 
 
 @triton.jit
+def advance_epoch(counters, first, STOP: tl.constexpr, STEP: tl.constexpr):
+    """counters[first] + 1, stored over counters[first:STOP:STEP]: this program's epoch for its next call.
+
+    NOTE: every thread loads the scalar, one thread stores it. Without the barrier between them a warp that loads
+    after that store (warps leave the PDL wait at different times) takes epoch + 1: its lanes then write the other
+    staging half and wait for a flag the peers raise only in the next call, while the program's other warps go on
+    (its barriers then pair up wrongly). Found reading the PTX after V3's [64, 7168] calls (16 warps a program)
+    stopped both ranks (benchmarks/results/tp-h200x2.md, seventh run); V2-Lite's 4 warps hit it rarely."""
+    e = tl.load(counters + first) + 1
+    tl.debug_barrier()
+    for j in range(first, STOP, STEP):
+        tl.store(counters + j, e)
+    return e
+
+
+@triton.jit
 def _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK: tl.constexpr):
     """This program's row, its epoch (advanced and stored), its lanes and its values of x."""
     row = tl.program_id(0)
-    e = tl.load(epoch_ptr + row) + 1
-    tl.debug_barrier()                                   # see `ll_epoch`: every warp has read it before the store
-    tl.store(epoch_ptr + row, e)
+    e = advance_epoch(epoch_ptr + row, 0, 1, 1)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
@@ -142,18 +156,8 @@ def ll_next_epoch(epoch_ptr, row, c=0):
 
 @triton.jit
 def ll_epoch(epoch_ptr, row, c, SPLIT: tl.constexpr):
-    """Program c of SPLIT on `row`: its epoch, every counter of the row advanced to it (SPLIT may change).
-
-    NOTE: every thread loads the scalar, one thread stores it. Without the barrier between them a warp that loads
-    after that store (warps leave the PDL wait at different times) takes epoch + 1: its lanes then write the other
-    staging half and wait for a flag the peers raise only in the next call, while the program's other warps go on
-    (its barriers then pair up wrongly). Found reading the PTX after V3's [64, 7168] calls (16 warps a program)
-    stopped both ranks (benchmarks/results/tp-h200x2.md, seventh run); V2-Lite's 4 warps hit it rarely."""
-    e = ll_next_epoch(epoch_ptr, row, c)
-    tl.debug_barrier()
-    for j in range(c, _MAX_SPLIT, SPLIT):
-        tl.store(epoch_ptr + row * _MAX_SPLIT + j, e)
-    return e
+    """Program c of SPLIT on `row`: its epoch, every counter of the row advanced to it (SPLIT may change)."""
+    return advance_epoch(epoch_ptr + row * _MAX_SPLIT, c, _MAX_SPLIT, SPLIT)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mlaserve.distributed import spawn_ranks
-from mlaserve.distributed.peer import PEER_CALL_MAX_BYTES
+from mlaserve.distributed.peer import PEER_CALL_MAX_BYTES, max_call_bytes
 from mlaserve.kernels.allreduce import LL_ROWS, ll_chunk, peer_all_reduce_ref
 
 # (rows, hidden, dtype) of consecutive calls: repeats reuse both staging halves and row flags at several epochs;
@@ -63,7 +63,6 @@ def _calls_on_rank(group, seed: int, calls: list = CALLS) -> list[dict]:
 
 
 def test_peer_max_call_bytes_setting():
-    from mlaserve.distributed.peer import max_call_bytes
     assert max_call_bytes("", 1 << 20) == PEER_CALL_MAX_BYTES and max_call_bytes("", 4096) == 4096
     assert max_call_bytes("1048576", 1 << 20) == 1 << 20 and max_call_bytes("0", 1 << 20) == 0
     for bad in ("lots", "-1", str((1 << 20) + 1)):
