@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,17 @@ SUM_DIM1_NARROW_HIDDEN = 2048
 #                     10.9; 4096 tokens 1632 / 867 / 56
 # Two launches beat three up to 2.1M values read on every shape, and lost from 8.4M: the bound.
 ALIGN_ONE_PROGRAM_MAX_WORK = 16384
+# From two tokens, while S = T * k <= EXPERT_SCAN_MAX_SLOTS and the E stacked experts' count bins (E + 2 rounded up
+# to a power of two) <= EXPERT_SCAN_MAX_BINS, no align runs (EXPERT_SCAN): each GEMM program works out its row block
+# of the sorted layout from the flat ids itself. That costs every program a count over S slots and E bins, so it
+# pays only while both are small. benchmarks/bench_moe_scan.py on an H200 (benchmarks/results/moe-scan-h200.md),
+# whole fused_moe call, us, scan against sort:
+#   V2-Lite (66 experts, 128 bins): T 4 103 / 108, T 16 213 / 220, T 32 251 / 257, T 64 (S 512) 292 / 287
+#   V3 (257 experts, 512 bins):     T 2 236 / 224, T 16 1141 / 1061, T 64 3201 / 2315
+EXPERT_SCAN_MAX_SLOTS = 256
+EXPERT_SCAN_MAX_BINS = 128
+# How `_fused_moe_kernel` finds each row block's expert and slots (its ROUTING; `Routing`)
+SORTED, SLOT_BLOCKS, EXPERT_SCAN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
 ALIGN_TWO_LAUNCH_MAX_READS = 128 * 128 * 128
 
@@ -371,14 +383,15 @@ def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, nu
                            ROUND_BF16, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["num_slots", "num_padded"])   # one compile for every token count
+@triton.jit(do_not_specialize=["num_slots", "num_padded"])   # one compile for every token count (per BLOCK_S)
 def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
-                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, N, K, num_slots, num_padded,
+                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, N, K, num_slots, num_padded, num_experts,
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_om,
                       nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, stride_res, ar_ptrs, ar_epochs, ar_rank, ar_half,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                       QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
-                      DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, SLOT_BLOCKS: tl.constexpr,
+                      DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, ROUTING: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_E: tl.constexpr,
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                       GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
@@ -386,66 +399,114 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
-    # SLOT_BLOCKS (`_slot_blocks`): row block b is slot b alone, its other rows padding, and expert_ids_ptr is the
-    # flat topk_ids [S]; sorted_ids_ptr and num_post_pad_ptr are not read.
+    # ROUTING (`Routing`): SORTED: sorted_ids / expert_ids / num_post_pad from `moe_align_block_size`. SLOT_BLOCKS:
+    # row block b is slot b alone, its other rows padding, and expert_ids_ptr is the flat topk_ids [S].
+    # EXPERT_SCAN: the sorted layout's row blocks, each program working out its own block's expert and slots from
+    # the flat topk_ids [S] (expert_ids_ptr) and the num_experts (E) stacked experts, with no align launch.
+    # sorted_ids_ptr and num_post_pad_ptr are read by SORTED only.
     pdl_enter(PDL)                        # (the experts' weights to read are the router's output)
-    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(num_padded, BLOCK_SIZE_M), tl.cdiv(N, TILE_N),
-                                GROUP_SIZE_M)
-    if SLOT_BLOCKS:                       # the grid has exactly num_slots row blocks: every one is used
-        used = num_slots * BLOCK_SIZE_M
-        slots = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pid_m, num_slots).to(tl.int64)                 # [BM]
-    else:
-        used = tl.load(num_post_pad_ptr)
-        if pid_m * BLOCK_SIZE_M >= used:
-            return
-        slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)  # [BM]
-    valid = slots < num_slots
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    num_pid_m = tl.cdiv(num_padded, BLOCK_SIZE_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, tl.cdiv(N, TILE_N), GROUP_SIZE_M)
     offs_n = pid_n * TILE_N + tl.arange(0, TILE_N)
     n_ok = offs_n < N
+    if ROUTING == EXPERT_SCAN:
+        # the sorted layout's block pid_m, worked out from the ids: per-expert counts (bin E: the slots of id -1,
+        # bin E + 1: past S), each expert's blocks, the expert whose blocks hold pid_m, then its slots at that place
+        offs_s = tl.arange(0, BLOCK_S)
+        ids = tl.load(expert_ids_ptr + offs_s, mask=offs_s < num_slots, other=-2)
+        bins = tl.where(ids >= 0, ids, tl.where(ids == -1, num_experts, num_experts + 1))                # [BS]
+        offs_e = tl.arange(0, BLOCK_E)
+        counts = tl.where(offs_e <= num_experts, tl.histogram(bins, BLOCK_E), 0)                          # [BE]
+        blocks = (counts + BLOCK_SIZE_M - 1) // BLOCK_SIZE_M
+        ends = tl.cumsum(blocks, axis=0)
+        used = tl.sum(blocks, axis=0) * BLOCK_SIZE_M
+        if pid_m * BLOCK_SIZE_M >= used:
+            return
+        e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+        here = offs_e == e
+        first = tl.sum(tl.where(here, ends - blocks, 0), axis=0)
+        mine = bins == e
+        slots = _scan_slots(mine, tl.cumsum(mine.to(tl.int32), axis=0) - 1, offs_s,
+                            (pid_m - first) * BLOCK_SIZE_M, tl.sum(tl.where(here, counts, 0), axis=0), num_slots,
+                            BLOCK_SIZE_M)
+        _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, slots,
+                     tl.where(e == num_experts, -1, e).to(tl.int64), offs_n, n_ok, N, K, num_slots, stride_am,
+                     stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED, MUL_WEIGHT, FP8,
+                     QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M, BLOCK_SIZE_K,
+                     PDL)
+    else:
+        if ROUTING == SLOT_BLOCKS:        # the grid has exactly num_slots row blocks: every one is used
+            used = num_slots * BLOCK_SIZE_M
+            slots = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pid_m, num_slots).to(tl.int64)             # [BM]
+        else:
+            used = tl.load(num_post_pad_ptr)
+            if pid_m * BLOCK_SIZE_M >= used:
+                return
+            slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
+        _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, slots,
+                     tl.load(expert_ids_ptr + pid_m).to(tl.int64), offs_n, n_ok, N, K, num_slots, stride_am,
+                     stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED, MUL_WEIGHT, FP8,
+                     QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M, BLOCK_SIZE_K,
+                     PDL)
+    if COMBINE:
+        _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
+                      stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank,
+                      ar_half, TOP_K, ROUND_BF16, BLOCK_T, TILE_N, NORM_OUT, BLOCK_D, AR_WORLD)
+
+
+@triton.jit
+def _scan_slots(mine, rank, offs_s, r0, count, num_slots, BLOCK_SIZE_M: tl.constexpr):
+    # The slots of places r0 .. r0 + BM - 1 among one expert's (mine [BS], rank [BS]: the place of each of its slots),
+    # ascending; the places past count are padding (num_slots).
+    want = r0 + tl.arange(0, BLOCK_SIZE_M)                                                             # [BM]
+    hit = mine[None, :] & (rank[None, :] == want[:, None])                                             # [BM, BS]
+    slots = tl.sum(tl.where(hit, offs_s[None, :], 0), axis=1)
+    return tl.where(want < count, slots, num_slots).to(tl.int64)
+
+
+@triton.jit
+def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, slots, expert, offs_n, n_ok, N, K,
+                 num_slots, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+                 A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
+                 QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
+                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
+                 BLOCK_SIZE_K: tl.constexpr, PDL: tl.constexpr):
+    # One row block's output tile: c[slots, offs_n] (rows of slots >= num_slots are padding and not stored).
+    valid = slots < num_slots
     c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
     if expert < 0:                        # slots of id -1 (another rank's expert): they contribute zero
         if not GATED:                     # (their h rows are never read: the second GEMM lands here too)
             tl.store(c_ptrs, tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=c_ptr.dtype.element_ty),
                      mask=valid[:, None] & n_ok[None, :])
-            if COMBINE:
-                _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots,
-                              stride_cm, stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs,
-                              ar_epochs, ar_rank, ar_half, TOP_K, ROUND_BF16, BLOCK_T, TILE_N, NORM_OUT, BLOCK_D,
-                              AR_WORLD)
-        return
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
-    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
-    up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
-    acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_SIZE_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
-        if QUANT_A:
-            a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
-        elif FP8:
-            a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
-        k_blk = k0 // GROUP_K
-        acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC)
+    else:
+        offs_k = tl.arange(0, BLOCK_SIZE_K)
+        a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
+        bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+        up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
+        acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_SIZE_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
+            if QUANT_A:
+                a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
+            elif FP8:
+                a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
+            k_blk = k0 // GROUP_K
+            acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC)
+            if GATED:
+                acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8,
+                              INTERPRET, DOT_PREC)
+        pdl_release(PDL)
         if GATED:
-            acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8, INTERPRET,
-                          DOT_PREC)
-    pdl_release(PDL)
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up                                  # silu(gate) * up
-    if MUL_WEIGHT:
-        acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
-    if ROUND_BF16:
-        acc = bf16_rne(acc)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-    if COMBINE:
-        _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
-                      stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank,
-                      ar_half, TOP_K, ROUND_BF16, BLOCK_T, TILE_N, NORM_OUT, BLOCK_D, AR_WORLD)
+            acc = acc * tl.sigmoid(acc) * acc_up                              # silu(gate) * up
+        if MUL_WEIGHT:
+            acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
+        if ROUND_BF16:
+            acc = bf16_rne(acc)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,20 +515,45 @@ def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
     return quant.per_token_group_quant_fp8_ref(a, group)
 
 
+class Routing(NamedTuple):
+    """How `_fused_moe_kernel`'s row blocks find their expert and slots (`_route`)."""
+    mode: int                             # SORTED, SLOT_BLOCKS or EXPERT_SCAN
+    ids: torch.Tensor                     # SORTED: expert_ids [P / BM]; the others: the flat topk_ids [S]
+    sorted_ids: torch.Tensor | None = None           # SORTED only: `moe_align_block_size`'s
+    num_post_pad: torch.Tensor | None = None
+
+
+def expert_scan_fits(num_slots: int, num_experts: int) -> bool:
+    """Whether S slots over E stacked experts run without an align (EXPERT_SCAN; from two tokens on)."""
+    return num_slots <= EXPERT_SCAN_MAX_SLOTS and triton.next_power_of_2(num_experts + 2) <= EXPERT_SCAN_MAX_BINS
+
+
+def _route(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> Routing:
+    # One token: each slot its own row block (`_slot_blocks`); few slots over few experts: the sorted layout worked
+    # out inside the GEMMs (EXPERT_SCAN); else the counting sort's launches.
+    if topk_ids.shape[0] == 1:
+        return _slot_blocks(topk_ids)
+    if expert_scan_fits(topk_ids.numel(), num_experts):
+        return Routing(EXPERT_SCAN.value, topk_ids.reshape(-1).contiguous())
+    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(topk_ids, block_m, num_experts)
+    return Routing(SORTED.value, expert_ids, sorted_ids, num_post_pad)
+
+
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, c: torch.Tensor,
-                  routing: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None],
-                  weights: torch.Tensor | None, cfg: dict, fuse_quant: bool, block_shape: tuple[int, int], a_div: int,
-                  gated: bool, combine: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  routing: Routing, weights: torch.Tensor | None, cfg: dict, fuse_quant: bool,
+                  block_shape: tuple[int, int], a_div: int, gated: bool,
+                  combine: tuple[torch.Tensor, torch.Tensor] | None = None,
                   norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None,
                   all_reduce: LLGroup | None = None) -> None:
     # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
     # norm = (residual, norm weight, eps, h, residual_out), with combine: also the next layer's input norm
-    # routing: `moe_align_block_size`'s, or `_slot_blocks`'s (None, ids [S], None); one expert id per row block
-    sorted_ids, expert_ids, num_post_pad = routing
-    slot_blocks = sorted_ids is None
-    if slot_blocks:
-        sorted_ids = num_post_pad = expert_ids                                   # not read
+    mode, expert_ids = routing.mode, routing.ids
+    sorted_ids, num_post_pad = (routing.sorted_ids, routing.num_post_pad) if mode == SORTED.value else \
+        (expert_ids, expert_ids)                                              # not read
     num_blocks = expert_ids.numel()
+    if mode == EXPERT_SCAN.value:                                             # the sorted layout's static bound
+        s = c.shape[0]
+        num_blocks = triton.cdiv(s + min(w.shape[0] + 1, s) * (cfg["BLOCK_SIZE_M"] - 1), cfg["BLOCK_SIZE_M"])
     fp8 = w_scale is not None
     a_scale = a
     if fp8 and not fuse_quant:
@@ -489,12 +575,14 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         assert nh.stride(0) == nro.stride(0) == out.stride(0), "h and residual_out rows must be strided as out's"
     _fused_moe_kernel[grid](
         a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
-        n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], w.shape[0], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps), res.stride(0),
         ar_ptrs, ar_epochs, ar_rank, ar_half, A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8,
         QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
-        DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, SLOT_BLOCKS=slot_blocks,
+        DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, ROUTING=mode,
+        BLOCK_S=triton.next_power_of_2(c.shape[0]) if mode == EXPERT_SCAN.value else 16,
+        BLOCK_E=triton.next_power_of_2(w.shape[0] + 2) if mode == EXPERT_SCAN.value else 16,
         TOP_K=c.shape[0] // out.shape[0], BLOCK_T=8,
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
@@ -508,8 +596,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
 # BLOCK_SIZE_M - 1 padding rows, expert ids[b]), with no align launch.
 # NOTE: nothing relies on the ids being distinct: a repeated id is one more block reading that expert's weights
 # into its own row, and every id -1 (several under EP) is a block of zero rows, as in the sorted layout.
-def _slot_blocks(topk_ids: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-    return None, topk_ids.reshape(-1).contiguous(), None                      # ids: [S]
+def _slot_blocks(topk_ids: torch.Tensor) -> Routing:
+    return Routing(SLOT_BLOCKS.value, topk_ids.reshape(-1).contiguous())       # ids: [S]
 
 
 def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -619,7 +707,7 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     # quantising activations inside the GEMM pays while few rows share each weight tile (decode)
     fuse_quant = bool(cfg.pop("FUSE_QUANT", t <= 128 and cfg["BLOCK_SIZE_K"] == block_shape[1]))
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
-    routing = _slot_blocks(topk_ids) if t == 1 else moe_align_block_size(topk_ids, cfg["BLOCK_SIZE_M"], e)
+    routing = _route(topk_ids, cfg["BLOCK_SIZE_M"], e)
     h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
     _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted

@@ -483,7 +483,7 @@ def test_fused_moe_one_token_runs_no_sort(dtype: torch.dtype, fp8: bool, fuse_qu
     kw = dict(topk_weights=topk_weights, topk_ids=topk_ids, config=config, num_routed_experts=e)
     kw["sync"] = torch.zeros(64, dtype=torch.int32, device=device) if sync else None
     with monkeypatch.context() as m:                 # the sorted layout (what T > 1 runs) on the same slots
-        m.setattr(fm, "_slot_blocks", lambda ids: moe_align_block_size(ids, config["BLOCK_SIZE_M"], w["w13"].shape[0]))
+        m.setattr(fm, "_slot_blocks", lambda ids: sorted_routing(ids, config["BLOCK_SIZE_M"], w["w13"].shape[0]))
         sorted_out = fused_moe(x, **w, **kw)
 
     def no_sort(*_):
@@ -498,19 +498,71 @@ def test_fused_moe_one_token_runs_no_sort(dtype: torch.dtype, fp8: bool, fuse_qu
     assert rel_err(got, ref) < tol
 
 
-def test_fused_moe_sorts_from_two_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only one token skips the sort: from two tokens slots can share an expert's block (meta tensors, launches
+def sorted_routing(ids: torch.Tensor, block_m: int, e: int) -> fm.Routing:
+    """The counting sort's layout for any token count (what fused_moe takes above the expert-scan bound)."""
+    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids, block_m, e)
+    return fm.Routing(fm.SORTED.value, expert_ids, sorted_ids, num_post_pad)
+
+
+def test_fused_moe_routing_by_token_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token: slot blocks; from two tokens up to EXPERT_SCAN_MAX_SLOTS slots over at most EXPERT_SCAN_MAX_BINS
+    count bins (E + 2 rounded up to a power of two): the expert scan, no align; else the sort (meta tensors, launches
     stubbed)."""
-    sorted_for: list[int] = []
-    monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: sorted_for.append(ids.shape[0]))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
+    modes: list[tuple[int, int]] = []
+    monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda a, w, ws, c, routing, *rest: modes.append((c.shape[0],
+                                                                                              routing.mode)))
     monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
-    w = dense_weights(V2_LITE, torch.float16, "meta")
-    for t in (1, 2, 64):
-        x = torch.empty(t, V2_LITE.hidden, dtype=torch.float16, device="meta")
-        ids = torch.empty(t, V2_LITE.top_k, dtype=torch.int32, device="meta")
-        fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG)
-    assert sorted_for == [2, 64]
+    for e, tokens in ((V2_LITE.num_experts, (1, 2, 42, 43)), (126, (2,)), (127, (2,))):
+        w = dense_weights(V2_LITE._replace(num_experts=e), torch.float16, "meta")
+        for t in tokens:
+            x = torch.empty(t, V2_LITE.hidden, dtype=torch.float16, device="meta")
+            ids = torch.empty(t, V2_LITE.top_k, dtype=torch.int32, device="meta")
+            fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG)
+    slot, scan, sort = fm.SLOT_BLOCKS.value, fm.EXPERT_SCAN.value, fm.SORTED.value
+    want = [(6, slot), (12, scan), (252, scan), (258, sort), (12, scan), (12, sort)]
+    assert modes == [m for m in want for _ in range(2)]           # both GEMMs of each call
+
+
+@pytest.mark.parametrize("dtype,fp8,tokens,variant", [
+    (torch.float32, False, 2, "routed"), (torch.float16, False, 40, "few"), (torch.float32, False, 24, "shared"),
+    (torch.bfloat16, True, 9, "ep"), (torch.float16, True, 20, "few"), (torch.float16, False, 7, "ep")])
+def test_fused_moe_expert_scan(dtype: torch.dtype, fp8: bool, tokens: int, variant: str, device: str,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """From two tokens no align runs: each expert's programs find its slots in the ids. The output matches the
+    sorted layout's on the same inputs and the reference: experts with more slots than BLOCK_SIZE_M ("few": 7
+    experts active; "shared": every token's N_SHARED shared slots), EP sentinel ids, with and without the in-GEMM
+    combine."""
+    shape, w, topk_weights, topk_ids, x, config = seeded_case(tokens, fp8, dtype, device)
+    e = shape.num_experts
+    if variant == "few":
+        topk_weights, topk_ids = routing(tokens, shape, device, active=7)
+    if variant == "shared":
+        w = dense_weights(shape._replace(num_experts=e + N_SHARED), dtype, device)
+        topk_weights, topk_ids = moe_topk(torch.randn(tokens, e, device=device), shape.top_k, topk_method="greedy",
+                                          scoring_func="softmax", n_shared=N_SHARED)
+    if variant == "ep":
+        w = {k: v[:8].contiguous() for k, v in w.items()}
+        topk_ids = split_ids(topk_ids, 0, 8)
+    per_expert = torch.bincount(topk_ids.flatten().long() + 1).max().item()
+    assert variant not in ("few", "shared") or per_expert > config["BLOCK_SIZE_M"]
+    kw = dict(topk_weights=topk_weights, topk_ids=topk_ids, config=config, num_routed_experts=e)
+    with monkeypatch.context() as m:
+        m.setattr(fm, "EXPERT_SCAN_MAX_SLOTS", 0)
+        sorted_out = fused_moe(x, **w, **kw)
+
+    def no_sort(*_):
+        raise AssertionError("moe_align_block_size ran")
+
+    monkeypatch.setattr(fm, "moe_align_block_size", no_sort)
+    monkeypatch.setattr(fm, "COMBINE_MAX_TOKENS", COMBINE_TEST_MAX)
+    tol = (FP8_TOL if fp8 else TOL)[dtype]
+    sync = torch.zeros(64, dtype=torch.int32, device=device)
+    for got in (fused_moe(x, **w, **kw), fused_moe(x, **w, **kw, sync=sync)):
+        assert not sync.any()
+        assert rel_err(got, sorted_out) < tol / 4
+    ref = (spec_ref if fp8 else device_ref)(x, w, topk_weights, topk_ids)
+    assert rel_err(got, ref) < tol
 
 
 def test_fused_moe_combine_launch_by_hidden_size(monkeypatch: pytest.MonkeyPatch) -> None:
