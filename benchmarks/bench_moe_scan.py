@@ -3,11 +3,13 @@ launches, then the same GEMMs), on the model's own stacked shapes (GPU).
 
   V2-Lite: 64 routed experts, top 6, + 2 shared slots: 66 stacked experts, 8 slots a token, bf16, K 2048, I 1408
   V3:      256 routed experts, top 8, + 1 shared slot: 257 stacked experts, 9 slots a token, block FP8, K 7168, I 2048
+  V3-EP8:  V3 as one of 8 expert-parallel ranks sees it: 32 local routed experts + the shared one, the other ranks'
+           slots id -1 (about 7 of every token's 8 routed slots)
 
 Each call is the whole `fused_moe` (route, both grouped GEMMs, the combine) with the tuned table's tile for the token
 count, one CUDA graph of REPS back-to-back calls, L2 flushed before each replay, us per call. "sorted" forces the
-counting sort (EXPERT_SCAN_MAX_SLOTS = 0); "scan" lifts the slot bound for the row (the bins' bound stays: raise
-EXPERT_SCAN_MAX_BINS with --bins to time V3's 512). Both outputs are compared (max
+counting sort (EXPERT_SCAN_MAX_SLOTS = 0); "scan" lifts both of the scan's bounds (EXPERT_SCAN_MAX_SLOTS and
+EXPERT_SCAN_MAX_BINS) for the row; "default" names what fused_moe takes with the shipped bounds. Both outputs are compared (max
 |scan - sorted| / max |sorted|: the same products per row, so 0 is expected). The last line names the largest S
 where the scan won on every shape: the bound EXPERT_SCAN_MAX_SLOTS.
 
@@ -35,30 +37,34 @@ class ScanShape(NamedTuple):
     hidden: int
     inter: int
     fp8: bool
+    ep: int = 1          # routed experts are this rank's share of routed * ep
 
 
-SHAPES = (ScanShape("V2-Lite", 64, 6, 2, 2048, 1408, False), ScanShape("V3", 256, 8, 1, 7168, 2048, True))
+SHAPES = (ScanShape("V2-Lite", 64, 6, 2, 2048, 1408, False), ScanShape("V3", 256, 8, 1, 7168, 2048, True),
+          ScanShape("V3-EP8", 32, 8, 1, 7168, 2048, True, 8))
 TOKENS = (2, 4, 8, 16, 32, 64, 128)
 
 
 def topk(t: int, s: ScanShape) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, top_k + n_shared]: distinct random routed experts per token, then the shared slots E .. (weight 1)."""
-    routed = torch.rand(t, s.routed, device="cuda").topk(s.top_k, dim=1).indices
+    """[T, top_k + n_shared]: distinct random routed experts per token (over all ranks' under EP: the others' -1),
+    then the shared slots E .. (weight 1)."""
+    routed = torch.rand(t, s.routed * s.ep, device="cuda").topk(s.top_k, dim=1).indices
+    routed = torch.where(routed < s.routed, routed, -1)
     shared = torch.arange(s.routed, s.routed + s.n_shared, device="cuda").expand(t, s.n_shared)
     ids = torch.cat([routed, shared], dim=1).to(torch.int32)
     weights = torch.cat([torch.rand(t, s.top_k, device="cuda"), torch.ones(t, s.n_shared, device="cuda")], dim=1)
     return weights, ids
 
 
-def per_call_us(fn, reps: int, scan_slots: int) -> float:
+def per_call_us(fn, reps: int, scan: bool) -> float:
     def many():
-        keep = fm.EXPERT_SCAN_MAX_SLOTS
-        fm.EXPERT_SCAN_MAX_SLOTS = scan_slots         # read while the graph is captured
+        keep = fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS
+        fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS = (1 << 30, 1 << 30) if scan else (0, 0)   # read at capture
         try:
             for _ in range(reps):
                 fn()
         finally:
-            fm.EXPERT_SCAN_MAX_SLOTS = keep
+            fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS = keep
     return time_cuda(many, iters=30) * 1000 / reps
 
 
@@ -71,8 +77,8 @@ def bench(t: int, s: ScanShape, w: dict, reps: int) -> dict:
     def call(mode: str):
         return lambda: fm.fused_moe(x, **w, topk_weights=weights, topk_ids=ids, num_routed_experts=s.routed,
                                     out=out[mode])
-    scan_us = per_call_us(call("scan"), reps, 1 << 30)      # (EXPERT_SCAN_MAX_BINS still applies)
-    sorted_us = per_call_us(call("sorted"), reps, 0)
+    scan_us = per_call_us(call("scan"), reps, True)
+    sorted_us = per_call_us(call("sorted"), reps, False)
     ref = out["sorted"].float()
     diff = ((out["scan"].float() - ref).abs().max() / ref.abs().max()).item()
     slots = ids.numel()
@@ -87,10 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--bins", type=int, default=None, help="EXPERT_SCAN_MAX_BINS for the scan rows (default: shipped)")
     a = ap.parse_args()
-    if a.bins:
-        fm.EXPERT_SCAN_MAX_BINS = a.bins
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     print(torch.cuda.get_device_name(), f"seed {seed}", f"EXPERT_SCAN_MAX_SLOTS={fm.EXPERT_SCAN_MAX_SLOTS}",
@@ -105,10 +108,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['shape']:8} {r['tokens']:4d} {r['slots']:5d} {r['block_m']:3d} {r['scan_us']:8.2f} "
               f"{r['sorted_us']:9.2f} {r['sorted_us'] - r['scan_us']:6.2f}  {r['default']:7}  {r['rel_diff']:.1e}")
-    losing = [r["slots"] for r in rows if r["scan_us"] > r["sorted_us"]]
-    wins = [r["slots"] for r in rows if r["slots"] < min(losing, default=1 << 30)]
-    print(f"the scan won up to S = {max(wins, default=0)} on every shape"
-          + (f"; first loss at S = {min(losing)}" if losing else ""))
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == name]
+        lost = [r["slots"] for r in mine if r["scan_us"] > r["sorted_us"]]
+        won = [r["slots"] for r in mine if r["slots"] < min(lost, default=1 << 30)]
+        print(f"{name}: the scan won up to S = {max(won, default=0)}" + (f"; first loss at S = {min(lost)}" if lost else ""))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ ob() {  # ob TAG TREE CONFIG BATCH_SIZES...: one-batch from the source tree TREE
 }
 for PART in "${@:-all}"; do
   if [ "$PART" = bench ] || [ "$PART" = all ]; then
-    timeout 200 python3 benchmarks/bench_moe_scan.py > "$OUT/moe_scan.txt" 2>&1; grep -v "^{" "$OUT/moe_scan.txt" | tail -20
+    timeout 200 python3 benchmarks/bench_moe_scan.py --tokens 2 4 8 16 32 64 > "$OUT/moe_scan.txt" 2>&1; grep -v "^{" "$OUT/moe_scan.txt" | tail -24
   fi
   if [ "$PART" = tests ] || [ "$PART" = all ]; then
     timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_moe.py 2>&1 | tail -4 \
