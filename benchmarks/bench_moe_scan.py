@@ -8,8 +8,8 @@ launches, then the same GEMMs), on the model's own stacked shapes (GPU).
 
 Each call is the whole `fused_moe` (route, both grouped GEMMs, the combine) with the tuned table's tile for the token
 count, one CUDA graph of REPS back-to-back calls, L2 flushed before each replay, us per call. "sorted" forces the
-counting sort (EXPERT_SCAN_MAX_SLOTS = 0); "scan" lifts both of the scan's bounds (EXPERT_SCAN_MAX_SLOTS and
-EXPERT_SCAN_MAX_BINS) for the row; "default" names what fused_moe takes with the shipped bounds. Both outputs are compared (max
+counting sort (EXPERT_SCAN_MAX_SLOTS = 0); "scan" lifts every bound of the scan (EXPERT_SCAN_MAX_SLOTS,
+EXPERT_SCAN_MAX_BINS, EXPERT_SCAN_FP8) for the row; "default" names what fused_moe takes with the shipped bounds. Both outputs are compared (max
 |scan - sorted| / max |sorted|: the same products per row, so 0 is expected). The last line names the largest S
 where the scan won on every shape: the bound EXPERT_SCAN_MAX_SLOTS.
 
@@ -58,13 +58,14 @@ def topk(t: int, s: ScanShape) -> tuple[torch.Tensor, torch.Tensor]:
 
 def per_call_us(fn, reps: int, scan: bool) -> float:
     def many():
-        keep = fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS
-        fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS = (1 << 30, 1 << 30) if scan else (0, 0)   # read at capture
+        keep = fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS, fm.EXPERT_SCAN_FP8
+        fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS, fm.EXPERT_SCAN_FP8 = \
+            (1 << 30, 1 << 30, True) if scan else (0, 0, False)                    # read at capture
         try:
             for _ in range(reps):
                 fn()
         finally:
-            fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS = keep
+            fm.EXPERT_SCAN_MAX_SLOTS, fm.EXPERT_SCAN_MAX_BINS, fm.EXPERT_SCAN_FP8 = keep
     return time_cuda(many, iters=30) * 1000 / reps
 
 
@@ -84,7 +85,7 @@ def bench(t: int, s: ScanShape, w: dict, reps: int) -> dict:
     slots = ids.numel()
     row = dict(shape=s.name, tokens=t, slots=slots, block_m=cfg["BLOCK_SIZE_M"], scan_us=round(scan_us, 2),
                sorted_us=round(sorted_us, 2), align_launches=fm.align_launches(slots, s.routed + s.n_shared),
-               default="scan" if fm.expert_scan_fits(slots, s.routed + s.n_shared) else "sorted", rel_diff=diff)
+               default="scan" if fm.expert_scan_fits(slots, s.routed + s.n_shared, s.fp8) else "sorted", rel_diff=diff)
     print(json.dumps(row), flush=True)
     return row
 

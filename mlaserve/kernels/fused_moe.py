@@ -54,12 +54,17 @@ ALIGN_ONE_PROGRAM_MAX_WORK = 16384
 # From two tokens, while S = T * k <= EXPERT_SCAN_MAX_SLOTS and the E stacked experts' count bins (E + 2 rounded up
 # to a power of two) <= EXPERT_SCAN_MAX_BINS, no align runs (EXPERT_SCAN): each GEMM program works out its row block
 # of the sorted layout from the flat ids itself. That costs every program a count over S slots and E bins, so it
-# pays only while both are small. benchmarks/bench_moe_scan.py on an H200 (benchmarks/results/moe-scan-h200.md),
-# whole fused_moe call, us, scan against sort:
-#   V2-Lite (66 experts, 128 bins): T 4 103 / 108, T 16 213 / 220, T 32 251 / 257, T 64 (S 512) 292 / 287
-#   V3 (257 experts, 512 bins):     T 2 236 / 224, T 16 1141 / 1061, T 64 3201 / 2315
+# pays only while both are small; with block-FP8 weights it did not pay at all (EXPERT_SCAN_FP8).
+# benchmarks/bench_moe_scan.py on an H200 (benchmarks/results/moe-scan-h200.md), whole fused_moe call, us, scan
+# against sort, two runs:
+#   V2-Lite (66 experts, 128 bins, bf16): T 4 103-106 / 108-111, T 16 213-225 / 220-233, T 32 251-260 / 257-268,
+#                                         T 64 (S 512) 291-297 / 287-291
+#   V3 (257 experts, 512 bins, FP8):      T 2 236-240 / 224-231, T 16 1141-1257 / 1061-1153, T 64 3201-3322 / 2315-2464
+#   V3 as one EP-8 rank (33 local experts, 64 bins, FP8): T 2-16 (S 18-144) 0.5 us faster to 3.9 us slower,
+#                                         T 32 1040 / 1009
 EXPERT_SCAN_MAX_SLOTS = 256
 EXPERT_SCAN_MAX_BINS = 128
+EXPERT_SCAN_FP8 = False
 # How `_fused_moe_kernel` finds each row block's expert and slots (its ROUTING; `Routing`)
 SORTED, SLOT_BLOCKS, EXPERT_SCAN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
@@ -523,17 +528,18 @@ class Routing(NamedTuple):
     num_post_pad: torch.Tensor | None = None
 
 
-def expert_scan_fits(num_slots: int, num_experts: int) -> bool:
+def expert_scan_fits(num_slots: int, num_experts: int, fp8: bool) -> bool:
     """Whether S slots over E stacked experts run without an align (EXPERT_SCAN; from two tokens on)."""
-    return num_slots <= EXPERT_SCAN_MAX_SLOTS and triton.next_power_of_2(num_experts + 2) <= EXPERT_SCAN_MAX_BINS
+    return (num_slots <= EXPERT_SCAN_MAX_SLOTS and triton.next_power_of_2(num_experts + 2) <= EXPERT_SCAN_MAX_BINS
+            and (EXPERT_SCAN_FP8 or not fp8))
 
 
-def _route(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> Routing:
+def _route(topk_ids: torch.Tensor, block_m: int, num_experts: int, fp8: bool) -> Routing:
     # One token: each slot its own row block (`_slot_blocks`); few slots over few experts: the sorted layout worked
     # out inside the GEMMs (EXPERT_SCAN); else the counting sort's launches.
     if topk_ids.shape[0] == 1:
         return _slot_blocks(topk_ids)
-    if expert_scan_fits(topk_ids.numel(), num_experts):
+    if expert_scan_fits(topk_ids.numel(), num_experts, fp8):
         return Routing(EXPERT_SCAN.value, topk_ids.reshape(-1).contiguous())
     sorted_ids, expert_ids, num_post_pad = moe_align_block_size(topk_ids, block_m, num_experts)
     return Routing(SORTED.value, expert_ids, sorted_ids, num_post_pad)
@@ -707,7 +713,7 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     # quantising activations inside the GEMM pays while few rows share each weight tile (decode)
     fuse_quant = bool(cfg.pop("FUSE_QUANT", t <= 128 and cfg["BLOCK_SIZE_K"] == block_shape[1]))
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
-    routing = _route(topk_ids, cfg["BLOCK_SIZE_M"], e)
+    routing = _route(topk_ids, cfg["BLOCK_SIZE_M"], e, fp8)
     h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
     _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted

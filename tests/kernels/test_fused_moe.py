@@ -506,21 +506,24 @@ def sorted_routing(ids: torch.Tensor, block_m: int, e: int) -> fm.Routing:
 
 def test_fused_moe_routing_by_token_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """One token: slot blocks; from two tokens up to EXPERT_SCAN_MAX_SLOTS slots over at most EXPERT_SCAN_MAX_BINS
-    count bins (E + 2 rounded up to a power of two): the expert scan, no align; else the sort (meta tensors, launches
-    stubbed)."""
+    count bins (E + 2 rounded up to a power of two), bf16 / fp16 / fp32 experts: the expert scan, no align; else the
+    sort (meta tensors, launches stubbed)."""
     modes: list[tuple[int, int]] = []
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
     monkeypatch.setattr(fm, "_grouped_gemm", lambda a, w, ws, c, routing, *rest: modes.append((c.shape[0],
                                                                                               routing.mode)))
     monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
-    for e, tokens in ((V2_LITE.num_experts, (1, 2, 42, 43)), (126, (2,)), (127, (2,))):
+    for e, tokens in ((V2_LITE.num_experts, (1, 2, 42, 43)), (126, (2,)), (127, (2,)), (8, (2,))):
         w = dense_weights(V2_LITE._replace(num_experts=e), torch.float16, "meta")
+        if e == 8:                                               # block-FP8 experts: the sort (EXPERT_SCAN_FP8)
+            w = dict(w13=w["w13"].to(fm.FP8_DTYPE), w2=w["w2"].to(fm.FP8_DTYPE),
+                     w13_scale=torch.empty(e, 2, 2, device="meta"), w2_scale=torch.empty(e, 2, 1, device="meta"))
         for t in tokens:
             x = torch.empty(t, V2_LITE.hidden, dtype=torch.float16, device="meta")
             ids = torch.empty(t, V2_LITE.top_k, dtype=torch.int32, device="meta")
             fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG)
     slot, scan, sort = fm.SLOT_BLOCKS.value, fm.EXPERT_SCAN.value, fm.SORTED.value
-    want = [(6, slot), (12, scan), (252, scan), (258, sort), (12, scan), (12, sort)]
+    want = [(6, slot), (12, scan), (252, scan), (258, sort), (12, scan), (12, sort), (12, sort)]
     assert modes == [m for m in want for _ in range(2)]           # both GEMMs of each call
 
 
@@ -556,6 +559,7 @@ def test_fused_moe_expert_scan(dtype: torch.dtype, fp8: bool, tokens: int, varia
 
     monkeypatch.setattr(fm, "moe_align_block_size", no_sort)
     monkeypatch.setattr(fm, "COMBINE_MAX_TOKENS", COMBINE_TEST_MAX)
+    monkeypatch.setattr(fm, "EXPERT_SCAN_FP8", True)              # (off where it ships: slower, not wrong)
     tol = (FP8_TOL if fp8 else TOL)[dtype]
     sync = torch.zeros(64, dtype=torch.int32, device=device)
     for got in (fused_moe(x, **w, **kw), fused_moe(x, **w, **kw, sync=sync)):
