@@ -9,9 +9,9 @@ launches, then the same GEMMs), on the model's own stacked shapes (GPU).
 Each call is the whole `fused_moe` (route, both grouped GEMMs, the combine) with the tuned table's tile for the token
 count, one CUDA graph of REPS back-to-back calls, L2 flushed before each replay, us per call. "sorted" forces the
 counting sort (EXPERT_SCAN_MAX_SLOTS = 0); "scan" lifts every bound of the scan (EXPERT_SCAN_MAX_SLOTS,
-EXPERT_SCAN_MAX_BINS, EXPERT_SCAN_FP8) for the row; "default" names what fused_moe takes with the shipped bounds. Both outputs are compared (max
-|scan - sorted| / max |sorted|: the same products per row, so 0 is expected). The last line names the largest S
-where the scan won on every shape: the bound EXPERT_SCAN_MAX_SLOTS.
+EXPERT_SCAN_MAX_BINS, EXPERT_SCAN_FP8) for the row; "default" names what fused_moe takes with the shipped bounds.
+Both outputs are compared (max |scan - sorted| / max |sorted|: the same products per row, so 0 is expected). The
+last lines name, per shape, the largest S up to which the scan won.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe_scan.py [--tokens 2 4 8 16 32 64 128] [--reps 20]
 """
@@ -113,7 +113,8 @@ def main() -> None:
         mine = [r for r in rows if r["shape"] == name]
         lost = [r["slots"] for r in mine if r["scan_us"] > r["sorted_us"]]
         won = [r["slots"] for r in mine if r["slots"] < min(lost, default=1 << 30)]
-        print(f"{name}: the scan won up to S = {max(won, default=0)}" + (f"; first loss at S = {min(lost)}" if lost else ""))
+        print(f"{name}: the scan won up to S = {max(won, default=0)}"
+              + (f"; first loss at S = {min(lost)}" if lost else ""))
 
 
 if __name__ == "__main__":

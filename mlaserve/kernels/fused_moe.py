@@ -390,7 +390,8 @@ def _combine_tile(c_ptr, out_ptr, sync_ptr, used_blocks, pid_n, offs_n, n_ok, nu
 
 @triton.jit(do_not_specialize=["num_slots", "num_padded"])   # one compile for every token count (per BLOCK_S)
 def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr,
-                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, N, K, num_slots, num_padded, num_experts,
+                      sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr, out_ptr, sync_ptr, N, K, num_slots, num_padded,
+                      num_experts,
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_om,
                       nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, stride_res, ar_ptrs, ar_epochs, ar_rank, ar_half,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
@@ -581,9 +582,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         assert nh.stride(0) == nro.stride(0) == out.stride(0), "h and residual_out rows must be strided as out's"
     _fused_moe_kernel[grid](
         a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
-        n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], w.shape[0], a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps), res.stride(0),
-        ar_ptrs, ar_epochs, ar_rank, ar_half, A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8,
+        n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], w.shape[0], a.stride(0), w.stride(0), w.stride(1),
+        c.stride(0), a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps),
+        res.stride(0), ar_ptrs, ar_epochs, ar_rank, ar_half, A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8,
         QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
         DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, ROUTING=mode,
@@ -661,7 +662,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         sync: int32 zeros [>= ceil(K / 32)], owned by the caller and left zero (one launch at a time per buffer).
             With it, up to COMBINE_MAX_TOKENS tokens, the second GEMM also sums each token's k rows (the last
             program of each output tile); otherwise one more launch does (`sum_dim1` or torch.sum: SUM_DIM1_MAX_TOKENS).
-    One token runs no sort: each of its k slots is a row block of its own (`_slot_blocks`), any ids.
+    One token runs no sort: each of its k slots is a row block of its own (`_slot_blocks`), any ids. Few slots over
+    few bf16 experts run none either: each GEMM program works out its block of the sorted layout (EXPERT_SCAN).
     Returns:
         out [T, K] in x.dtype. No host sync: capturable in a CUDA graph for a fixed T.
     """
