@@ -11,7 +11,7 @@ count, one CUDA graph of REPS back-to-back calls, L2 flushed before each replay,
 counting sort (EXPERT_SCAN_MAX_SLOTS = 0); "scan" lifts every bound of the scan (EXPERT_SCAN_MAX_SLOTS,
 EXPERT_SCAN_MAX_BINS, EXPERT_SCAN_FP8) for the row; "default" names what fused_moe takes with the shipped bounds.
 Both outputs are compared (max |scan - sorted| / max |sorted|: the same products per row, so 0 is expected). The
-last lines name, per shape, the largest S up to which the scan won.
+last lines name, per shape, the smallest S where the scan lost.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_moe_scan.py [--tokens 2 4 8 16 32 64 128] [--reps 20]
 """
@@ -86,14 +86,13 @@ def bench(t: int, s: ScanShape, w: dict, reps: int) -> dict:
     row = dict(shape=s.name, tokens=t, slots=slots, block_m=cfg["BLOCK_SIZE_M"], scan_us=round(scan_us, 2),
                sorted_us=round(sorted_us, 2), align_launches=fm.align_launches(slots, s.routed + s.n_shared),
                default="scan" if fm.expert_scan_fits(slots, s.routed + s.n_shared, s.fp8) else "sorted", rel_diff=diff)
-    print(json.dumps(row), flush=True)
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts T")
+    ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     a = ap.parse_args()
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
@@ -102,19 +101,18 @@ def main() -> None:
     rows = []
     for s in SHAPES:
         w = make_weights(MoeShape(s.name, s.routed + s.n_shared, s.top_k, s.hidden, s.inter, s.fp8, 1, 1))
-        rows += [bench(t, s, w, a.reps) for t in a.tokens]
+        for t in a.tokens:
+            rows.append(bench(t, s, w, a.reps))
+            print(json.dumps(rows[-1]), flush=True)
         del w
         torch.cuda.empty_cache()
     print(f"{'shape':8} {'T':>4} {'S':>5} {'bm':>3} {'scan us':>8} {'sorted us':>9} {'saved':>6}  default  rel diff")
     for r in rows:
         print(f"{r['shape']:8} {r['tokens']:4d} {r['slots']:5d} {r['block_m']:3d} {r['scan_us']:8.2f} "
               f"{r['sorted_us']:9.2f} {r['sorted_us'] - r['scan_us']:6.2f}  {r['default']:7}  {r['rel_diff']:.1e}")
-    for name in dict.fromkeys(r["shape"] for r in rows):
-        mine = [r for r in rows if r["shape"] == name]
-        lost = [r["slots"] for r in mine if r["scan_us"] > r["sorted_us"]]
-        won = [r["slots"] for r in mine if r["slots"] < min(lost, default=1 << 30)]
-        print(f"{name}: the scan won up to S = {max(won, default=0)}"
-              + (f"; first loss at S = {min(lost)}" if lost else ""))
+    for name in dict.fromkeys(r["shape"] for r in rows):                    # (rows in ascending T per shape)
+        loss = next((r["slots"] for r in rows if r["shape"] == name and r["scan_us"] > r["sorted_us"]), None)
+        print(f"{name}: " + (f"the scan's first loss at S = {loss}" if loss else "the scan won at every S"))
 
 
 if __name__ == "__main__":
