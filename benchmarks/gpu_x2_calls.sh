@@ -16,9 +16,16 @@
 #   (R, the split-K fused MoE's tuning, ran at 8ff6895 and was reverted with it)
 #   bash benchmarks/gpu_x2_calls.sh S   one-batch V2-Lite tp 1 / tp 2 (bs 1 / 16 / 64); V3 20 layers FP8 tp 2 bs 64 with
 #                                       every process's stacks every 60 s and the GPUs' use every 30 s
+#   bash benchmarks/gpu_x2_calls.sh T   (eleventh session) the epoch-race fix (9494828) on GPUs: V3 20 layers FP8 tp 2
+#                                       bs 64 with the peer kernel taking calls up to 1 MiB (stopped in four of four
+#                                       runs before the fix); peer_stress.py at hidden 7168, then V2-Lite's shapes with
+#                                       the in-kernel sums and with the push kernel; the all-reduce alone
+#   bash benchmarks/gpu_x2_calls.sh U   one-batch V2-Lite tp 1 / tp 2 at bs 1 / 16 / 64 (limit 300 s), then tp 2 with
+#                                       $U_ENV (default: the push variant and the in-kernel sums on, 1 MiB bound)
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlx/*.whl > /dev/null 2>&1
+W=.whlx; [ -d $W ] || W=.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $W/*.whl > /dev/null 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site MLASERVE_CACHE=/tmp/mlaserve-cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -104,5 +111,36 @@ case "${1:-}" in
       --output-len 32 --tp-size 2 --output-file "$OUT/one_batch_v3_20l_bs64.md" > "$OUT/one_batch_v3_20l_bs64.log" 2>&1
     echo "exit code $?" >> "$OUT/one_batch_v3_20l_bs64.log"; kill %1
     grep "^|\|rror\|exit code" "$OUT/one_batch_v3_20l_bs64.log" | tail -5; cat "$OUT/v3_smi.txt" ;;
-  *) echo "usage: $0 K|L|M|N|Q|S"; exit 2 ;;
+  T)
+    echo "== V3 20 layers tp 2 bs 64, peer kernel up to 1 MiB $(date +%T)"
+    python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
+    (while sleep 30; do echo "$(date +%T) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader \
+      | tr '\n' ' ')"; done) > "$OUT/v3_smi.txt" 2>&1 &
+    MLASERVE_PEER_MAX_BYTES=1048576 MLASERVE_DUMP_STACKS_EVERY=60 timeout 240 $B --model-config /tmp/v3_20.json \
+      --batch-size 64 --input-len 256 --output-len 32 --tp-size 2 --output-file "$OUT/one_batch_v3_20l_bs64_peer.md" \
+      > "$OUT/one_batch_v3_20l_bs64_peer.log" 2>&1
+    echo "exit code $?" >> "$OUT/one_batch_v3_20l_bs64_peer.log"; kill %1
+    grep "^|\|rror\|exit code" "$OUT/one_batch_v3_20l_bs64_peer.log" | tail -5
+    for R in "h7168 --hidden 7168" "sums1 --sums 1" "sums0 --sums 0"; do
+      set -- $R; N=$1; shift
+      echo "== peer_stress $N $(date +%T)"
+      timeout 110 python3 benchmarks/peer_stress.py --phase-timeout 45 "$@" > "$OUT/peer_stress_$N.txt" 2>&1
+      echo "exit code $?" | tee -a "$OUT/peer_stress_$N.txt"; grep -v "^ \|^File\|^Thread\|^Current" "$OUT/peer_stress_$N.txt" | tail -12
+    done
+    echo "== the all-reduce alone $(date +%T)"
+    timeout 90 python3 benchmarks/allreduce.py --tp-size 2 > "$OUT/allreduce.txt" 2>&1
+    echo "exit code $?" | tee -a "$OUT/allreduce.txt"; tail -14 "$OUT/allreduce.txt" ;;
+  U)
+    V=mlaserve/tools/configs/deepseek-v2-lite.json
+    C="--model-config $V --batch-size 1 16 64 --input-len 256 --output-len 32"
+    echo "== one-batch tp 1 / tp 2 $(date +%T)"
+    MLASERVE_DUMP_STACKS_EVERY=60 timeout 300 $B $C --tp-size 1 2 --output-file "$OUT/one_batch_tp1_tp2.md" \
+      > "$OUT/one_batch_tp1_tp2.log" 2>&1
+    echo "exit code $?"; grep "^|" "$OUT/one_batch_tp1_tp2.log" | tail -8
+    U_ENV=${U_ENV:-"MLASERVE_PEER_PUSH=auto MLASERVE_KERNEL_SUMS=1 MLASERVE_PEER_MAX_BYTES=1048576"}
+    echo "== one-batch tp 2 with $U_ENV $(date +%T)"
+    env $U_ENV MLASERVE_DUMP_STACKS_EVERY=60 timeout 200 $B $C --tp-size 2 --output-file "$OUT/one_batch_tp2_env.md" \
+      > "$OUT/one_batch_tp2_env.log" 2>&1
+    echo "exit code $?"; grep "^|" "$OUT/one_batch_tp2_env.log" | tail -8 ;;
+  *) echo "usage: $0 K|L|M|N|Q|S|T|U"; exit 2 ;;
 esac
