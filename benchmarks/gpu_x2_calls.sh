@@ -22,6 +22,11 @@
 #                                       the in-kernel sums and with the push kernel; the all-reduce alone
 #   bash benchmarks/gpu_x2_calls.sh U   one-batch V2-Lite tp 1 / tp 2 at bs 1 / 16 / 64 (limit 300 s), then tp 2 with
 #                                       $U_ENV (default: the push variant and the in-kernel sums on, 1 MiB bound)
+#   bash benchmarks/gpu_x2_calls.sh V   at the new defaults (peer kernel up to 1 MiB, push variant auto, in-kernel sums
+#                                       on): one-batch V2-Lite tp 2 and V3 20 layers FP8 tp 2 at bs 1 / 16 / 64;
+#                                       peer_stress.py 6 rounds
+#   bash benchmarks/gpu_x2_calls.sh W   at the new defaults: the two-GPU tests of the peer kernels, tp 2, EP 2 and two
+#                                       GPUs as two nodes serving (gpu_verify.sh's both-GPU stream, less torch.compile)
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 W=.whlx; [ -d $W ] || W=.whl
@@ -142,5 +147,28 @@ case "${1:-}" in
     env $U_ENV MLASERVE_DUMP_STACKS_EVERY=60 timeout 200 $B $C --tp-size 2 --output-file "$OUT/one_batch_tp2_env.md" \
       > "$OUT/one_batch_tp2_env.log" 2>&1
     echo "exit code $?"; grep "^|" "$OUT/one_batch_tp2_env.log" | tail -8 ;;
-  *) echo "usage: $0 K|L|M|N|Q|S|T|U"; exit 2 ;;
+  V)
+    V=mlaserve/tools/configs/deepseek-v2-lite.json
+    echo "== one-batch V2-Lite tp 2 $(date +%T)"
+    MLASERVE_DUMP_STACKS_EVERY=60 timeout 150 $B --model-config $V --batch-size 1 16 64 --input-len 256 --output-len 32 \
+      --tp-size 2 --output-file "$OUT/one_batch_v2l_tp2.md" > "$OUT/one_batch_v2l_tp2.log" 2>&1
+    echo "exit code $?"; grep "^|" "$OUT/one_batch_v2l_tp2.log" | tail -4
+    echo "== V3 20 layers tp 2 $(date +%T)"
+    python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
+    MLASERVE_DUMP_STACKS_EVERY=60 timeout 220 $B --model-config /tmp/v3_20.json --batch-size 1 16 64 --input-len 256 \
+      --output-len 32 --tp-size 2 --output-file "$OUT/one_batch_v3_20l.md" > "$OUT/one_batch_v3_20l.log" 2>&1
+    echo "exit code $?"; grep "^|\|rror" "$OUT/one_batch_v3_20l.log" | tail -5
+    echo "== peer_stress 6 rounds $(date +%T)"
+    timeout 100 python3 benchmarks/peer_stress.py --phase-timeout 45 --rounds 6 > "$OUT/peer_stress_r6.txt" 2>&1
+    echo "exit code $?"; grep -v "^ \|^File\|^Thread\|^Current" "$OUT/peer_stress_r6.txt" | tail -4 ;;
+  W)
+    P="python3 -m pytest -q -p no:cacheprovider -rfE"
+    timeout 230 $P -m "multi_gpu or gpu" tests/distributed/test_peer.py tests/distributed/test_tensor_parallel.py \
+      > "$OUT/tests_tp.txt" 2>&1; echo "exit code $?" >> "$OUT/tests_tp.txt"
+    timeout 150 $P -m multi_gpu tests/distributed/test_expert_parallel.py -k two_gpus_equal_one_gpu \
+      > "$OUT/tests_ep.txt" 2>&1; echo "exit code $?" >> "$OUT/tests_ep.txt"
+    timeout 150 $P -m multi_gpu tests/server/test_parallel_server.py -k two_gpus_as_two_nodes \
+      > "$OUT/tests_two_nodes.txt" 2>&1; echo "exit code $?" >> "$OUT/tests_two_nodes.txt"
+    for f in "$OUT"/tests_*.txt; do echo "== $f"; tail -6 "$f"; done ;;
+  *) echo "usage: $0 K|L|M|N|Q|S|T|U|V|W"; exit 2 ;;
 esac

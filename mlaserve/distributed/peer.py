@@ -29,13 +29,13 @@ logger = logging.getLogger(__name__)
 MAX_ROWS = 128                  # rows (tokens) of one call: the decode batches the graphs capture
 HALF_BYTES = 1 << 20            # bytes of one call's rows: 64 x 7168 bf16 fits
 # The model's calls (`fits`) take the peer kernel up to this many bytes, NCCL above (MLASERVE_PEER_MAX_BYTES=N sets
-# it, up to HALF_BYTES: A/B runs). On two H200s (2026-11-28, benchmarks/results/tp-h200x2.md, seventh run) V3's
-# [64, 7168] calls (896 KiB) stopped both ranks in the peer kernel, 100% busy for minutes: in the decode steps with
-# PDL, in 41 back-to-back calls without. The same step with NCCL ran (V3 20 layers tp 2 bs 64: 97% of the floor, the
-# all-reduces 3% of the step). The likely cause, a race on the epoch counter between a program's warps
-# (`kernels/allreduce.py`, `advance_epoch`), was found afterwards and fixed; the bound stays until a run on GPUs
-# confirms.
-PEER_CALL_MAX_BYTES = 256 << 10
+# it, up to HALF_BYTES: A/B runs). On two H200s V3's [64, 7168] calls (896 KiB) stopped both ranks in the peer kernel
+# in four of four runs (2026-11-28), from a race on the epoch counter between a program's warps (`kernels/
+# allreduce.py`, `advance_epoch`, fixed in 9494828); the bound was 256 KiB until a run confirmed the fix. It did
+# (2026-11-29, benchmarks/results/tp-h200x2.md, eighth run): V3 20 layers tp 2 bs 64 on the peer kernel finished at
+# 3,054 tok/s, its all-reduces 0.42 ms of the step against NCCL's 0.74 ms the day before, and the peer kernels
+# replayed in a decode's order (`benchmarks/peer_stress.py`) finished every phase at hidden 2048 and 7168.
+PEER_CALL_MAX_BYTES = HALF_BYTES
 
 
 class PeerAllReduce:
@@ -88,8 +88,8 @@ class PeerAllReduce:
         self.peers = PeerPointers(group_rank, self.world, bufs, sigs,
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
         self.ll = LLPointers(lls, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=device))
-        self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "0"))      # every rank inherits it
-        self.kernel_sums = kernel_sums(os.environ.get("MLASERVE_KERNEL_SUMS", "0"))
+        self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "auto"))      # every rank inherits it
+        self.kernel_sums = kernel_sums(os.environ.get("MLASERVE_KERNEL_SUMS", "1"))
         self.max_call_bytes = max_call_bytes(os.environ.get("MLASERVE_PEER_MAX_BYTES", ""), half_bytes)
         self.ll_group = LLGroup(self.ll, group_rank, self.world)     # for kernels that run the push themselves
 
@@ -144,17 +144,14 @@ PUSH_AUTO_ELEMS = 4096
 
 
 def push_elems(setting: str) -> int:
-    """The largest call (rows x hidden) the push variant takes: MLASERVE_PEER_PUSH=0 (default: never), auto
-    (PUSH_AUTO_ELEMS), 1 (every call of <= LL_ROWS rows: A/B runs).
+    """The largest call (rows x hidden) the push variant takes: MLASERVE_PEER_PUSH=auto (default: PUSH_AUTO_ELEMS),
+    0 (never), 1 (every call of <= LL_ROWS rows: A/B runs).
 
-    Off by default since 2026-11-27: of five V2-Lite tp 2 one-batch runs on two GPUs with the push variant taking
-    the bs-1 calls, two finished and two printed no further row before their limits (one with the in-kernel sums
-    on, at bs 64; one without, at bs 16, while other jobs loaded the host; one more was cut by its call's end),
-    while no V2-Lite run with the pull kernel alone stopped (V3's [64, 7168] pull calls did, 2026-11-28); the peer
-    kernels replayed alone in a decode's order (`benchmarks/peer_stress.py`) finished every phase that ran
-    (`benchmarks/results/tp-h200x2.md`).
-    The pull kernel takes every call that fits instead: 4.6 us against push's 4.5 at 1 x 2048 on two H200s.
-    The likely cause, found on 2026-11-28 and fixed, not yet rerun on GPUs: the epoch race of `advance_epoch`."""
+    It was off from 2026-11-27 to 2026-11-29: of five V2-Lite tp 2 one-batch runs with it on, two stopped printing
+    rows before their limits. The cause, most likely, was the race on the epoch counter that also stopped V3's pull
+    calls (`advance_epoch`, fixed in 9494828). After the fix (2026-11-29, two H200s, benchmarks/results/
+    tp-h200x2.md, eighth run) V2-Lite tp 2 ran every size with it and the in-kernel sums on (bs 1 429 tok/s against
+    411 without), and `benchmarks/peer_stress.py` finished every phase with the push kernel and with the sums."""
     limits = {"auto": PUSH_AUTO_ELEMS, "1": LL_ROWS * LL_DMAX, "0": 0}
     if setting not in limits:
         raise ValueError(f"MLASERVE_PEER_PUSH={setting!r}: expected auto, 1 or 0")
@@ -176,15 +173,12 @@ def max_call_bytes(setting: str, half_bytes: int) -> int:
 
 
 def kernel_sums(setting: str) -> bool:
-    """MLASERVE_KERNEL_SUMS=1: where the push variant would take the call, the router sums the attention output over
-    the ranks inside its own launch and a one-token MoE layer's experts' combine its output (`TensorParallel.
-    push_group`), instead of an all-reduce launch before each. 0 (default): off.
+    """MLASERVE_KERNEL_SUMS=1 (default): where the push variant takes the call, the router sums the attention output
+    over the ranks inside its own launch and a one-token MoE layer's experts' combine its output (`TensorParallel.
+    push_group`), instead of an all-reduce launch before each. 0: off (an all-reduce launch before each).
 
-    Off by default since its first two-GPU run (2026-11-27, two H200s, V2-Lite tp 2, one-batch bs 1 16 64): with it
-    on, bs 1 and 16 finished (bs 1 429 tok/s against 406 without push and sums) but bs 64 did not finish within 200 s,
-    while the same command without push and sums finished every size in under 120 s (`benchmarks/results/
-    tp-h200x2.md`). The likely cause, found on 2026-11-28 and fixed, not yet rerun on GPUs: the epoch race of
-    `advance_epoch`."""
+    Off from 2026-11-27 to 2026-11-29 (a V2-Lite tp 2 run with it on did not finish bs 64); on since the epoch-race
+    fix ran on two H200s (see `push_elems`)."""
     if setting not in ("0", "1"):
         raise ValueError(f"MLASERVE_KERNEL_SUMS={setting!r}: expected 0 or 1")
     return setting == "1"

@@ -14,11 +14,11 @@ from mlaserve.distributed.peer import PEER_CALL_MAX_BYTES, max_call_bytes
 from mlaserve.kernels.allreduce import LL_ROWS, ll_chunk, peer_all_reduce_ref
 
 # (rows, hidden, dtype) of consecutive calls: repeats reuse both staging halves and row flags at several epochs;
-# the one of 100 x 700 fp32 (273 KiB) exceeds PEER_CALL_MAX_BYTES and the last the buffers' 128 rows: both take gloo,
+# the one of 128 x 2100 fp32 (1.03 MiB) exceeds PEER_CALL_MAX_BYTES and the last the buffers' 128 rows: both take gloo,
 # between peer calls. No bf16: the interpreter rounds it otherwise (the
 # GPU test covers it)
 CALLS = [(1, 64, torch.float32), (3, 96, torch.float16), (1, 64, torch.float32), (7, 200, torch.float16),
-         (2, 64, torch.float32), (100, 700, torch.float32), (1, 64, torch.float16), (5, 130, torch.float32),
+         (2, 64, torch.float32), (128, 2100, torch.float32), (1, 64, torch.float16), (5, 130, torch.float32),
          (3, 96, torch.float16), (129, 8, torch.float32)]
 EPS = 1e-6
 
@@ -152,9 +152,9 @@ def _counted(fn, calls: list):
 def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel):
     """The model's all-reduces over the peer buffers, with the norms after them fused in (V3 shape with a dense
     first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's. `push`:
-    MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto the smallest (0, the
-    default: none). `auto-triton`: every op a Triton kernel (the interpreter) and MLASERVE_KERNEL_SUMS=1, so the
-    router sums the attention output over the ranks (moe_route_norm's all_reduce) and a one-token MoE layer's
+    MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto (the default) the smallest,
+    0 none (`pull`). `auto-triton`: every op a Triton kernel (the interpreter) and MLASERVE_KERNEL_SUMS=1 (the
+    default), so the router sums the attention output over the ranks (moe_route_norm's all_reduce) and a one-token MoE layer's
     experts' combine its output (fused_moe_norm's), instead of all-reduces around them."""
     monkeypatch.setenv("MLASERVE_PEER_PUSH", {"pull": "0", "push": "1"}.get(kernel, "auto"))   # ranks inherit it
     monkeypatch.setenv("MLASERVE_KERNEL_SUMS", "1" if kernel == "auto-triton" else "0")
@@ -265,9 +265,9 @@ def test_push_setting_is_checked():
         push_elems("yes")
 
 
-def test_kernel_sums_are_opt_in():
+def test_kernel_sums_setting():
     """The router's and the one-token combine's own sums over the ranks (`push_group`) only with
-    MLASERVE_KERNEL_SUMS=1; otherwise the model all-reduces before them."""
+    MLASERVE_KERNEL_SUMS=1 (the default); with 0 the model all-reduces before them."""
     from types import SimpleNamespace
 
     from mlaserve.distributed import TensorParallel
