@@ -19,7 +19,7 @@ for PART in "${@:-all}"; do
   if [ "$PART" = tests ] || [ "$PART" = all ]; then
     timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_decode.py \
       tests/kernels/test_mla_absorb.py tests/attention/test_triton_backend.py 2>&1 | tail -4 | tee "$OUT/tests_mla.txt"
-    [ -n "${SKIP_FASTPATH:-}" ] || timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/models/test_gpu_fastpath.py 2>&1 | tail -3 \
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/models/test_gpu_fastpath.py 2>&1 | tail -3 \
       | tee "$OUT/tests_fastpath.txt"
   fi
   if [ "$PART" = ab ] || [ "$PART" = all ]; then
