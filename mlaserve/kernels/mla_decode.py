@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.mla_absorb import head_gemm, head_gemm_ref
+from mlaserve.kernels.mla_absorb import head_gemm, head_gemm_blocks, head_gemm_ref
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
 
@@ -21,8 +21,6 @@ WAVES = 1                  # on the H100 sweep a second wave only added reduce w
 MIN_SPLIT_TOKENS = 64      # shorter splits cost more in the reduce than they gain (sweep_mla_short.py, H100)
 MAX_SPLITS = 128
 REDUCE_TILE = 8192         # fp32 values of [S, BLOCK_L] one reduce program holds
-VC_BLOCK_T = 16            # tokens of one reduce + W_UV program (its merged rows: [VC_BLOCK_T, L] fp32)
-VC_BLOCK_N = 16            # W_UV columns a step of that program multiplies ([L, VC_BLOCK_N] of W)
 # NOTE: one split writes the output directly (no reduce launch). Merging several splits in the decode kernel's
 # last-arriving program instead of a second launch (tried: benchmarks/probe_mla_latency.py at its commit, results in
 # benchmarks/results/decode-fold-h100.md) was slower at every size on an H100: +2.8 us at 16 heads x 4 splits, up
@@ -207,47 +205,50 @@ def _mla_decode_reduce_kernel(MidO, MidLse, Out, stride_ot, stride_oh, H, num_sp
 @triton.jit(do_not_specialize=["T", "num_splits"])
 def _mla_reduce_vc_kernel(MidO, MidLse, SeqLens, W, Out, T, H, num_q, num_splits, stride_wh, stride_wk, stride_wn,
                           stride_ot, stride_oh, L: tl.constexpr, N: tl.constexpr, SPLIT_N: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """Stage 2 with W_UV: one (head h, T block) merges the splits of its tokens' latent outputs (whole L-wide rows,
-    one load a split, rescaled as it goes), rounds them to the output dtype (what the separate reduce stores) and
-    multiplies them by W[h] [L, N], BLOCK_N columns at a time: out[t, h, n] = sum_k o_lat[t, h, k] * W[h, k, n].
-    Only the splits that hold tokens are read: split s of a request of length n has some when s * split_len < n
-    (split_len as the decode kernel computes it)."""
+    """Stage 2 with W_UV: one (head h, N block, T block) merges the splits of its tokens' latent outputs, K block by
+    K block, rounds them to the output dtype (what the separate reduce stores) and multiplies them by W[h] [L, N]:
+    out[t, h, n] = sum_k o_lat[t, h, k] * W[h, k, n]. Only the splits that hold tokens are read: split s of a
+    request of length n has tokens when s * split_len < n (split_len as the decode kernel computes it)."""
     h = tl.program_id(0).to(tl.int64)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = offs_t < T
-    offs_l = tl.arange(0, BLOCK_L)
-    l_ok = offs_l < L
-    offs_n = tl.arange(0, BLOCK_N)
-    w_base = W + h * stride_wh + offs_l[:, None] * stride_wk
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok, n_ok = offs_t < T, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = W + h * stride_wh + offs_n[None, :] * stride_wn
+    # W's first K block before the wait for the previous kernel (PDL: W is no kernel's output)
+    w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=(offs_k < L)[:, None] & n_ok[None, :], other=0.0)
     pdl_enter(PDL)
     seq = tl.load(SeqLens + offs_t // num_q, mask=t_ok, other=0)
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq, num_splits), SPLIT_N) * SPLIT_N, 1)
     used = tl.max(tl.minimum(tl.cdiv(seq, split_len), num_splits), axis=0)        # splits with tokens, any row
     rows = (offs_t.to(tl.int64) * H + h) * num_splits                              # [BLOCK_T] first split's row
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_T], tl.float32)
-    acc = tl.zeros([BLOCK_T, BLOCK_L], tl.float32)
     for sp in range(0, used):
-        lse = tl.load(MidLse + rows + sp, mask=t_ok, other=float("-inf"))
-        full = t_ok & (lse > float("-inf"))          # an empty split's MidO rows are never written
-        part = tl.load(MidO + (rows + sp)[:, None] * L + offs_l[None, :], mask=full[:, None] & l_ok[None, :],
-                       other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, wgt = tl.exp2(m - m_safe), tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + part * wgt[:, None]
-        den = den * alpha + wgt
-        m = m_new
-    o = (acc / tl.where(den > 0.0, den, 1.0)[:, None]).to(Out.dtype.element_ty).to(DOT_DTYPE)
-    out_rows = Out + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh
-    for n0 in range(0, N, BLOCK_N):
-        n_ok = n0 + offs_n < N
-        w = tl.load(w_base + (n0 + offs_n)[None, :] * stride_wn, mask=l_ok[:, None] & n_ok[None, :], other=0.0)
-        y = tl.dot(o, w.to(DOT_DTYPE), input_precision=DOT_PREC)
-        tl.store(out_rows + (n0 + offs_n)[None, :], y.to(Out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
+        m = tl.maximum(m, tl.load(MidLse + rows + sp, mask=t_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_T], tl.float32)
+    for sp in range(0, used):
+        den += tl.exp2(tl.load(MidLse + rows + sp, mask=t_ok, other=float("-inf")) - m)
+    den = tl.where(den > 0.0, den, 1.0)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        k_ok = k0 + offs_k < L
+        if k0 > 0:
+            w = tl.load(w_base + (k0 + offs_k)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        o = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        for sp in range(0, used):
+            lse = tl.load(MidLse + rows + sp, mask=t_ok, other=float("-inf"))
+            full = t_ok & (lse > float("-inf"))          # an empty split's MidO rows are never written
+            part = tl.load(MidO + (rows + sp)[:, None] * L + (k0 + offs_k)[None, :], mask=full[:, None] & k_ok[None, :],
+                           other=0.0)
+            o += part * tl.exp2(lse - m)[:, None]
+        o = (o / den[:, None]).to(Out.dtype.element_ty)
+        acc += tl.dot(o.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PREC)
     pdl_release(PDL)
+    out = Out + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_n[None, :]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
 
 
 def _padded(n: int) -> int:
@@ -383,11 +384,12 @@ def _reduce_vc(mid_o: torch.Tensor, mid_lse: torch.Tensor, seq_lens: torch.Tenso
     # mid_o: [T, H, S, L], mid_lse: [T, H, S], w_vc [H, Dv, L] -> out: [T, H, Dv], the second launch
     t, h, _, big_l = mid_o.shape
     n = w_vc.shape[1]
-    _mla_reduce_vc_kernel[(h, triton.cdiv(t, VC_BLOCK_T))](
+    block_t, block_n = head_gemm_blocks(t, h, n)
+    _mla_reduce_vc_kernel[(h, triton.cdiv(n, block_n), triton.cdiv(t, block_t))](
         mid_o, mid_lse, seq_lens, w_vc, out, t, h, num_q, splits, w_vc.stride(0), w_vc.stride(2), w_vc.stride(1),
-        out.stride(0), out.stride(1), L=big_l, N=n, SPLIT_N=split_n, BLOCK_T=VC_BLOCK_T, BLOCK_L=_padded(big_l),
-        BLOCK_N=min(VC_BLOCK_N, _padded(n)), DOT_DTYPE=_TL_DTYPE[out.dtype], DOT_PREC=dot_precision(out.dtype),
-        **pdl_meta(out.device), num_warps=8)
+        out.stride(0), out.stride(1), L=big_l, N=n, SPLIT_N=split_n, BLOCK_T=block_t, BLOCK_N=block_n,
+        BLOCK_K=min(64, _padded(big_l)), DOT_DTYPE=_TL_DTYPE[out.dtype], DOT_PREC=dot_precision(out.dtype),
+        **pdl_meta(out.device), num_warps=4)
 
 
 def _reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, splits: int) -> None:
