@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_mla_vc.sh [tests|ab|all]...
 source benchmarks/gpu_v2l_env.sh
 cat "$OUT/env.txt"
+python3 benchmarks/v3_config.py --layers 4 --out /tmp/v3_4.json > /dev/null
 ob() {  # ob TAG TREE CONFIG BATCH_SIZES...: one-batch from the source tree TREE
   local tag=$1 tree=$2 cfg=$3; shift 3
   echo "### $tag"
@@ -27,7 +28,7 @@ for PART in "${@:-all}"; do
       ob v2l_old$i .old "$PWD/$V2L" 1 16 64
       ob v2l_new$i . "$PWD/$V2L" 1 16 64
     done
-    ob v3_old .old $V3_4L 1 64
-    ob v3_new . $V3_4L 1 64
+    ob v3_old .old /tmp/v3_4.json 1 64
+    ob v3_new . /tmp/v3_4.json 1 64
   fi
 done
