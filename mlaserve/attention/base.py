@@ -26,9 +26,6 @@ class BaseAttnBackend(ABC):
     # True when extend takes the new tokens' k_nope / v expanded by the caller (`kv_new`): the model then runs
     # kv_b_proj before the attention call, inside a piecewise graph's piece rather than in the eager attention
     takes_new_kv = False
-    # True when the backend applies W_UV to the absorbed decode's latent output itself (`decode_vc`): the Triton one
-    # merges its kv splits and that per-head GEMM in one launch
-    merges_w_vc = False
 
     def __init__(self, sm_scale: float, kv_lora_rank: int, rope_dim: int):
         self.sm_scale, self.kv_lora_rank, self.rope_dim = sm_scale, kv_lora_rank, rope_dim
@@ -42,8 +39,3 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Absorbed MLA. q: [T, H, L] latent query, q_pe: [T, H, R] roped query -> o_latent [T, H, L]."""
-
-    def decode_vc(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
-                  w_vc: torch.Tensor) -> torch.Tensor:
-        """`decode`, then W_UV per head (w_vc [H, Dv, L]) -> o [T, H, Dv]; only where `merges_w_vc`."""
-        raise NotImplementedError(f"{type(self).__name__} does not apply W_UV itself (merges_w_vc is False)")

@@ -11,7 +11,6 @@ from mlaserve.kernels.mla_prefill import mla_prefill, prefix_chunk_slots
 
 class TritonMLABackend(BaseAttnBackend):
     takes_new_kv = True
-    merges_w_vc = True
 
     def extend(self, layer: int, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                ctx: ForwardContext, expand_kv: ExpandKV, kv_new: KVNew | None = None) -> torch.Tensor:
@@ -34,10 +33,3 @@ class TritonMLABackend(BaseAttnBackend):
                           self.sm_scale, kv_lora_rank=self.kv_lora_rank, num_q=ctx.num_q,
                           kv_scale=ctx.kv_pool.kv_scale, num_kv_splits=ctx.num_kv_splits, q_pe=q_pe,
                           tree_mask=ctx.tree_mask)
-
-    def decode_vc(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
-                  w_vc: torch.Tensor) -> torch.Tensor:
-        return mla_decode(q, ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,
-                          self.sm_scale, kv_lora_rank=self.kv_lora_rank, num_q=ctx.num_q,
-                          kv_scale=ctx.kv_pool.kv_scale, num_kv_splits=ctx.num_kv_splits, q_pe=q_pe,
-                          tree_mask=ctx.tree_mask, w_vc=w_vc)

@@ -86,7 +86,7 @@ def _rope_head_gemm_kernel(A, W, Out, T, stride_at, stride_ah, stride_wh, stride
                               NORM, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
 
 
-def head_gemm_blocks(t: int, h: int, n: int) -> tuple[int, int]:
+def _blocks(t: int, h: int, n: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_N): all of a small T in one block, N cut until H x N-blocks x T-blocks fills a wave."""
     block_t = min(64, max(16, triton.next_power_of_2(t)))
     tiles = h * triton.cdiv(t, block_t)
@@ -121,7 +121,7 @@ def _gemm_launch_args(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, trans
                       ) -> tuple[tuple, dict, tuple[int, int, int]]:
     (t, h, k), n = a.shape, out.shape[2]
     stride_wk, stride_wn = (w.stride(2), w.stride(1)) if trans else (w.stride(1), w.stride(2))
-    block_t, block_n = head_gemm_blocks(t, h, n)
+    block_t, block_n = _blocks(t, h, n)
     args = (a, w, out, t, a.stride(0), a.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1))
     meta = dict(K=k, N=n, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(k))),
                 DOT_DTYPE=_TL_DTYPE[a.dtype], DOT_PREC=dot_precision(a.dtype))

@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.mla_absorb import head_gemm, head_gemm_blocks, head_gemm_ref
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
 
@@ -202,55 +201,6 @@ def _mla_decode_reduce_kernel(MidO, MidLse, Out, stride_ot, stride_oh, H, num_sp
     tl.store(out, res.to(Out.dtype.element_ty), mask=l_ok)
 
 
-@triton.jit(do_not_specialize=["T", "num_splits"])
-def _mla_reduce_vc_kernel(MidO, MidLse, SeqLens, W, Out, T, H, num_q, num_splits, stride_wh, stride_wk, stride_wn,
-                          stride_ot, stride_oh, L: tl.constexpr, N: tl.constexpr, SPLIT_N: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """Stage 2 with W_UV: one (head h, N block, T block) merges the splits of its tokens' latent outputs, K block by
-    K block, rounds them to the output dtype (what the separate reduce stores) and multiplies them by W[h] [L, N]:
-    out[t, h, n] = sum_k o_lat[t, h, k] * W[h, k, n]. Only the splits that hold tokens are read: split s of a
-    request of length n has tokens when s * split_len < n (split_len as the decode kernel computes it)."""
-    h = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok, n_ok = offs_t < T, offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_base = W + h * stride_wh + offs_n[None, :] * stride_wn
-    # W's first K block before the wait for the previous kernel (PDL: W is no kernel's output)
-    w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=(offs_k < L)[:, None] & n_ok[None, :], other=0.0)
-    pdl_enter(PDL)
-    seq = tl.load(SeqLens + offs_t // num_q, mask=t_ok, other=0)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq, num_splits), SPLIT_N) * SPLIT_N, 1)
-    used = tl.max(tl.minimum(tl.cdiv(seq, split_len), num_splits), axis=0)        # splits with tokens, any row
-    rows = (offs_t.to(tl.int64) * H + h) * num_splits                              # [BLOCK_T] first split's row
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    for sp in range(0, used):
-        m = tl.maximum(m, tl.load(MidLse + rows + sp, mask=t_ok, other=float("-inf")))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros([BLOCK_T], tl.float32)
-    for sp in range(0, used):
-        den += tl.exp2(tl.load(MidLse + rows + sp, mask=t_ok, other=float("-inf")) - m)
-    den = tl.where(den > 0.0, den, 1.0)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for k0 in range(0, L, BLOCK_K):
-        k_ok = k0 + offs_k < L
-        if k0 > 0:
-            w = tl.load(w_base + (k0 + offs_k)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        o = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-        for sp in range(0, used):
-            lse = tl.load(MidLse + rows + sp, mask=t_ok, other=float("-inf"))
-            full = t_ok & (lse > float("-inf"))          # an empty split's MidO rows are never written
-            part = tl.load(MidO + (rows + sp)[:, None] * L + (k0 + offs_k)[None, :], mask=full[:, None] & k_ok[None, :],
-                           other=0.0)
-            o += part * tl.exp2(lse - m)[:, None]
-        o = (o / den[:, None]).to(Out.dtype.element_ty)
-        acc += tl.dot(o.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PREC)
-    pdl_release(PDL)
-    out = Out + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_n[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
-
-
 def _padded(n: int) -> int:
     """Columns a tile of n values takes: tl.arange and tl.dot need a power of two >= 16."""
     return max(16, triton.next_power_of_2(n))
@@ -303,7 +253,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
                seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512, num_q: int = 1,
                kv_scale: float | None = None, num_kv_splits: int | None = None,
                out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
-               tree_mask: torch.Tensor | None = None, w_vc: torch.Tensor | None = None) -> torch.Tensor:
+               tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed-MLA decode: out[t, h] = softmax(q[t, h] . K^T * sm_scale) @ V over the request's cached tokens.
 
     Args:
@@ -319,77 +269,38 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
         tree_mask: [T] int64, speculative tree verification: bit i of row b*num_q + j lets query j of request b see
             position seq_lens[b] - num_q + i, for i <= j (bits above j are ignored: a tree lists parents first);
             the prefix stays visible. None: causal (every bit i <= j set).
-        w_vc: [H, Dv, L] (absorbed W_UV), or None: the output is then o_lat @ w_vc[h]^T per head, [T, H, Dv], what
-            `head_gemm(o_lat, w_vc, trans=True)` gives; with several splits the merge and this GEMM are one launch.
-        One split writes `out` (or, with w_vc, o_lat for one `head_gemm`) directly; more write fp32 partials that a
-        second launch merges.
+        One split writes `out` directly; more write fp32 partials that a second launch merges.
     Returns:
-        [T, H, L] in q.dtype, or [T, H, Dv] with w_vc (written into `out` when given).
+        [T, H, L] in q.dtype (written into `out` when given).
     """
     q, q_pe = _split_q(q, q_pe, kv_lora_rank)
-    _check_args(q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, kv_lora_rank, num_q, num_kv_splits,
-                out if w_vc is None else None, tree_mask)
+    _check_args(q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, kv_lora_rank, num_q, num_kv_splits, out,
+                tree_mask)
     t, h = q.shape[:2]
     d = kv_lora_rank + q_pe.shape[2]
     big_l = kv_lora_rank
-    if w_vc is not None:
-        _check_w_vc(w_vc, q, big_l, out)
-        res = q.new_empty((t, h, w_vc.shape[1])) if out is None else out
-        out = None
-    else:
-        res = out = q.new_empty((t, h, big_l)) if out is None else out
+    out = q.new_empty((t, h, big_l)) if out is None else out
     if t == 0:
-        return res
+        return out
     b = seq_lens.shape[0]
     cfg = pick_config(num_q * h)
     head_blocks = triton.cdiv(num_q * h, cfg.block_h)
     splits = num_kv_splits or choose_num_kv_splits(decode_programs(b, num_q * h), int(seq_lens.max()))
-    if out is None and splits == 1:                  # W_UV after the decode kernel's own output
-        out = q.new_empty((t, h, big_l))
     mid_o = mid_lse = None
     if splits > 1:
         mid_o = torch.empty((t, h, splits, big_l), dtype=torch.float32, device=q.device)   # [T, H, S, L]
         mid_lse = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)        # [T, H, S]
     scale = 1.0 if kv_scale is None else float(kv_scale)
-    o_arg = res if out is None else out              # with partials (MidO) the decode kernel writes no Out
     _mla_decode_kernel[(b, head_blocks, splits)](
-        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, tree_mask, mid_o, mid_lse, o_arg,
-        sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), q_pe.stride(0),
-        q_pe.stride(1), kv_cache.stride(0), req_to_token.stride(0), o_arg.stride(0), o_arg.stride(1),
+        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, tree_mask, mid_o, mid_lse, out, sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), q_pe.stride(0),
+        q_pe.stride(1), kv_cache.stride(0), req_to_token.stride(0), out.stride(0), out.stride(1),
         h, num_q, splits, L=big_l, R=d - big_l, BLOCK_L=_padded(big_l), BLOCK_R=_padded(d - big_l),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **pdl_meta(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if w_vc is None:
-        if splits > 1:
-            _reduce(mid_o, mid_lse, out, splits)
-    elif splits > 1:
-        _reduce_vc(mid_o, mid_lse, seq_lens, num_q, w_vc, res, splits, cfg.block_n)
-    else:
-        head_gemm(out, w_vc, trans=True, out=res)
-    return res
-
-
-def _check_w_vc(w_vc: torch.Tensor, q: torch.Tensor, big_l: int, out: torch.Tensor | None) -> None:
-    t, h = q.shape[:2]
-    assert w_vc.dim() == 3 and w_vc.shape[0] == h and w_vc.shape[2] == big_l and w_vc.dtype == q.dtype \
-        and w_vc.device == q.device, f"w_vc must be [{h}, Dv, {big_l}] {q.dtype}, got {w_vc.dtype} {tuple(w_vc.shape)}"
-    if out is not None:
-        assert out.shape == (t, h, w_vc.shape[1]) and out.dtype == q.dtype and out.stride(2) == 1, \
-            f"out must be [{t}, {h}, {w_vc.shape[1]}] {q.dtype}, last dim contiguous"
-
-
-def _reduce_vc(mid_o: torch.Tensor, mid_lse: torch.Tensor, seq_lens: torch.Tensor, num_q: int, w_vc: torch.Tensor,
-               out: torch.Tensor, splits: int, split_n: int) -> None:
-    # mid_o: [T, H, S, L], mid_lse: [T, H, S], w_vc [H, Dv, L] -> out: [T, H, Dv], the second launch
-    t, h, _, big_l = mid_o.shape
-    n = w_vc.shape[1]
-    block_t, block_n = head_gemm_blocks(t, h, n)
-    _mla_reduce_vc_kernel[(h, triton.cdiv(n, block_n), triton.cdiv(t, block_t))](
-        mid_o, mid_lse, seq_lens, w_vc, out, t, h, num_q, splits, w_vc.stride(0), w_vc.stride(2), w_vc.stride(1),
-        out.stride(0), out.stride(1), L=big_l, N=n, SPLIT_N=split_n, BLOCK_T=block_t, BLOCK_N=block_n,
-        BLOCK_K=min(64, _padded(big_l)), DOT_DTYPE=_TL_DTYPE[out.dtype], DOT_PREC=dot_precision(out.dtype),
-        **pdl_meta(out.device), num_warps=4)
+    if splits > 1:
+        _reduce(mid_o, mid_lse, out, splits)
+    return out
 
 
 def _reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, splits: int) -> None:
@@ -412,14 +323,9 @@ def mla_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.
                    req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512,
                    num_q: int = 1, kv_scale: float | None = None, num_kv_splits: int | None = None,
                    out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
-                   tree_mask: torch.Tensor | None = None, w_vc: torch.Tensor | None = None) -> torch.Tensor:
+                   tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Reference (the spec of `mla_decode`), one request at a time in fp32. `num_kv_splits` does not change
-    the math and is ignored. With `w_vc`, the output rounded to q's dtype times W_UV per head (`head_gemm_ref`)."""
-    if w_vc is not None:
-        o_lat = mla_decode_ref(q, kv_cache, req_to_token, req_pool_idx, seq_lens, sm_scale, kv_lora_rank=kv_lora_rank,
-                               num_q=num_q, kv_scale=kv_scale, q_pe=q_pe, tree_mask=tree_mask)
-        res = head_gemm_ref(o_lat, w_vc, trans=True)
-        return res if out is None else out.copy_(res)
+    the math and is ignored."""
     if q_pe is not None:
         q = torch.cat([q[..., :kv_lora_rank], q_pe], dim=-1)
     t, h, _ = q.shape

@@ -135,8 +135,6 @@ class MLAAttention(torch.nn.Module):
 
     def _decode_absorbed(self, q_lat: torch.Tensor, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # q_lat: [T, H, L] (W_UK absorbed), q: [T, H, Dn + R] (q_pe roped) -> o: [T, H, Dv]
-        if ctx.attn_backend.merges_w_vc:             # W_UV inside the attention's last launch
-            return _decode_vc(ctx.attn_backend, self.layer_id, q_lat, q[..., self.dn:], ctx, self.w_vc)
         o_lat = _decode(ctx.attn_backend, self.layer_id, q_lat, q[..., self.dn:], ctx)   # [T, H, L]
         return self.ops.head_gemm(o_lat, self.w_vc, trans=True)                # apply W_UV: [T, H, Dv]
 
@@ -144,12 +142,6 @@ class MLAAttention(torch.nn.Module):
 @torch.compiler.disable
 def _decode(backend, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     return backend.decode(layer, q, q_pe, ctx)
-
-
-@torch.compiler.disable
-def _decode_vc(backend, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
-               w_vc: torch.Tensor) -> torch.Tensor:
-    return backend.decode_vc(layer, q, q_pe, ctx, w_vc)
 
 
 @torch.compiler.disable

@@ -237,34 +237,3 @@ def test_one_split_writes_the_output_without_a_reduce(device: str, dtype: torch.
             got = mla_decode(**args, num_kv_splits=splits, out=out, **kw)
             assert reduce.launches - before == launches and got.data_ptr() == out.data_ptr()
             assert (got.float() - want).abs().max().item() <= TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_w_vc_merged_in_the_reduce(device: str, dtype: torch.dtype, monkeypatch) -> None:
-    """`w_vc` (absorbed W_UV): the splits' merge and the per-head GEMM in one launch (`_mla_reduce_vc_kernel`, no
-    separate reduce or head GEMM), one split a `head_gemm` after the decode kernel; both the reference's o_lat @ W_UV.
-    Ragged lengths with a one-token request, splits past the end (a graph's fixed count), more tokens than one T
-    block, num_q 2 with a tree mask, a strided `out`."""
-    s = random.randrange(2**31)
-    print(f"seed {s}")
-    random.seed(s)
-    torch.manual_seed(s)
-    reduce, fused = LaunchCount(md._mla_decode_reduce_kernel), LaunchCount(md._mla_reduce_vc_kernel)
-    monkeypatch.setattr(md, "_mla_decode_reduce_kernel", reduce)
-    monkeypatch.setattr(md, "_mla_reduce_vc_kernel", fused)
-    dv = 48
-    for num_q, tree, lens in ((1, False, [1, random.randint(2, 60), random.randint(150, 300)]),
-                              (1, False, [random.randint(1, 40) for _ in range(18)]),
-                              (2, True, [2, random.randint(3, 60), random.randint(100, 200)])):
-        args = make_case(device, lens, heads=4, big_l=64, rope=16, num_q=num_q, dtype=dtype, kv_dtype=dtype)
-        w_vc = (torch.randn(4, dv, 64, device=device) / 8).to(dtype)
-        kw = dict(tree_mask=random_tree_mask(num_q, len(lens), device)) if tree else {}
-        want = mla_decode_ref(**args, **kw, w_vc=w_vc).float()
-        for splits, fused_launches in ((1, 0), (3, 1), (16, 1)):
-            before = (reduce.launches, fused.launches)
-            out = torch.full((len(lens) * num_q, 5, dv), float("nan"), dtype=dtype, device=device)[:, 1:]
-            got = mla_decode(**args, num_kv_splits=splits, out=out, w_vc=w_vc, **kw)
-            assert (reduce.launches - before[0], fused.launches - before[1]) == (0, fused_launches)
-            assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
-            err = (got.float() - want).abs().max().item()
-            assert err <= 2 * TOL[dtype], f"{len(lens)} requests, num_q {num_q}, {splits} splits: max abs error {err}"
