@@ -88,9 +88,8 @@ class PeerAllReduce:
         self.peers = PeerPointers(group_rank, self.world, bufs, sigs,
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
         self.ll = LLPointers(lls, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=device))
-        self.push_elems = push_elems(os.environ.get("MLASERVE_PEER_PUSH", "auto"))      # every rank inherits it
-        self.kernel_sums = kernel_sums(os.environ.get("MLASERVE_KERNEL_SUMS", "1"))
-        self.max_call_bytes = max_call_bytes(os.environ.get("MLASERVE_PEER_MAX_BYTES", ""), half_bytes)
+        # every rank inherits the environment
+        self.push_elems, self.kernel_sums, self.max_call_bytes = peer_settings(os.environ, half_bytes)
         self.ll_group = LLGroup(self.ll, group_rank, self.world)     # for kernels that run the push themselves
 
     def __repr__(self) -> str:
@@ -156,6 +155,14 @@ def push_elems(setting: str) -> int:
     if setting not in limits:
         raise ValueError(f"MLASERVE_PEER_PUSH={setting!r}: expected auto, 1 or 0")
     return limits[setting]
+
+
+def peer_settings(environ, half_bytes: int) -> tuple[int, bool, int]:
+    """(push_elems, kernel_sums, max_call_bytes) from MLASERVE_PEER_PUSH (default auto), MLASERVE_KERNEL_SUMS
+    (default 1) and MLASERVE_PEER_MAX_BYTES (default PEER_CALL_MAX_BYTES)."""
+    return (push_elems(environ.get("MLASERVE_PEER_PUSH", "auto")),
+            kernel_sums(environ.get("MLASERVE_KERNEL_SUMS", "1")),
+            max_call_bytes(environ.get("MLASERVE_PEER_MAX_BYTES", ""), half_bytes))
 
 
 def max_call_bytes(setting: str, half_bytes: int) -> int:

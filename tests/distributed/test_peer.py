@@ -62,6 +62,17 @@ def _calls_on_rank(group, seed: int, calls: list = CALLS) -> list[dict]:
     return out
 
 
+def test_peer_defaults():
+    """Unset: the push variant for calls of <= PUSH_AUTO_ELEMS values, the in-kernel sums on, calls up to the 1 MiB
+    half-buffer on the peer kernels (on since the epoch-race fix ran on two H200s); each setting turns its part off."""
+    from mlaserve.distributed.peer import HALF_BYTES, PUSH_AUTO_ELEMS, peer_settings
+
+    assert PEER_CALL_MAX_BYTES == HALF_BYTES == 1 << 20
+    assert peer_settings({}, HALF_BYTES) == (PUSH_AUTO_ELEMS, True, 1 << 20)
+    off = {"MLASERVE_PEER_PUSH": "0", "MLASERVE_KERNEL_SUMS": "0", "MLASERVE_PEER_MAX_BYTES": "0"}
+    assert peer_settings(off, HALF_BYTES) == (0, False, 0)
+
+
 def test_peer_max_call_bytes_setting():
     assert max_call_bytes("", 1 << 20) == PEER_CALL_MAX_BYTES and max_call_bytes("", 4096) == 4096
     assert max_call_bytes("1048576", 1 << 20) == 1 << 20 and max_call_bytes("0", 1 << 20) == 0
@@ -154,8 +165,8 @@ def test_tp2_over_peer_buffers_equals_one_process(tmp_path, monkeypatch, kernel)
     first layer, fp32; the model's other ops the PyTorch references): greedy outputs equal one process's. `push`:
     MLASERVE_PEER_PUSH=1 gives the calls of <= LL_ROWS rows to the push variant, auto (the default) the smallest,
     0 none (`pull`). `auto-triton`: every op a Triton kernel (the interpreter) and MLASERVE_KERNEL_SUMS=1 (the
-    default), so the router sums the attention output over the ranks (moe_route_norm's all_reduce) and a one-token MoE layer's
-    experts' combine its output (fused_moe_norm's), instead of all-reduces around them."""
+    default), so the router sums the attention output over the ranks (moe_route_norm's all_reduce) and a one-token
+    MoE layer's experts' combine its output (fused_moe_norm's), instead of all-reduces around them."""
     monkeypatch.setenv("MLASERVE_PEER_PUSH", {"pull": "0", "push": "1"}.get(kernel, "auto"))   # ranks inherit it
     monkeypatch.setenv("MLASERVE_KERNEL_SUMS", "1" if kernel == "auto-triton" else "0")
     flags = dict(attention_backend="triton") if kernel == "auto-triton" else {}
