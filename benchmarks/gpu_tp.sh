@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device call for tensor parallelism (nvidia-h200-x2), in parts (default: all, in this order):
 #   allreduce   the all-reduce alone (NCCL, pull and push peer kernels, in a CUDA graph)
-#   one-batch   V2-Lite tp 1 vs tp 2 (the pull kernel; then MLASERVE_PEER_PUSH=1 too where PUSH_ONE_BATCH=1)
-#   push        V2-Lite tp 2: MLASERVE_PEER_PUSH=0 (pull kernel only), auto (push up to 4096 elements; opt-in, off by default),
+#   one-batch   V2-Lite tp 1 vs tp 2 (the default peer settings; then MLASERVE_PEER_PUSH=1 too where PUSH_ONE_BATCH=1)
+#   push        V2-Lite tp 2: MLASERVE_PEER_PUSH=0 (pull kernel only), auto (push up to 4096 elements; the default since 2026-11-29),
 #               then auto with MLASERVE_KERNEL_SUMS=1 (the sums inside the router and the one-token fused MoE), each
 #               run's whole log kept; a run still going after 150 s gets `kill -USR1` (every rank prints its Python
 #               stacks to the log; each rank also prints them at 120 s unasked), then is killed; PUSH_RULES="auto,0 auto,1" picks rules (PUSH,SUMS)
@@ -45,7 +45,7 @@ for PART in $PARTS; do
     one-batch)
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"
       timeout 200 $B $C --tp-size 1 2 --output-file "$OUT/one_batch.md" 2>&1 | grep "^|" | tail -7
-      [ -n "${PUSH_ONE_BATCH:-}" ] &&    # the push all-reduce is off by default: its run only where asked
+      [ -n "${PUSH_ONE_BATCH:-}" ] &&    # push for every call of <= 16 rows (A/B): its run only where asked
         MLASERVE_PEER_PUSH=1 timeout 120 $B $C --tp-size 2 --output-file "$OUT/one_batch_push.md" 2>&1 | grep "^|" | tail -4 ;;
     push)       # tp 2 with each rule, back to back on the same machine
       C="--model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 16 64 --input-len 256 --output-len 32"

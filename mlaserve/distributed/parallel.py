@@ -126,8 +126,8 @@ class TensorParallel:
 
     def push_group(self, x: torch.Tensor) -> "LLGroup | None":
         """The push all-reduce's buffers where a call on x would take it (`PeerAllReduce.pushes`): a kernel
-        producing x may then sum it over the ranks itself (`fused_moe_norm`'s all_reduce), where
-        MLASERVE_KERNEL_SUMS=1 (`peer.kernel_sums`). Same on every rank."""
+        producing x may then sum it over the ranks itself (`fused_moe_norm`'s all_reduce), unless
+        MLASERVE_KERNEL_SUMS=0 (`peer.kernel_sums`). Same on every rank."""
         if self.fuses_norm(x) and self.peer.kernel_sums and self.peer.pushes(x):
             return self.peer.ll_group
         return None
