@@ -26,7 +26,7 @@
 #                                       on): one-batch V2-Lite tp 2 and V3 20 layers FP8 tp 2 at bs 1 / 16 / 64;
 #                                       peer_stress.py 6 rounds
 #   bash benchmarks/gpu_x2_calls.sh W   at the new defaults: the two-GPU tests of the peer kernels, tp 2, EP 2 and two
-#                                       GPUs as two nodes serving (gpu_verify.sh's both-GPU stream, less torch.compile)
+#                                       GPUs as two nodes serving (`SKIP_COMPILE=1 gpu_verify.sh`)
 # Every output goes to $OUT (the whole logs too).
 set -uo pipefail
 W=.whlx; [ -d $W ] || W=.whl
@@ -162,13 +162,6 @@ case "${1:-}" in
     timeout 100 python3 benchmarks/peer_stress.py --phase-timeout 45 --rounds 6 > "$OUT/peer_stress_r6.txt" 2>&1
     echo "exit code $?"; grep -v "^ \|^File\|^Thread\|^Current" "$OUT/peer_stress_r6.txt" | tail -4 ;;
   W)
-    P="python3 -m pytest -q -p no:cacheprovider -rfE"
-    timeout 230 $P -m "multi_gpu or gpu" tests/distributed/test_peer.py tests/distributed/test_tensor_parallel.py \
-      > "$OUT/tests_tp.txt" 2>&1; echo "exit code $?" >> "$OUT/tests_tp.txt"
-    timeout 150 $P -m multi_gpu tests/distributed/test_expert_parallel.py -k two_gpus_equal_one_gpu \
-      > "$OUT/tests_ep.txt" 2>&1; echo "exit code $?" >> "$OUT/tests_ep.txt"
-    timeout 150 $P -m multi_gpu tests/server/test_parallel_server.py -k two_gpus_as_two_nodes \
-      > "$OUT/tests_two_nodes.txt" 2>&1; echo "exit code $?" >> "$OUT/tests_two_nodes.txt"
-    for f in "$OUT"/tests_*.txt; do echo "== $f"; tail -6 "$f"; done ;;
+    SKIP_COMPILE=1 bash benchmarks/gpu_verify.sh ;;
   *) echo "usage: $0 K|L|M|N|Q|S|T|U|V|W"; exit 2 ;;
 esac
