@@ -23,6 +23,7 @@ from mlaserve.engine.forward_batch import build_context
 from mlaserve.engine.spec import PendingSpec, SpecDecoder, SpecOutput, widen
 from mlaserve.kernels import pdl
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
+from mlaserve.kernels.sampling import greedy_ids
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.kvcache.pool import KV_CACHE_DTYPES, MLAKVPool, kv_bytes_per_token
 from mlaserve.layers.sampler import Sampler, SamplingBatch, logprobs_of, top_logprobs
@@ -440,7 +441,7 @@ class ModelRunner:
         reqs = [batch.reqs[i] for i in samplers]
         steps = [self._step_index(batch, i) for i in samplers]
         if bitmask is None and self._plain_greedy(reqs, steps):
-            return logits.argmax(-1), None, None
+            return greedy_ids(logits), None, None
         sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], steps,
                                  [r.input_ids for r in reqs], [r.output_ids for r in reqs], self.cfg.vocab_size,
                                  self.eos_ids(), self.device)

@@ -1,10 +1,17 @@
 """Weight-streaming GEMM for decode batch sizes: y [M, N] = x [M, K] @ W[N, K]^T (+ b) with M <= 16.
 
 At M <= 16 a linear layer is a read of W (N * K values) and nothing else; cuBLAS's kernels for these shapes
-reached 1.4-2 TB/s of the H100's 3 TB/s. Each program owns BLOCK_N output columns and streams their W rows
+reached 1.4-2 TB/s of the H100's 3 TB/s. `gemv`: each program owns BLOCK_N output columns and streams their W rows
 along K through a multi-stage pipeline; all M rows ride in one 16-row dot tile.
+
+`gemv1` (one row, the batch-1 decode's projections of a few MB): each program holds its whole [BLOCK_N, K] slice of
+W in registers, loaded before the PDL wait, so the weight read overlaps the previous kernel's tail and what is left
+after it is one load of x, the row sums and the store. cuBLAS took 6.1 us for each of V2-Lite's 8-15 MB
+projections on an H200 (decode-profile-h200.md), where their bytes take 2-3.6 us.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +27,8 @@ MAX_M = 16
 # down_proj (2048 wide, K 10944): benchmarks/bench_decode_gemms.py, benchmarks/results/decode-perf-h100.md.
 MIN_N = 7168
 TARGET_PROGRAMS = 264        # ~2 per SM (H100): enough W bytes in flight to cover HBM latency
+GEMV1_MAX_K = 8192           # gemv1 holds a whole row of W: K up to this
+GEMV1_TILE = 16384           # W values one gemv1 program holds (32 KB of bf16: 64 a thread at 8 warps)
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -50,6 +59,50 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
         acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemv1_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # program: y[n0 : n0 + BLOCK_N] = W[n0 : n0 + BLOCK_N, :] @ x, the whole K in one tile
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok, k_ok = offs_n < N, offs_k < K
+    w = tl.load(W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0)                                                               # [BN, BK]: no kernel's output
+    pdl_enter(PDL)
+    x = tl.load(X + offs_k, mask=k_ok, other=0.0)                                        # [BK]
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)                  # [BN] exact products, fp32 sums
+    pdl_release(PDL)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
+def gemv1_enabled() -> bool:
+    """`linear` takes `gemv1` for one-row inputs (MLASERVE_GEMV1=0: cuBLAS there, for A/B runs)."""
+    v = os.environ.get("MLASERVE_GEMV1", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"MLASERVE_GEMV1={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def gemv1(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ w [N, K]^T (+ bias [N]) -> [1, N] in x.dtype, K <= GEMV1_MAX_K, w contiguous along K."""
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[0] == 1 and x.shape[1] == w.shape[1], \
+        f"x [1, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}"
+    n, k = w.shape
+    assert 0 < k <= GEMV1_MAX_K, f"gemv1 takes K up to {GEMV1_MAX_K}, got {k}"
+    assert x.dtype == w.dtype and x.dtype in _TL_DTYPE and x.device == w.device, \
+        f"x and w must share a float dtype and device, got {x.dtype} / {w.dtype}"
+    assert x.stride(1) == 1 and w.stride(1) == 1, "x and w must be contiguous along K"
+    y = x.new_empty((1, n))
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, min(64, GEMV1_TILE // block_k, triton.next_power_of_2(n)))
+    _gemv1_kernel[(triton.cdiv(n, block_n),)](
+        x, w, bias if bias is not None else w, y, n, k, w.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, **pdl_meta(x.device), num_warps=8)
+    return y
 
 
 def _block_n(n: int) -> int:
@@ -83,10 +136,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through `gemv` for up to MAX_M rows of 16-bit activations on the GPU (decode) and outputs at
-    least MIN_N wide, else cuBLAS with the rows padded to a bucket (`cublas_linear`)."""
-    if x.dim() == 2 and x.shape[0] <= MAX_M and w.shape[0] >= MIN_N and x.is_cuda \
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and w.stride(1) == 1:
-        return gemv(x, w, bias)
+    least MIN_N wide, through `gemv1` for one row and narrower outputs (K <= GEMV1_MAX_K), else cuBLAS with the rows
+    padded to a bucket (`cublas_linear`)."""
+    if x.dim() == 2 and x.shape[0] <= MAX_M and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) \
+            and x.stride(1) == 1 and w.stride(1) == 1:
+        if w.shape[0] >= MIN_N:
+            return gemv(x, w, bias)
+        if x.shape[0] == 1 and w.shape[1] <= GEMV1_MAX_K and gemv1_enabled():
+            return gemv1(x, w, bias)
     return cublas_linear(x, w, bias)
 
 

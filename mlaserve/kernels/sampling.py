@@ -139,3 +139,61 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
         num_warps=8 if block_v >= 2048 else 4,
     )
     return out
+
+
+# Greedy decoding's argmax over the vocabulary. torch's one-program-per-row reduction took 23 us for one row of
+# 102,400 logits on an H200, after the decode graph and on the critical path (decode-profile-h200.md); here the
+# row is cut into ARGMAX_CHUNK pieces reduced side by side, then a second launch picks among the pieces.
+ARGMAX_CHUNK = 4096
+
+
+@triton.jit
+def _argmax_chunk_kernel(X, PartV, PartI, V, stride_x, chunks, BLOCK: tl.constexpr):
+    # program (row, c): the largest value of X[row, c * BLOCK : (c + 1) * BLOCK] and its lowest id
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)                               # NaN counts as the largest
+    top, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(PartV + row * chunks + c, top)
+    tl.store(PartI + row * chunks + c, (c * BLOCK + at).to(tl.int64))
+
+
+@triton.jit
+def _argmax_pick_kernel(PartV, PartI, Out, chunks, BLOCK_C: tl.constexpr):
+    # program row: the first chunk holding the row's largest value (its id is the lowest among the maxima)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    v = tl.load(PartV + row * chunks + offs, mask=offs < chunks, other=float("-inf"))
+    _, at = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(Out + row, tl.load(PartI + row * chunks + at))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] (float, unit stride along V) -> [B] int64: each row's argmax, ties to the lowest id (an all -inf row
+    gives 0), as torch.argmax; a NaN counts as +inf (torch ranks it above +inf: they differ only on a row holding
+    both)."""
+    assert x.dim() == 2 and x.stride(1) == 1 and x.dtype in (torch.float32, torch.float16, torch.bfloat16), \
+        f"x must be a [B, V] float tensor with unit stride along V, got {tuple(x.shape)} {x.dtype} {x.stride()}"
+    b, v = x.shape
+    assert 0 < v < 2**31, f"V must be in [1, 2^31), got {v}"
+    out = torch.empty(b, dtype=torch.int64, device=x.device)
+    if b == 0:
+        return out
+    block = min(ARGMAX_CHUNK, triton.next_power_of_2(v))
+    chunks = triton.cdiv(v, block)
+    part_v = torch.empty((b, chunks), dtype=torch.float32, device=x.device)
+    part_i = torch.empty((b, chunks), dtype=torch.int64, device=x.device)
+    _argmax_chunk_kernel[(b, chunks)](x, part_v, part_i, v, x.stride(0), chunks, BLOCK=block,
+                                      num_warps=8 if block >= 2048 else 4)
+    _argmax_pick_kernel[(b,)](part_v, part_i, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)),
+                              num_warps=1)
+    return out
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> [B] int64 argmax: `argmax_rows` on the GPU, torch.argmax elsewhere (same ids)."""
+    if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0:
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)

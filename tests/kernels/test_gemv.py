@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlaserve.kernels.gemv import MAX_M, bucket_rows, cublas_linear, gemv
+from mlaserve.kernels import gemv as gemv_mod
+from mlaserve.kernels.gemv import GEMV1_MAX_K, MAX_M, bucket_rows, cublas_linear, gemv, gemv1
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
@@ -22,6 +23,38 @@ def test_gemv_matches_linear(device: str, m: int, n: int, k: int, dtype: torch.d
     tol = TOL.get(dtype, 3e-2)
     assert got.shape == (m, n) and got.dtype == dtype
     assert (got.float() - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("n,k", [(100, 64), (1000, 300), (48, 2048), (7, GEMV1_MAX_K)])   # K, N not powers of 2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_gemv1_matches_linear(device: str, n: int, k: int, dtype: torch.dtype) -> None:
+    seed = torch.seed()
+    print("seed", seed)
+    x = torch.randn(3, k, device=device).to(dtype)[1:2]                       # one row of a wider tensor
+    w = (torch.randn(n + 3, k, device=device) / k ** 0.5).to(dtype)[:n]
+    bias = torch.randn(n, device=device).to(dtype) if n == 100 else None
+    got = gemv1(x, w, bias)
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert (got.float() - want).abs().max().item() <= TOL.get(dtype, 3e-2)
+
+
+def test_gemv1_rejects_what_it_cannot_hold(device: str) -> None:
+    with pytest.raises(AssertionError, match="K up to"):
+        gemv1(torch.randn(1, GEMV1_MAX_K + 1, device=device), torch.randn(4, GEMV1_MAX_K + 1, device=device))
+    with pytest.raises(AssertionError, match=r"x \[1, K\]"):
+        gemv1(torch.randn(2, 8, device=device), torch.randn(4, 8, device=device))
+
+
+def test_gemv1_switch(monkeypatch) -> None:
+    monkeypatch.setenv("MLASERVE_GEMV1", "0")
+    assert not gemv_mod.gemv1_enabled()
+    monkeypatch.setenv("MLASERVE_GEMV1", "1")
+    assert gemv_mod.gemv1_enabled()
+    monkeypatch.setenv("MLASERVE_GEMV1", "yes")
+    with pytest.raises(ValueError, match="MLASERVE_GEMV1='yes': expected 0 or 1"):
+        gemv_mod.gemv1_enabled()
 
 
 def test_gemv_rejects_more_rows(device: str) -> None:

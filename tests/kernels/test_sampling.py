@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from mlaserve.kernels.sampling import gumbel_argmax, gumbel_argmax_ref, gumbel_noise_ref
+from mlaserve.kernels import sampling
+from mlaserve.kernels.sampling import argmax_rows, greedy_ids, gumbel_argmax, gumbel_argmax_ref, gumbel_noise_ref
 
 EULER_GAMMA = 0.5772156649
 GUMBEL_STD = math.pi / math.sqrt(6)
@@ -95,3 +96,35 @@ def test_consecutive_steps_are_independent() -> None:
     counts = torch.bincount(a * v + b, minlength=v * v).double()
     expected = n / (v * v)
     assert ((counts - expected) ** 2 / expected).sum().item() < 60
+
+
+@pytest.mark.parametrize("v,chunk", [(1, 4096), (300, 4096), (1000, 64), (4099, 1024)])   # one chunk / several,
+def test_argmax_rows_is_torch_argmax(device: str, v: int, chunk: int, monkeypatch) -> None:   # V not a multiple
+    monkeypatch.setattr(sampling, "ARGMAX_CHUNK", chunk)
+    seed = torch.seed()
+    print("seed", seed)
+    wide = torch.randn(7, v + 5, device=device) * 3
+    x = wide[:, 2:v + 2]                                                # a row stride that is not V
+    x[0] = float("-inf")                                                # all -inf: id 0, as torch
+    if v > 1:
+        x[1, :] = 1.0                                                   # all equal: the lowest id
+        x[2, v // 2:] = 50.0                                            # ties across chunks: the first of them
+        x[3, v - 1] = 60.0                                              # the last id
+        x[4, torch.rand(v, device=device) < 0.5] = float("-inf")
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64 and got.shape == (7,)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x.half()), x.half().argmax(dim=-1))
+
+
+def test_argmax_rows_nan_counts_as_largest(device: str) -> None:
+    x = torch.zeros(2, 50, device=device)
+    x[0, 7] = float("nan")
+    x[1, 3], x[1, 9] = float("inf"), float("nan")                       # both: the first (torch takes the NaN)
+    assert argmax_rows(x).tolist() == [7, 3]
+    assert argmax_rows(torch.empty(0, 5, device=device)).shape == (0,)
+
+
+def test_greedy_ids_equal_torch_on_every_device(device: str) -> None:
+    x = torch.randn(3, 100, device=device)
+    assert torch.equal(greedy_ids(x), x.argmax(dim=-1))
