@@ -17,6 +17,7 @@ from mlaserve.kernels.sampling import argmax_rows
 
 CHAIN = 20
 LINEARS = {"v2-lite qkv_a": (3648, 2048), "v2-lite o_proj": (2048, 2048), "v2-lite o_proj tp2": (2048, 1024),
+           "v2-lite qkv_a tp2": (2112, 2048), "v2 q_a + kv_a": (2112, 5120)}
 
 
 def chain_us(calls: list, replays: int = 20) -> float:

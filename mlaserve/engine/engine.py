@@ -441,7 +441,7 @@ class ModelRunner:
         reqs = [batch.reqs[i] for i in samplers]
         steps = [self._step_index(batch, i) for i in samplers]
         if bitmask is None and self._plain_greedy(reqs, steps):
-            return greedy_ids(logits), None, None
+            return greedy_ids(logits, self.sampler.use_triton), None, None
         sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], steps,
                                  [r.input_ids for r in reqs], [r.output_ids for r in reqs], self.cfg.vocab_size,
                                  self.eos_ids(), self.device)

@@ -357,7 +357,7 @@ class SpecDecoder:
         reqs = batch.reqs
         first = [r._step_index(batch, i) for i in range(b)]         # lower bounds (exact without overlap)
         if bitmask is None and r._plain_greedy(reqs, first):      # NOTE: a node's step is >= its request's first
-            return greedy_ids(logits).view(b, n), None, None
+            return greedy_ids(logits, r.sampler.use_triton).view(b, n), None, None
         expanded = [q for q in reqs for _ in range(n)]
         sb = SamplingBatch.build([q.params for q in expanded], [q.seed for q in expanded],
                                  [f for f in first for _ in range(n)], [q.input_ids for q in expanded],

@@ -192,8 +192,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> [B] int64 argmax: `argmax_rows` on the GPU, torch.argmax elsewhere (same ids)."""
-    if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0:
+def greedy_ids(logits: torch.Tensor, triton_ok: bool = True) -> torch.Tensor:
+    """logits [B, V] -> [B] int64 argmax: `argmax_rows` on the GPU where `triton_ok` (the model's kernel set is
+    Triton's), torch.argmax elsewhere (same ids)."""
+    if triton_ok and logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0:
         return argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -238,7 +238,7 @@ class Sampler:
             x = x.masked_fill(stop, float("-inf"))
         if batch.token_bitmask is not None:
             x = apply_token_bitmask(x, batch.token_bitmask)
-        next_ids = greedy_ids(x) if batch.all_greedy else self._sample(x, batch)
+        next_ids = greedy_ids(x, self.use_triton) if batch.all_greedy else self._sample(x, batch)
         if not (return_logprob or top_logprobs_num > 0):
             return SampleOutput(next_ids, None, None)
         logp = torch.log_softmax(logits, dim=-1)                                  # [B, V] raw
@@ -254,4 +254,4 @@ class Sampler:
             scaled = apply_top_k_top_p_min_p(scaled, batch.top_ks, batch.top_ps, batch.min_ps)
         draw = gumbel_argmax if self.use_triton else gumbel_argmax_ref
         sampled = draw(scaled.contiguous(), batch.seeds, batch.steps)
-        return torch.where(batch.greedy, greedy_ids(x), sampled)
+        return torch.where(batch.greedy, greedy_ids(x, self.use_triton), sampled)
