@@ -5,7 +5,6 @@ Legend: `T` query tokens (= B * num_q), `B` requests, `H` local heads, `D` = L +
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -21,11 +20,13 @@ WAVES = 1                  # on the H100 sweep a second wave only added reduce w
 MIN_SPLIT_TOKENS = 64      # shorter splits cost more in the reduce than they gain (sweep_mla_short.py, H100)
 MAX_SPLITS = 128
 REDUCE_TILE = 8192         # fp32 values of [S, BLOCK_L] one reduce program holds
-PREFETCH_MAX_VALUES = 64 * 512   # first-tile prefetch for tiles up to this many latent values (64 tokens of 512)
 # NOTE: one split writes the output directly (no reduce launch). Merging several splits in the decode kernel's
 # last-arriving program instead of a second launch (tried: benchmarks/probe_mla_latency.py at its commit, results in
 # benchmarks/results/decode-fold-h100.md) was slower at every size on an H100: +2.8 us at 16 heads x 4 splits, up
 # to +400 us at 128 heads x 66 splits; one program's serial merge costs more than a launch.
+# NOTE: reading each split's first cache tile before the PDL wait (this step's rows re-read after it) was slower on an
+# H200: V2-Lite graph replay 2.50 against 2.15 ms at bs 1, 9.8 against 9.25 ms at bs 64, alternated in one call
+# (benchmarks/results/gemv1-h200.md). Tried at aa75bf9 and removed.
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -51,14 +52,6 @@ CONFIGS: dict[int, MLADecodeConfig] = {
     32: MLADecodeConfig(block_h=32, block_n=128, num_warps=8, num_stages=2),
     64: MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
 }
-
-
-def prefetch_on() -> bool:
-    """The first cache tile before the PDL wait (`_mla_decode_kernel`); MLASERVE_MLA_PREFETCH=0 turns it off (A/B)."""
-    v = os.environ.get("MLASERVE_MLA_PREFETCH", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"MLASERVE_MLA_PREFETCH={v!r}: expected 0 or 1")
-    return v == "1"
 
 
 def pick_config(rows: int) -> MLADecodeConfig:
@@ -100,30 +93,6 @@ def _store_cols(ptrs, x, rows_ok, offs, D: tl.constexpr, BLOCK_D: tl.constexpr):
         tl.store(ptrs, x, mask=rows_ok[:, None] & (offs < D)[None, :])
 
 
-@triton.jit
-def _attend_tile(q_nope, q_pe, kv_nope, kv_pe, pos, pos_ok, limit, tree_bits, seq_len, num_q, m_i, l_i, acc,
-                 qk_scale, HAS_TREE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One cache tile into the running softmax (m_i, l_i) and output acc of the program's rows."""
-    kv_nope = kv_nope.to(DOT_DTYPE)
-    # s: [BLOCK_H, BLOCK_N] = q . K^T, the 576-wide dot split as 512 latent + 64 rope
-    s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
-    s += tl.dot(q_pe, tl.trans(kv_pe.to(DOT_DTYPE)), input_precision=DOT_PREC)
-    visible = (pos[None, :] < limit[:, None]) & pos_ok[None, :]
-    if HAS_TREE:
-        rel = pos - (seq_len - num_q)                # [BLOCK_N] index among the last num_q positions (< 0: prefix)
-        bit = (tree_bits[:, None] >> tl.maximum(rel, 0).to(tl.int64)[None, :]) & 1
-        visible = visible & ((rel < 0)[None, :] | (bit != 0))
-    s = tl.where(visible, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # NOTE: a row may see nothing in this tile or split; a finite pivot keeps exp2 free of (-inf) - (-inf).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_nope, input_precision=DOT_PREC)
-    return m_new, l_i, acc
-
-
 # NOTE: ReqPoolIdx / SeqLens are not specialized on 16-byte alignment: a mixed batch passes its decodes' part as a
 # slice at any offset, and each alignment would be one more compile on first use (a 1.5 s serving stall)
 @triton.jit(do_not_specialize=["num_splits", "ReqPoolIdx", "SeqLens"])
@@ -132,38 +101,19 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
                        stride_ot, stride_oh, H, num_q, num_splits,
                        L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp.
     L / R that are not powers of two >= 16 run padded to BLOCK_L / BLOCK_R (zero columns add nothing).
 
         MidO None (one split)  | the partial is the output: written to Out
         MidO given             | partials to MidO / MidLse, merged by _mla_decode_reduce_kernel
-
-    PREFETCH: the split's first cache tile is read before the PDL wait. Its rows of earlier steps (positions below
-    seq_len - num_q) were written steps ago; this step's num_q rows are the previous kernel's (the rope and cache
-    write), so they are read again after the wait. The lengths and the token table are no kernel's output within
-    the forward (the host's copy, or the graph's prologue long before).
     """
+    pdl_enter(PDL)
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     pool_row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    fresh = seq_len - num_q                          # positions >= fresh: this step's rows
-    offs_l = tl.arange(0, BLOCK_L)
-    offs_r = tl.arange(0, BLOCK_R)
-    if PREFETCH:
-        pos0 = start + tl.arange(0, BLOCK_N)
-        ok0 = pos0 < end
-        slot0 = tl.load(ReqToToken + pool_row * stride_rtt + pos0, mask=ok0, other=0).to(tl.int64)
-        row0 = KV + slot0 * stride_kv
-        old0 = ok0 & (pos0 < fresh)
-        kv_nope0 = _load_cols(row0[:, None] + offs_l[None, :], old0, offs_l, L, BLOCK_L)      # [BLOCK_N, BL]
-        kv_pe0 = _load_cols(row0[:, None] + L + offs_r[None, :], old0, offs_r, R, BLOCK_R)    # [BLOCK_N, BR]
-    pdl_enter(PDL)
 
     # rows = (query token j, head h) pairs of request b, j-major: one cache tile is read once for all of them.
     rows = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -172,10 +122,15 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
     h = rows % H
     t = (b * num_q + j).to(tl.int64)
     limit = seq_len - num_q + j + 1                  # [BLOCK_H] row sees cache positions < limit (causal)
-    tree_bits = tl.zeros([BLOCK_H], tl.int64)
     if TreeMask is not None:                         # bit i: row sees position seq_len - num_q + i (i <= j)
         tree_bits = tl.load(TreeMask + t, mask=row_ok, other=0).to(tl.int64)
 
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
     q_row = Q + t * stride_qt + h * stride_qh
     pe_row = QPe + t * stride_pt + h * stride_ph
     q_nope = _load_cols(q_row[:, None] + offs_l[None, :], row_ok, offs_l, L, BLOCK_L)      # [BLOCK_H, BL]
@@ -184,26 +139,31 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    first = start
-    if PREFETCH:
-        first = start + BLOCK_N
-        if start < end:
-            new0 = ok0 & (pos0 >= fresh)
-            kv_nope = tl.where(new0[:, None],
-                               _load_cols(row0[:, None] + offs_l[None, :], new0, offs_l, L, BLOCK_L), kv_nope0)
-            kv_pe = tl.where(new0[:, None],
-                             _load_cols(row0[:, None] + L + offs_r[None, :], new0, offs_r, R, BLOCK_R), kv_pe0)
-            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv_nope, kv_pe, pos0, ok0, limit, tree_bits, seq_len,
-                                         num_q, m_i, l_i, acc, qk_scale, TreeMask is not None, DOT_DTYPE, DOT_PREC)
-    for n0 in range(first, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         slot = tl.load(ReqToToken + pool_row * stride_rtt + pos, mask=pos_ok, other=0).to(tl.int64)
         kv_row = KV + slot * stride_kv
         kv_nope = _load_cols(kv_row[:, None] + offs_l[None, :], pos_ok, offs_l, L, BLOCK_L)     # [BLOCK_N, BL]
         kv_pe = _load_cols(kv_row[:, None] + L + offs_r[None, :], pos_ok, offs_r, R, BLOCK_R)   # [BLOCK_N, BR]
-        m_i, l_i, acc = _attend_tile(q_nope, q_pe, kv_nope, kv_pe, pos, pos_ok, limit, tree_bits, seq_len, num_q,
-                                     m_i, l_i, acc, qk_scale, TreeMask is not None, DOT_DTYPE, DOT_PREC)
+        kv_nope = kv_nope.to(DOT_DTYPE)
+        # s: [BLOCK_H, BLOCK_N] = q . K^T, the 576-wide dot split as 512 latent + 64 rope
+        s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
+        s += tl.dot(q_pe, tl.trans(kv_pe.to(DOT_DTYPE)), input_precision=DOT_PREC)
+        visible = (pos[None, :] < limit[:, None]) & pos_ok[None, :]
+        if TreeMask is not None:
+            rel = pos - (seq_len - num_q)            # [BLOCK_N] index among the last num_q positions (< 0: prefix)
+            bit = (tree_bits[:, None] >> tl.maximum(rel, 0).to(tl.int64)[None, :]) & 1
+            visible = visible & ((rel < 0)[None, :] | (bit != 0))
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # NOTE: a row may see nothing in this tile or split; a finite pivot keeps exp2 free of (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_nope, input_precision=DOT_PREC)
+        m_i = m_new
 
     pdl_release(PDL)
     seen = l_i > 0.0
@@ -339,8 +299,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
         q_pe.stride(1), kv_cache.stride(0), req_to_token.stride(0), out.stride(0), out.stride(1),
         h, num_q, splits, L=big_l, R=d - big_l, BLOCK_L=_padded(big_l), BLOCK_R=_padded(d - big_l),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype),
-        PREFETCH=prefetch_on() and cfg.block_n * _padded(big_l) <= PREFETCH_MAX_VALUES, **pdl_meta(q.device),
+        DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **pdl_meta(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _reduce(mid_o, mid_lse, out, splits)

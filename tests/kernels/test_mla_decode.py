@@ -53,9 +53,7 @@ def check(args: dict, tol: float, num_kv_splits: int | None = None) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("prefetch", ["1", "0"])                # the first tile before the PDL wait, or in the loop
-def test_ragged_lengths_auto_splits(device: str, dtype: torch.dtype, prefetch: str, monkeypatch) -> None:
-    monkeypatch.setenv("MLASERVE_MLA_PREFETCH", prefetch)
+def test_ragged_lengths_auto_splits(device: str, dtype: torch.dtype) -> None:
     lens = [1, random.randint(2, 60), random.randint(150, 300)]
     check(make_case(device, lens, heads=4, big_l=64, rope=16, num_q=1, dtype=dtype, kv_dtype=dtype), TOL[dtype])
 
@@ -179,11 +177,8 @@ def random_tree_mask(num_q: int, b: int, device: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("prefetch", ["1", "0"])
-def test_tree_mask_matches_reference(device: str, splits: int | None, dtype: torch.dtype, prefetch: str,
-                                     monkeypatch) -> None:
+def test_tree_mask_matches_reference(device: str, splits: int | None, dtype: torch.dtype) -> None:
     """Speculative tree verification: each new token sees the prefix and its ancestors only."""
-    monkeypatch.setenv("MLASERVE_MLA_PREFETCH", prefetch)
     num_q = 6
     lens = [num_q, random.randint(7, 70), random.randint(130, 200)]
     args = make_case(device, lens, heads=4, big_l=64, rope=16, num_q=num_q, dtype=dtype, kv_dtype=dtype)
@@ -242,13 +237,3 @@ def test_one_split_writes_the_output_without_a_reduce(device: str, dtype: torch.
             got = mla_decode(**args, num_kv_splits=splits, out=out, **kw)
             assert reduce.launches - before == launches and got.data_ptr() == out.data_ptr()
             assert (got.float() - want).abs().max().item() <= TOL[dtype]
-
-
-def test_prefetch_switch(monkeypatch) -> None:
-    monkeypatch.setenv("MLASERVE_MLA_PREFETCH", "0")
-    assert not md.prefetch_on()
-    monkeypatch.delenv("MLASERVE_MLA_PREFETCH")
-    assert md.prefetch_on()
-    monkeypatch.setenv("MLASERVE_MLA_PREFETCH", "off")
-    with pytest.raises(ValueError, match="MLASERVE_MLA_PREFETCH='off': expected 0 or 1"):
-        md.prefetch_on()
