@@ -7,7 +7,7 @@
 #   profile: benchmarks/profile_decode.py V2-Lite bs 1 (where the step goes now)
 #   v3:      bench one-batch V3 4 layers FP8 bs 1 / 16 / 64
 #   mlatests: the MLA decode kernel tests on the GPU (first tile before the PDL wait)
-#   abmla:   bench one-batch V2-Lite bs 1 / 16 / 64 with MLASERVE_MLA_PREFETCH=0 and 1, alternated twice
+#   (abmla, the MLA first-tile prefetch's A/B, ran at 1e943f1 and went with the prefetch: gemv1-h200.md)
 #   abv3:    bench one-batch V3 4 layers FP8, the session's first tree (.old, carried: a `git archive` without
 #            mlaserve/demo and benchmarks/results) and this one
 #   combos:  the single-GPU rows of tests/test_combinations.py (demo model: graphs, compile, spec, tree, mixed, piecewise)
@@ -42,11 +42,6 @@ for PART in "$@"; do
     mlatests)
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_decode.py 2>&1 | tail -3 \
         | tee "$OUT/tests_mla.txt" ;;
-    abmla)
-      for i in 1 2; do
-        MLASERVE_MLA_PREFETCH=0 ob v2l_pf0_$i "$V2L" 1 16 64
-        MLASERVE_MLA_PREFETCH=1 ob v2l_pf1_$i "$V2L" 1 16 64
-      done ;;
     abv3)
       TREE=.old ob v3_old "$V3_4L" 1 16 64
       ob v3_new "$V3_4L" 1 16 64 ;;
