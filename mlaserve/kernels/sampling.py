@@ -67,83 +67,10 @@ def gumbel_argmax_ref(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Te
     return torch.argmax(logits.float() + noise, dim=-1)
 
 
-@triton.jit
-def _fmix32_tl(h):
-    h = h ^ (h >> 16)
-    h = (h * 0xCA6B + (((h * 0x85EB) & 0xFFFF) << 16)) & 0xFFFFFFFF
-    h = h ^ (h >> 13)
-    h = (h * 0xAE35 + (((h * 0xC2B2) & 0xFFFF) << 16)) & 0xFFFFFFFF
-    return h ^ (h >> 16)
-
-
-@triton.jit
-def _sampling_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, V, stride_b,
-                     SALT0: tl.constexpr, SALT1: tl.constexpr, GOLDEN_LO: tl.constexpr,
-                     GOLDEN_HI: tl.constexpr, BLOCK_V: tl.constexpr):
-    # One program per row: stream V in BLOCK_V chunks, keep a per-lane running (best score, its id).
-    row = tl.program_id(0)
-    seed = tl.load(seeds_ptr + row).to(tl.int64)
-    step = tl.load(steps_ptr + row).to(tl.int64)
-    k0 = _fmix32_tl((seed & 0xFFFFFFFF) ^ SALT0)
-    k0 = _fmix32_tl(k0 ^ ((seed >> 32) & 0xFFFFFFFF))
-    k0 = _fmix32_tl(k0 ^ (step & 0xFFFFFFFF))
-    k1 = _fmix32_tl(k0 ^ ((step >> 32) & 0xFFFFFFFF) ^ SALT1)
-    cols = tl.arange(0, BLOCK_V)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_id = cols                                                       # lane's first id: all -inf row -> 0
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_b
-    for start in range(0, V, BLOCK_V):
-        v = start + cols                                                 # [BLOCK_V] int32
-        ok = v < V
-        x = tl.load(row_ptr + v, mask=ok, other=float("-inf")).to(tl.float32)
-        v64 = v.to(tl.int64)
-        v_mix = (v64 * GOLDEN_LO + (((v64 * GOLDEN_HI) & 0xFFFF) << 16)) & 0xFFFFFFFF
-        h = _fmix32_tl(_fmix32_tl(k0 ^ v_mix) ^ k1)
-        u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
-        score = tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
-        take = score > best                                              # strict: earlier id wins a tie
-        best = tl.where(take, score, best)
-        best_id = tl.where(take, v, best_id)
-    top = tl.max(best, axis=0)
-    winner = tl.min(tl.where(best == top, best_id, 2147483647), axis=0)  # lowest id among the maxima
-    tl.store(out_ptr + row, winner.to(tl.int64))
-
-
-def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                  block_v: int | None = None) -> torch.Tensor:
-    """Triton version of `gumbel_argmax_ref`: noise + argmax fused, one read of the logits.
-
-    Args:
-        logits: [B, V] float32, unit stride along V (the row stride may be anything).
-        seeds, steps: [B] int64.
-        block_v: V chunk per loop iteration (power of two); default min(4096, next_pow2(V)).
-    Returns:
-        [B] int64 ids, equal to `gumbel_argmax_ref` (up to float rounding of log() on near-exact ties).
-    """
-    assert logits.dim() == 2, f"logits must be [B, V], got shape {tuple(logits.shape)}"
-    assert logits.dtype == torch.float32, f"logits must be float32, got {logits.dtype}"
-    assert logits.stride(1) == 1, f"logits must have unit stride along V, got strides {logits.stride()}"
-    b, v = logits.shape
-    for name, t in (("seeds", seeds), ("steps", steps)):
-        assert t.shape == (b,) and t.dtype == torch.int64, f"{name} must be [{b}] int64, got {tuple(t.shape)} {t.dtype}"
-        assert t.device == logits.device, f"{name} is on {t.device}, logits on {logits.device}"
-    assert 0 < v < 2**31, f"vocab size must be in [1, 2^31), got {v}"
-    out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    if b == 0:
-        return out
-    block_v = block_v or min(4096, triton.next_power_of_2(v))
-    assert block_v & (block_v - 1) == 0, f"block_v must be a power of two, got {block_v}"
-    _sampling_kernel[(b,)](
-        logits, seeds.contiguous(), steps.contiguous(), out, v, logits.stride(0),
-        SALT0=_SALT0, SALT1=_SALT1, GOLDEN_LO=_GOLDEN_LO, GOLDEN_HI=_GOLDEN_HI, BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4,
-    )
-    return out
-
-
 # Greedy decoding's argmax over the vocabulary. torch's one-program-per-row reduction took 23 us for one row of
 # 102,400 logits on an H200, after the decode graph and on the critical path (decode-profile-h200.md); here the
-# row is cut into ARGMAX_CHUNK pieces reduced side by side, then a second launch picks among the pieces.
+# row is cut into ARGMAX_CHUNK pieces reduced side by side, then a second launch picks among the pieces (the seeded
+# sampler below ends with the same pick).
 ARGMAX_CHUNK = 4096
 
 
@@ -198,3 +125,79 @@ def greedy_ids(logits: torch.Tensor, triton_ok: bool = True) -> torch.Tensor:
     if triton_ok and logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0:
         return argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+@triton.jit
+def _fmix32_tl(h):
+    h = h ^ (h >> 16)
+    h = (h * 0xCA6B + (((h * 0x85EB) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xAE35 + (((h * 0xC2B2) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _sampling_kernel(logits_ptr, seeds_ptr, steps_ptr, PartV, PartI, V, stride_b, chunks,
+                     SALT0: tl.constexpr, SALT1: tl.constexpr, GOLDEN_LO: tl.constexpr,
+                     GOLDEN_HI: tl.constexpr, BLOCK_V: tl.constexpr):
+    # program (row, c): the best noisy score of ids [c * BLOCK_V, (c + 1) * BLOCK_V) and its lowest id;
+    # `_argmax_pick_kernel` then takes the first chunk holding the row's best
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    seed = tl.load(seeds_ptr + row).to(tl.int64)
+    step = tl.load(steps_ptr + row).to(tl.int64)
+    k0 = _fmix32_tl((seed & 0xFFFFFFFF) ^ SALT0)
+    k0 = _fmix32_tl(k0 ^ ((seed >> 32) & 0xFFFFFFFF))
+    k0 = _fmix32_tl(k0 ^ (step & 0xFFFFFFFF))
+    k1 = _fmix32_tl(k0 ^ ((step >> 32) & 0xFFFFFFFF) ^ SALT1)
+    v = c * BLOCK_V + tl.arange(0, BLOCK_V)                              # [BLOCK_V] int32
+    ok = v < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_b + v, mask=ok, other=float("-inf")).to(tl.float32)
+    v64 = v.to(tl.int64)
+    v_mix = (v64 * GOLDEN_LO + (((v64 * GOLDEN_HI) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    h = _fmix32_tl(_fmix32_tl(k0 ^ v_mix) ^ k1)
+    u = ((h >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+    score = x - tl.log(-tl.log(u))
+    score = tl.where(ok & (score == score), score, float("-inf"))       # NaN never wins; padding lanes neither
+    top, at = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(PartV + row * chunks + c, top)
+    tl.store(PartI + row * chunks + c, (c * BLOCK_V + at).to(tl.int64))
+
+
+def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                  block_v: int | None = None) -> torch.Tensor:
+    """Triton version of `gumbel_argmax_ref`: noise + argmax fused, one read of the logits, in two launches as
+    `argmax_rows`: each V chunk of a row side by side, then the pick among the chunks.
+
+    Args:
+        logits: [B, V] float32, unit stride along V (the row stride may be anything).
+        seeds, steps: [B] int64.
+        block_v: the V chunk of one program (power of two); default min(ARGMAX_CHUNK, next_pow2(V)).
+    Returns:
+        [B] int64 ids, equal to `gumbel_argmax_ref` (up to float rounding of log() on near-exact ties).
+    """
+    assert logits.dim() == 2, f"logits must be [B, V], got shape {tuple(logits.shape)}"
+    assert logits.dtype == torch.float32, f"logits must be float32, got {logits.dtype}"
+    assert logits.stride(1) == 1, f"logits must have unit stride along V, got strides {logits.stride()}"
+    b, v = logits.shape
+    for name, t in (("seeds", seeds), ("steps", steps)):
+        assert t.shape == (b,) and t.dtype == torch.int64, f"{name} must be [{b}] int64, got {tuple(t.shape)} {t.dtype}"
+        assert t.device == logits.device, f"{name} is on {t.device}, logits on {logits.device}"
+    assert 0 < v < 2**31, f"vocab size must be in [1, 2^31), got {v}"
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    block_v = block_v or min(ARGMAX_CHUNK, triton.next_power_of_2(v))
+    assert block_v & (block_v - 1) == 0, f"block_v must be a power of two, got {block_v}"
+    chunks = triton.cdiv(v, block_v)
+    part_v = torch.empty((b, chunks), dtype=torch.float32, device=logits.device)
+    part_i = torch.empty((b, chunks), dtype=torch.int64, device=logits.device)
+    _sampling_kernel[(b, chunks)](
+        logits, seeds.contiguous(), steps.contiguous(), part_v, part_i, v, logits.stride(0), chunks,
+        SALT0=_SALT0, SALT1=_SALT1, GOLDEN_LO=_GOLDEN_LO, GOLDEN_HI=_GOLDEN_HI, BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )
+    _argmax_pick_kernel[(b,)](part_v, part_i, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)),
+                              num_warps=1)
+    return out
+
