@@ -7,10 +7,10 @@ Usage: PYTHONPATH=$PWD python3 benchmarks/bench_gemv1.py
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
+
+from chain_timer import chain_us
 
 from mlaserve.kernels.gemv import gemv, gemv1
 from mlaserve.kernels.sampling import argmax_rows
@@ -18,29 +18,6 @@ from mlaserve.kernels.sampling import argmax_rows
 CHAIN = 20
 LINEARS = {"v2-lite qkv_a": (3648, 2048), "v2-lite o_proj": (2048, 2048), "v2-lite o_proj tp2": (2048, 1024),
            "v2-lite qkv_a tp2": (2112, 2048), "v2 q_a + kv_a": (2112, 5120)}
-
-
-def chain_us(calls: list, replays: int = 20) -> float:
-    """Median us per call of `calls` (zero-argument functions) run back to back in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def main() -> None:

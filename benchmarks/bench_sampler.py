@@ -5,9 +5,9 @@ PYTHONPATH=$PWD python3 benchmarks/bench_sampler.py
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
+
+from chain_timer import chain_us
 
 from mlaserve.kernels.sampling import gumbel_argmax, gumbel_argmax_ref
 
@@ -21,25 +21,8 @@ def main() -> None:
         seeds = torch.randint(0, 2**62, (b,), device="cuda")
         steps = torch.randint(0, 2**20, (b,), device="cuda")
         assert torch.equal(gumbel_argmax(xs[0], seeds, steps), gumbel_argmax_ref(xs[0], seeds, steps))
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for x in xs:
-                gumbel_argmax(x, seeds, steps)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for x in xs:
-                gumbel_argmax(x, seeds, steps)
-        times = []
-        for _ in range(20):
-            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(a.elapsed_time(e) * 1e3 / CHAIN)
-        print(f"{b} x {v}: {statistics.median(times):.2f} us", flush=True)
+        t = chain_us([lambda x=x: gumbel_argmax(x, seeds, steps) for x in xs])
+        print(f"{b} x {v}: {t:.2f} us", flush=True)
 
 
 if __name__ == "__main__":

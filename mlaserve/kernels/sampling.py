@@ -110,10 +110,21 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(ARGMAX_CHUNK, triton.next_power_of_2(v))
     chunks = triton.cdiv(v, block)
-    part_v = torch.empty((b, chunks), dtype=torch.float32, device=x.device)
-    part_i = torch.empty((b, chunks), dtype=torch.int64, device=x.device)
+    part_v, part_i = _chunk_parts(b, chunks, x.device)
     _argmax_chunk_kernel[(b, chunks)](x, part_v, part_i, v, x.stride(0), chunks, BLOCK=block,
                                       num_warps=8 if block >= 2048 else 4)
+    return _pick(part_v, part_i, out)
+
+
+def _chunk_parts(b: int, chunks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-chunk (best value, its id) buffers [B, chunks] a chunk kernel fills for `_pick`."""
+    return (torch.empty((b, chunks), dtype=torch.float32, device=device),
+            torch.empty((b, chunks), dtype=torch.int64, device=device))
+
+
+def _pick(part_v: torch.Tensor, part_i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The second launch: out[row] = the id of the first chunk holding the row's best value."""
+    b, chunks = part_v.shape
     _argmax_pick_kernel[(b,)](part_v, part_i, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)),
                               num_warps=1)
     return out
@@ -190,14 +201,10 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     block_v = block_v or min(ARGMAX_CHUNK, triton.next_power_of_2(v))
     assert block_v & (block_v - 1) == 0, f"block_v must be a power of two, got {block_v}"
     chunks = triton.cdiv(v, block_v)
-    part_v = torch.empty((b, chunks), dtype=torch.float32, device=logits.device)
-    part_i = torch.empty((b, chunks), dtype=torch.int64, device=logits.device)
+    part_v, part_i = _chunk_parts(b, chunks, logits.device)
     _sampling_kernel[(b, chunks)](
         logits, seeds.contiguous(), steps.contiguous(), part_v, part_i, v, logits.stride(0), chunks,
         SALT0=_SALT0, SALT1=_SALT1, GOLDEN_LO=_GOLDEN_LO, GOLDEN_HI=_GOLDEN_HI, BLOCK_V=block_v,
         num_warps=8 if block_v >= 2048 else 4,
     )
-    _argmax_pick_kernel[(b,)](part_v, part_i, out, chunks, BLOCK_C=max(16, triton.next_power_of_2(chunks)),
-                              num_warps=1)
-    return out
-
+    return _pick(part_v, part_i, out)

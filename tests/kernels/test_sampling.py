@@ -98,8 +98,9 @@ def test_consecutive_steps_are_independent() -> None:
     assert ((counts - expected) ** 2 / expected).sum().item() < 60
 
 
-@pytest.mark.parametrize("v,chunk", [(1, 4096), (300, 4096), (1000, 64), (4099, 1024)])   # one chunk / several,
-def test_argmax_rows_is_torch_argmax(device: str, v: int, chunk: int, monkeypatch) -> None:   # V not a multiple
+# one chunk, or several with V not a multiple of the chunk
+@pytest.mark.parametrize("v,chunk", [(1, 4096), (300, 4096), (1000, 64), (4099, 1024)])
+def test_argmax_rows_is_torch_argmax(device: str, v: int, chunk: int, monkeypatch) -> None:
     monkeypatch.setattr(sampling, "ARGMAX_CHUNK", chunk)
     seed = torch.seed()
     print("seed", seed)
