@@ -636,6 +636,20 @@ def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return True
 
 
+# keys a config's optional "down" entry may set for the second GEMM (w2); BLOCK_SIZE_M and GROUP_SIZE_M stay
+# shared, as both GEMMs walk the same row blocks
+DOWN_KEYS = frozenset({"BLOCK_SIZE_N", "BLOCK_SIZE_K", "num_warps", "num_stages"})
+
+
+def split_config(config: dict) -> tuple[dict, dict]:
+    """(first GEMM's config, second GEMM's): the second is the first with its "down" entry's keys replaced."""
+    cfg = dict(config)
+    down = cfg.pop("down", None) or {}
+    if not set(down) <= DOWN_KEYS:
+        raise ValueError(f"fused_moe config: 'down' may set only {sorted(DOWN_KEYS)}, got {sorted(down)}")
+    return cfg, {**cfg, **down}
+
+
 def _check_config(cfg: dict, fp8: bool, fuse_quant: bool, block_k: int) -> None:
     bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     assert bm >= 16 and bn >= 32 and bk >= 16, f"tiles must be BM>=16, BN>=32, BK>=16, got {cfg}"
@@ -656,7 +670,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             w13_scale [E, ceil(2I/bn), ceil(K/bk)] and w2_scale [E, ceil(K/bn), ceil(I/bk)] (`weight_scale_inv`).
         topk_weights / topk_ids: [T, k] from `moe_topk`; ids in [0, E), or -1 for an expert this rank does not
             hold (expert parallelism): such a slot adds nothing to out.
-        config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM).
+        config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM;
+            optional key "down": a dict of DOWN_KEYS that the second GEMM takes instead).
         num_routed_experts: the E the tuned tables are keyed by (default: all E stacked experts). A model that
             stacks its shared experts after its routed ones passes its routed count (see `get_moe_config`).
         sync: int32 zeros [>= ceil(K / 32)], owned by the caller and left zero (one launch at a time per buffer).
@@ -711,17 +726,19 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         return out
     if config is None:
         config = get_moe_config(num_routed_experts or e, i, table_dtype(w13.dtype, x.dtype), t)
-    cfg = dict(config)
+    cfg, cfg2 = split_config(config)
     # quantising activations inside the GEMM pays while few rows share each weight tile (decode)
     fuse_quant = bool(cfg.pop("FUSE_QUANT", t <= 128 and cfg["BLOCK_SIZE_K"] == block_shape[1]))
+    cfg2.pop("FUSE_QUANT", None)
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
+    _check_config(cfg2, fp8, fuse_quant, block_shape[1])
     routing = _route(topk_ids, cfg["BLOCK_SIZE_M"], e, fp8)
     h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
     _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
     combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     assert all_reduce is None or (combine and norm), "the all-reduce runs in the norm's program"
-    _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg, fuse_quant,
+    _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg2, fuse_quant,
                   block_shape, 1, False, combine, norm, all_reduce)
     if combine:
         return out
@@ -824,7 +841,8 @@ def get_moe_config(E: int, N: int, dtype: str | None, M: int, device_name: str |
 
     Read from CONFIG_DIR/`config_file_name(...)` (JSON {"M": config}, nearest M key wins), else
     `default_moe_config` and one WARNING per shape on a GPU. Keys: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps,
-    num_stages; BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns).
+    num_stages; BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns), unless
+    an optional "down" entry gives the second GEMM its own BLOCK_SIZE_N / BLOCK_SIZE_K / num_warps / num_stages.
     `device_name` defaults to this process's GPU (`gpu_name()`).
     """
     gpu = device_name or gpu_name()

@@ -126,6 +126,21 @@ def test_fused_moe_matches_ref(dtype: torch.dtype, tokens: int, config: dict | N
     assert rel_err(got, fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)) < tol
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 41])                   # one block per slot; expert scan; sorted
+def test_fused_moe_down_config_is_the_second_gemms(tokens: int, device: str) -> None:
+    """A config's "down" entry tiles the second GEMM apart from the first: same sums (fp32: only the order of the
+    K blocks changes), and a key it may not set is refused."""
+    w = dense_weights(V2_LITE, torch.float32, device)
+    topk_weights, topk_ids = routing(tokens, V2_LITE, device, active=12)
+    x = torch.randn(tokens, V2_LITE.hidden, device=device)
+    down = dict(BLOCK_SIZE_N=64, BLOCK_SIZE_K=32, num_warps=2, num_stages=3)
+    got = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=dict(CFG, down=down))
+    assert rel_err(got, fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)) < TOL[torch.float32]
+    assert fm.split_config(dict(CFG, down=down)) == (CFG, dict(CFG, **down))
+    with pytest.raises(ValueError, match="'down' may set only"):
+        fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=dict(CFG, down={"BLOCK_SIZE_M": 32}))
+
+
 @pytest.mark.parametrize("dtype,tokens,fuse_quant", [(torch.bfloat16, 1, None), (torch.float16, 41, True),
                                                      (torch.float16, 41, False)])
 def test_fused_moe_fp8_matches_ref(dtype: torch.dtype, tokens: int, fuse_quant: bool | None, device: str) -> None:
