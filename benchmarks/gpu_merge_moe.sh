@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Issue 15: the MLA split merge inside W_UV's GEMM (`merge_head_gemm`, one launch fewer a layer) and the fused MoE's
-# two GEMMs tiled apart at decode sizes, one GPU (carry .whl; `sampler` also .old).
-#   tests:   the kernel tests touched (MLA absorb / decode, the Triton attention backend, fused MoE) and the fast
-#            path against the reference path on the GPU (graphs: the merge at the graphs' split counts)
+# Issue 15: the fused MoE's two GEMMs tiled apart at decode sizes, one GPU (carry .whl; `sampler` also .old).
+#   tests:   the kernel tests (MLA absorb / decode, the Triton attention backend, fused MoE) and the fast path
+#            against the reference path on the GPU
 #   sweep:   benchmarks/sweep_moe_small.py at 1 / 2 / 4 / 8 tokens -> $OUT/moe_table.json
-#   abmerge: bench one-batch V2-Lite bs 1 / 16 / 64, MLASERVE_MERGE_WUV=0 and 1 alternated twice
-#   abmoe:   bench one-batch V2-Lite bs 1 / 16 / 64, the shipped MoE table and $MOE_TABLE (default: the sweep's
+#   (abmerge, MLASERVE_MERGE_WUV=0 / 1 alternated twice, ran at dcf9a7e and went with the merge: merge-moe-h200.md)
+#   abmoe:   bench one-batch V2-Lite bs 1 / 4 / 8, the shipped MoE table and $MOE_TABLE (default: the sweep's
 #            $OUT/moe_table.json) alternated twice
 #   v3:      bench one-batch V3 4 layers FP8 bs 1 / 16 / 64
 #   profile: benchmarks/profile_decode.py V2-Lite bs 1
@@ -24,6 +23,9 @@ TABLE="mlaserve/kernels/configs/E=64,N=1408,device_name=NVIDIA_H200,dtype=bf16,b
 for PART in "$@"; do
   echo "=== $PART $(date +%T)"
   case $PART in
+    kernels)
+      timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_fused_moe.py 2>&1 | tail -3 \
+        | tee "$OUT/tests_moe.txt" ;;
     tests)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_absorb.py \
         tests/kernels/test_mla_decode.py tests/attention/test_triton_backend.py tests/kernels/test_fused_moe.py \
@@ -33,17 +35,12 @@ for PART in "$@"; do
     sweep)
       (cd benchmarks && timeout 300 python3 sweep_moe_small.py --tokens 1 2 4 8 --out-table "$OUT/moe_table.json") \
         2>&1 | tee "$OUT/sweep_moe.txt" | grep -v "^  skip" ;;
-    abmerge)
-      for i in 1 2; do
-        MLASERVE_MERGE_WUV=0 ob v2l_merge0_$i "$V2L" 1 16 64
-        MLASERVE_MERGE_WUV=1 ob v2l_merge1_$i "$V2L" 1 16 64
-      done ;;
     abmoe)
       new=${MOE_TABLE:-$OUT/moe_table.json}
       cp "$TABLE" /tmp/moe_table_shipped.json
       for i in 1 2; do
-        cp /tmp/moe_table_shipped.json "$TABLE"; ob v2l_moe_shipped$i "$V2L" 1 16 64
-        cp "$new" "$TABLE"; ob v2l_moe_new$i "$V2L" 1 16 64
+        cp /tmp/moe_table_shipped.json "$TABLE"; ob v2l_moe_shipped$i "$V2L" 1 4 8
+        cp "$new" "$TABLE"; ob v2l_moe_new$i "$V2L" 1 4 8
       done
       cp /tmp/moe_table_shipped.json "$TABLE" ;;
     v3)

@@ -7,7 +7,6 @@ from typing import Callable
 import torch
 
 from mlaserve.core import ForwardContext
-from mlaserve.kernels.mla_decode import DecodeParts
 
 # expand_kv(latent [n, L]) -> (k_nope [n, H, Dn], v [n, H, Dv]): applies kv_b_proj
 ExpandKV = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -40,7 +39,3 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Absorbed MLA. q: [T, H, L] latent query, q_pe: [T, H, R] roped query -> o_latent [T, H, L]."""
-
-    def decode_parts(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> DecodeParts:
-        """`decode`, or (a split-KV kernel) its splits' partials left for the caller to merge (`DecodeParts`)."""
-        return DecodeParts(self.decode(layer, q, q_pe, ctx), None, None)

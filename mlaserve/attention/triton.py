@@ -5,7 +5,7 @@ import torch
 
 from mlaserve.attention.base import BaseAttnBackend, ExpandKV, KVNew
 from mlaserve.core import ForwardContext
-from mlaserve.kernels.mla_decode import DecodeParts, mla_decode, mla_decode_parts
+from mlaserve.kernels.mla_decode import mla_decode
 from mlaserve.kernels.mla_prefill import mla_prefill, prefix_chunk_slots
 
 
@@ -29,14 +29,7 @@ class TritonMLABackend(BaseAttnBackend):
                            k_pe_new=k_pe, prefix_slots=slots)
 
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return mla_decode(q, *self._decode_args(layer, ctx), q_pe=q_pe, **self._decode_kw(ctx))
-
-    def decode_parts(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> DecodeParts:
-        return mla_decode_parts(q, *self._decode_args(layer, ctx), q_pe=q_pe, **self._decode_kw(ctx))
-
-    def _decode_args(self, layer: int, ctx: ForwardContext) -> tuple:
-        return ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens, self.sm_scale
-
-    def _decode_kw(self, ctx: ForwardContext) -> dict:
-        return dict(kv_lora_rank=self.kv_lora_rank, num_q=ctx.num_q, kv_scale=ctx.kv_pool.kv_scale,
-                    num_kv_splits=ctx.num_kv_splits, tree_mask=ctx.tree_mask)
+        return mla_decode(q, ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,
+                          self.sm_scale, kv_lora_rank=self.kv_lora_rank, num_q=ctx.num_q,
+                          kv_scale=ctx.kv_pool.kv_scale, num_kv_splits=ctx.num_kv_splits, q_pe=q_pe,
+                          tree_mask=ctx.tree_mask)

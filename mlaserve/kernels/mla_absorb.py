@@ -9,8 +9,6 @@ split N finely enough to fill the GPU; cuBLAS's batched kernels reached a third 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -60,60 +58,6 @@ def _head_gemm_program(h, nb, tb, A, W, Out, T, stride_at, stride_ah, stride_wh,
     pdl_release(PDL)
     out = Out + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_n[None, :]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["T", "S"])
-def _merge_head_gemm_kernel(Mid, Lse, W, Out, T, S, H, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh,
-                            K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, A_DTYPE: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """One (head, N block, T block): out[t, h, n] = sum_k a[t, h, k] * W[h, k, n] with a the merge of the S split
-    partials Mid [T, H, S, K] by their log2-sum-exps Lse [T, H, S] (`mla_decode`'s reduce), rounded to A_DTYPE as
-    that reduce stores it, read a K block at a time."""
-    h = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok, n_ok = offs_t < T, offs_n < N
-    w_base = W + h * stride_wh + offs_n[None, :] * stride_wn
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN]
-    pdl_enter(PDL)
-    # each row's split weights: 2^(lse - max) / their sum (an empty split's lse is -inf: weight 0, rows not read)
-    th = offs_t.to(tl.int64) * H + h                                                                # [BT]
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(Lse + th[:, None] * S + offs_s[None, :], mask=t_ok[:, None] & (offs_s < S)[None, :],
-                  other=float("-inf"))                                                              # [BT, BS]
-    m = tl.max(lse, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
-    inv = 1.0 / tl.where(total > 0.0, total, 1.0)                # (a row of empty splits weighs them all 0)
-    used = tl.max(tl.max(tl.where(lse > float("-inf"), offs_s[None, :] + 1, 0), axis=1), axis=0)  # splits to read
-    a = _merged_block(Mid, Lse, th, t_ok, m, inv, used, S, offs_k, k_ok, K, BLOCK_T, BLOCK_K)
-    acc = tl.dot(a.to(A_DTYPE).to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PREC, out_dtype=tl.float32)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = _merged_block(Mid, Lse, th, t_ok, m, inv, used, S, offs_k, k_ok, K, BLOCK_T, BLOCK_K)
-        w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a.to(A_DTYPE).to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PREC)
-    pdl_release(PDL)
-    out = Out + offs_t.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_n[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _merged_block(Mid, Lse, th, t_ok, m, inv, used, S, offs_k, k_ok, K: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    # [BT, BK] fp32: columns offs_k of each row's merged partials, the first `used` splits summed in order
-    a = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for s in range(0, used):
-        ls = tl.load(Lse + th * S + s, mask=t_ok, other=float("-inf"))                              # [BT]
-        live = ls > float("-inf")
-        o = tl.load(Mid + (th * S + s)[:, None] * K + offs_k[None, :], mask=live[:, None] & k_ok[None, :],
-                    other=0.0)
-        a += o * (tl.exp2(ls - m) * inv)[:, None]
-    return a
 
 
 @triton.jit(do_not_specialize=["T", "gemm_nb", "gemm_tb", "gemm_programs", "rope_hb"])
@@ -182,56 +126,6 @@ def _gemm_launch_args(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, trans
     meta = dict(K=k, N=n, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(k))),
                 DOT_DTYPE=_TL_DTYPE[a.dtype], DOT_PREC=dot_precision(a.dtype))
     return args, meta, (h, triton.cdiv(n, block_n), triton.cdiv(t, block_t))
-
-
-def merge_wuv_enabled() -> bool:
-    """Absorbed decode merges its split partials inside W_UV's GEMM (`merge_head_gemm`) rather than in
-    `mla_decode`'s reduce launch (MLASERVE_MERGE_WUV=0: the reduce launch, for A/B runs)."""
-    v = os.environ.get("MLASERVE_MERGE_WUV", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"MLASERVE_MERGE_WUV={v!r}: expected 0 or 1")
-    return v == "1"
-
-
-def merge_head_gemm(mid_o: torch.Tensor, mid_lse: torch.Tensor, w: torch.Tensor, *, trans: bool = True,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """`head_gemm(merge(mid_o, mid_lse), w, trans=trans)` in one launch: absorbed decode's W_UV GEMM reading
-    `mla_decode_parts`' split partials, mid_o [T, H, S, K] fp32 (contiguous) and mid_lse [T, H, S] (log2-sum-exp,
-    -inf for an empty split), merged as `mla_decode`'s reduce does and rounded to w.dtype -> [T, H, N] in w.dtype."""
-    assert mid_o.dim() == 4 and mid_o.dtype == torch.float32 and mid_o.is_contiguous(), \
-        f"mid_o must be contiguous fp32 [T, H, S, K], got {mid_o.dtype} {tuple(mid_o.shape)}"
-    t, h, s, k = mid_o.shape
-    assert mid_lse.shape == (t, h, s) and mid_lse.dtype == torch.float32 and mid_lse.is_contiguous(), \
-        f"mid_lse must be contiguous fp32 {(t, h, s)}, got {mid_lse.dtype} {tuple(mid_lse.shape)}"
-    assert w.dim() == 3 and w.shape[0] == h and (w.shape[2] if trans else w.shape[1]) == k, \
-        f"w {tuple(w.shape)} does not match partials of {h} heads x {k} (trans={trans})"
-    assert w.dtype in _TL_DTYPE and w.device == mid_o.device, f"w must be a float tensor on {mid_o.device}"
-    n = w.shape[1] if trans else w.shape[2]
-    out = mid_o.new_empty((t, h, n), dtype=w.dtype) if out is None else out
-    assert out.shape == (t, h, n) and out.dtype == w.dtype and out.stride(2) == 1, \
-        f"out must be [{t}, {h}, {n}] {w.dtype} with a contiguous last dim"
-    if t == 0:
-        return out
-    stride_wk, stride_wn = (w.stride(2), w.stride(1)) if trans else (w.stride(1), w.stride(2))
-    block_t, block_n = _blocks(t, h, n)
-    _merge_head_gemm_kernel[(h, triton.cdiv(n, block_n), triton.cdiv(t, block_t))](
-        mid_o, mid_lse, w, out, t, s, h, w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1), K=k, N=n,
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(k))),
-        BLOCK_S=max(2, triton.next_power_of_2(s)), A_DTYPE=_TL_DTYPE[w.dtype], DOT_DTYPE=_TL_DTYPE[w.dtype],
-        DOT_PREC=dot_precision(w.dtype), **pdl_meta(w.device), num_warps=4)
-    return out
-
-
-def merge_head_gemm_ref(mid_o: torch.Tensor, mid_lse: torch.Tensor, w: torch.Tensor, *, trans: bool = True,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference for `merge_head_gemm`: the splits merged in fp32 by their weights, rounded to w.dtype, then
-    `head_gemm_ref`."""
-    m = mid_lse.amax(dim=2, keepdim=True)
-    wt = torch.exp2(mid_lse - torch.where(m == float("-inf"), 0.0, m))                # [T, H, S], 0 when empty
-    total = wt.sum(dim=2, keepdim=True)
-    wt = torch.where(total > 0, wt / total, 0.0)
-    merged = (torch.where(wt[..., None] > 0, mid_o, 0.0) * wt[..., None]).sum(dim=2)   # [T, H, K]
-    return head_gemm_ref(merged.to(w.dtype), w, trans=trans, out=out)
 
 
 def rope_head_gemm(q_nope: torch.Tensor, w_kc: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,

@@ -27,17 +27,15 @@ REDUCE_TILE = 8192         # fp32 values of [S, BLOCK_L] one reduce program hold
 # NOTE: reading each split's first cache tile before the PDL wait (this step's rows re-read after it) was slower on an
 # H200: V2-Lite graph replay 2.50 against 2.15 ms at bs 1, 9.8 against 9.25 ms at bs 64, alternated in one call
 # (benchmarks/results/gemv1-h200.md). Tried at aa75bf9 and removed.
+# NOTE: merging the splits inside W_UV's head GEMM instead of the reduce launch (each GEMM program summed its rows'
+# used splits a K block at a time, lse then partial, before its dot) took 27 launches a step away and was slower on
+# an H200: V2-Lite graph replay 2.43 / 2.44 against 2.23 / 2.23 ms at bs 1, 10.0 / 10.1 against 9.45 / 9.62 ms at
+# bs 64, alternated in one call (benchmarks/results/merge-moe-h200.md): its split loop is a chain of dependent L2
+# reads in every program. Tried at dcf9a7e and removed.
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-class DecodeParts(NamedTuple):
-    """`mla_decode_parts`' result: the output (one split), or the splits' partials for the caller to merge."""
-    out: torch.Tensor | None          # [T, H, L] in q.dtype, when one split ran
-    mid_o: torch.Tensor | None        # [T, H, S, L] fp32 normalised partials (an empty split's rows unwritten)
-    mid_lse: torch.Tensor | None      # [T, H, S] fp32 log2-sum-exp of each split's scores, -inf when empty
 
 
 class MLADecodeConfig(NamedTuple):
@@ -283,32 +281,15 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     Returns:
         [T, H, L] in q.dtype (written into `out` when given).
     """
-    parts = mla_decode_parts(q, kv_cache, req_to_token, req_pool_idx, seq_lens, sm_scale, kv_lora_rank=kv_lora_rank,
-                             num_q=num_q, kv_scale=kv_scale, num_kv_splits=num_kv_splits, out=out, q_pe=q_pe,
-                             tree_mask=tree_mask)
-    if parts.out is not None:
-        return parts.out
-    out = q.new_empty(parts.mid_o.shape[:2] + parts.mid_o.shape[3:]) if out is None else out
-    _reduce(parts.mid_o, parts.mid_lse, out, parts.mid_o.shape[2])
-    return out
-
-
-def mla_decode_parts(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
-                     req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *, kv_lora_rank: int = 512,
-                     num_q: int = 1, kv_scale: float | None = None, num_kv_splits: int | None = None,
-                     out: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
-                     tree_mask: torch.Tensor | None = None) -> DecodeParts:
-    """`mla_decode`'s first launch alone (same arguments): one split writes the output (into `out` when given), more
-    return their fp32 partials unmerged, for a consumer that merges them as it reads them (`mla_absorb`'s
-    `merge_head_gemm`: the W_UV GEMM) instead of a second launch."""
     q, q_pe = _split_q(q, q_pe, kv_lora_rank)
     _check_args(q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, kv_lora_rank, num_q, num_kv_splits, out,
                 tree_mask)
     t, h = q.shape[:2]
     d = kv_lora_rank + q_pe.shape[2]
     big_l = kv_lora_rank
+    out = q.new_empty((t, h, big_l)) if out is None else out
     if t == 0:
-        return DecodeParts(q.new_empty((t, h, big_l)) if out is None else out, None, None)
+        return out
     b = seq_lens.shape[0]
     cfg = pick_config(num_q * h)
     head_blocks = triton.cdiv(num_q * h, cfg.block_h)
@@ -317,18 +298,17 @@ def mla_decode_parts(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torc
     if splits > 1:
         mid_o = torch.empty((t, h, splits, big_l), dtype=torch.float32, device=q.device)   # [T, H, S, L]
         mid_lse = torch.empty((t, h, splits), dtype=torch.float32, device=q.device)        # [T, H, S]
-    elif out is None:
-        out = q.new_empty((t, h, big_l))
-    dst = mid_o if out is None else out                # (partials: Out is not written, its strides unused)
     scale = 1.0 if kv_scale is None else float(kv_scale)
     _mla_decode_kernel[(b, head_blocks, splits)](
-        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, tree_mask, mid_o, mid_lse, dst,
-        sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), req_to_token.stride(0), dst.stride(0), dst.stride(1),
+        q, q_pe, kv_cache, req_to_token, req_pool_idx, seq_lens, tree_mask, mid_o, mid_lse, out, sm_scale * scale * LOG2E, scale, q.stride(0), q.stride(1), q_pe.stride(0),
+        q_pe.stride(1), kv_cache.stride(0), req_to_token.stride(0), out.stride(0), out.stride(1),
         h, num_q, splits, L=big_l, R=d - big_l, BLOCK_L=_padded(big_l), BLOCK_R=_padded(d - big_l),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         DOT_DTYPE=_TL_DTYPE[q.dtype], DOT_PREC=dot_precision(q.dtype), **pdl_meta(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return DecodeParts(None, mid_o, mid_lse) if splits > 1 else DecodeParts(out, None, None)
+    if splits > 1:
+        _reduce(mid_o, mid_lse, out, splits)
+    return out
 
 
 def _reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, splits: int) -> None:

@@ -15,7 +15,6 @@ from mlaserve.attention.base import KVNew
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode
 from mlaserve.distributed import TensorParallel
-from mlaserve.kernels.mla_absorb import merge_wuv_enabled
 from mlaserve.kernels.quant import block_dequant_ref
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear
 from mlaserve.layers.ops import Ops
@@ -136,22 +135,13 @@ class MLAAttention(torch.nn.Module):
 
     def _decode_absorbed(self, q_lat: torch.Tensor, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # q_lat: [T, H, L] (W_UK absorbed), q: [T, H, Dn + R] (q_pe roped) -> o: [T, H, Dv]
-        return _decode_wuv(ctx.attn_backend, self.layer_id, q_lat, q[..., self.dn:], ctx, self.ops, self.w_vc)
+        o_lat = _decode(ctx.attn_backend, self.layer_id, q_lat, q[..., self.dn:], ctx)   # [T, H, L]
+        return self.ops.head_gemm(o_lat, self.w_vc, trans=True)                # apply W_UV: [T, H, Dv]
 
 
 @torch.compiler.disable
-def _decode_wuv(backend, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext, ops: Ops,
-                w_vc: torch.Tensor) -> torch.Tensor:
-    # the absorbed attention [T, H, L], then W_UV -> [T, H, Dv]. A split-KV kernel's partials are merged inside
-    # W_UV's GEMM (one launch fewer than the kernel's own reduce) unless MLASERVE_MERGE_WUV=0.
-    if merge_wuv_enabled():
-        parts = backend.decode_parts(layer, q, q_pe, ctx)
-        if parts.out is None:
-            return ops.merge_head_gemm(parts.mid_o, parts.mid_lse, w_vc)
-        o_lat = parts.out
-    else:
-        o_lat = backend.decode(layer, q, q_pe, ctx)
-    return ops.head_gemm(o_lat, w_vc, trans=True)
+def _decode(backend, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    return backend.decode(layer, q, q_pe, ctx)
 
 
 @torch.compiler.disable

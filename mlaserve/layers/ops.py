@@ -31,7 +31,6 @@ class Ops(NamedTuple):
     rope_head_gemm: Callable       # (q_nope, w_kc, *mla_rope_kv_store's arguments) -> head_gemm(q_nope, w_kc), one launch
     linear: Callable               # (x [T, K], w [N, K], bias) -> [T, N] (16-bit weights)
     moe_route_norm: Callable       # (x, residual, norm weight, eps, gate weight, K) -> moe_route of the norm, + h, x + res
-    merge_head_gemm: Callable      # (mid_o [T, H, S, K], mid_lse [T, H, S], w [H, N, K]) -> head_gemm of the merged splits
 
 
 def _opaque(fn: Callable) -> Callable:
@@ -48,12 +47,11 @@ def get_ops(name: str) -> Ops:
                    _opaque(fused_moe.fused_moe), _opaque(fused_moe.fused_moe_norm),
                    _opaque(fp8_gemm.fp8_linear), _opaque(rope.mla_rope_kv_store),
                    _opaque(mla_absorb.head_gemm), _opaque(mla_absorb.rope_head_gemm),
-                   _opaque(gemv.linear), _opaque(moe_topk.moe_route_norm), _opaque(mla_absorb.merge_head_gemm))
+                   _opaque(gemv.linear), _opaque(moe_topk.moe_route_norm))
     if name == "torch":
         return Ops("torch", norm.rmsnorm_ref, norm.fused_add_rmsnorm_ref, activation.silu_and_mul_ref,
                    moe_topk.moe_topk_ref, moe_topk.moe_route_ref, fused_moe.fused_moe_ref, fused_moe.fused_moe_norm_ref,
                    fp8_gemm.fp8_linear_ref,
                    rope.mla_rope_kv_store_ref, mla_absorb.head_gemm_ref,
-                   mla_absorb.rope_head_gemm_ref, gemv.linear_ref, moe_topk.moe_route_norm_ref,
-                   mla_absorb.merge_head_gemm_ref)
+                   mla_absorb.rope_head_gemm_ref, gemv.linear_ref, moe_topk.moe_route_norm_ref)
     raise ValueError(f"unknown kernel backend {name!r}; choices: {', '.join(KERNEL_BACKENDS)}")

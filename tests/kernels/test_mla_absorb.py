@@ -1,14 +1,10 @@
-"""head_gemm, rope_head_gemm and merge_head_gemm (the absorbed-MLA per-head GEMMs; Triton, CPU interpreter here)
-against their references."""
+"""head_gemm (the absorbed-MLA per-head GEMMs; Triton, CPU interpreter here) against head_gemm_ref."""
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
-from mlaserve.kernels.mla_absorb import (head_gemm, head_gemm_ref, merge_head_gemm, merge_head_gemm_ref, rope_head_gemm,
-                                         rope_head_gemm_ref)
+from mlaserve.kernels.mla_absorb import head_gemm, head_gemm_ref, rope_head_gemm, rope_head_gemm_ref
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
@@ -76,46 +72,3 @@ def test_rope_head_gemm_is_both_launches(device: str, t: int, h: int, dtype: tor
     for a, b in zip(got[1:], want[1:]):                          # q (rope part roped), latent, cache
         torch.testing.assert_close(a, b, atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
     assert torch.equal(got[1][..., :dn], q[..., :dn])            # the GEMM's input columns untouched
-
-
-@pytest.mark.parametrize("lens,splits", [([1, 131, 70], 7), ([300], 16), ([5, 9], 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_merge_head_gemm_is_the_reduce_then_w_uv(device: str, lens: list[int], splits: int,
-                                                 dtype: torch.dtype) -> None:
-    """W_UV's GEMM reading mla_decode's split partials (some splits empty: their rows never written) gives what the
-    reduce launch and then head_gemm give, and its reference's result."""
-    from mlaserve.kernels.mla_decode import mla_decode, mla_decode_parts
-    from test_mla_decode import make_case            # (tests/kernels is on the path: pytest prepends it)
-
-    seed = torch.seed()
-    print("seed", seed)
-    args = make_case(device, lens, heads=16, big_l=64, rope=16, num_q=1, dtype=dtype, kv_dtype=dtype)
-    w_vc = (torch.randn(16, 40, 64, device=device) / 8).to(dtype)          # [H, Dv, L]
-    parts = mla_decode_parts(**args, num_kv_splits=splits)
-    assert parts.out is None and parts.mid_o.shape == (len(lens), 16, splits, 64)
-    got = merge_head_gemm(parts.mid_o, parts.mid_lse, w_vc)
-    two_launches = head_gemm(mla_decode(**args, num_kv_splits=splits), w_vc, trans=True)
-    ref = merge_head_gemm_ref(parts.mid_o, parts.mid_lse, w_vc)
-    assert got.shape == (len(lens), 16, 40) and got.dtype == dtype and torch.isfinite(got).all()
-    tol = TOL[dtype] / 10 if dtype == torch.float32 else TOL[dtype]
-    assert (got.float() - two_launches.float()).abs().max().item() <= tol
-    assert (got.float() - ref.float()).abs().max().item() <= tol
-    one = mla_decode_parts(**args, num_kv_splits=1)
-    assert one.mid_o is None and torch.equal(one.out, mla_decode(**args, num_kv_splits=1))
-
-
-def test_merge_head_gemm_skips_empty_splits_and_padding_rows(device: str) -> None:
-    """Garbage (NaN) in an empty split's rows is never read; a row whose splits are all empty gives zeros."""
-    t, h, s, k, n = 3, 2, 5, 32, 16
-    mid_o = torch.randn(t, h, s, k, device=device)
-    lse = torch.randn(t, h, s, device=device) * 3
-    lse[0, :, 2:] = float("-inf")
-    mid_o[0, :, 2:] = float("nan")
-    lse[2] = float("-inf")
-    mid_o[2] = float("nan")
-    w = torch.randn(h, n, k, device=device)
-    got = merge_head_gemm(mid_o, lse, w)
-    torch.testing.assert_close(got, merge_head_gemm_ref(mid_o, lse, w), atol=1e-4, rtol=1e-4)
-    assert torch.equal(got[2], torch.zeros(h, n, device=device))
-    merged = (torch.softmax(lse[1] * math.log(2), dim=-1)[..., None] * mid_o[1]).sum(dim=1)   # [H, K]
-    torch.testing.assert_close(got[1], torch.einsum("hk,hnk->hn", merged, w), atol=1e-4, rtol=1e-4)
