@@ -1,6 +1,6 @@
 """The seeded sampler (`gumbel_argmax`) on the GPU, us a call, 20 calls back to back in one CUDA graph.
 
-Run it from two trees to compare kernels (it imports the `mlaserve` on PYTHONPATH), as `gpu_gemv1.sh sampler` does:
+Run it from two trees to compare kernels (it imports the `mlaserve` on PYTHONPATH), as `gpu_merge_moe.sh sampler` does:
 PYTHONPATH=$PWD python3 benchmarks/bench_sampler.py
 """
 from __future__ import annotations

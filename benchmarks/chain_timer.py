@@ -1,5 +1,5 @@
 """`chain_us`: us a call of calls run back to back in one CUDA graph (a call starts while the one before it ends, as
-in the decode graph). Imports torch alone, so a benchmark run from an older tree (`gpu_gemv1.sh sampler`) has it."""
+in the decode graph). Imports torch alone, so a benchmark run from an older tree (`gpu_merge_moe.sh sampler`) has it."""
 from __future__ import annotations
 
 import statistics

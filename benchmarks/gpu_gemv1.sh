@@ -10,7 +10,7 @@
 #   (abmla, the MLA first-tile prefetch's A/B, ran at 1e943f1 and went with the prefetch: gemv1-h200.md)
 #   abv3:    bench one-batch V3 4 layers FP8, the session's first tree (.old, carried: a `git archive` without
 #            mlaserve/demo and benchmarks/results) and this one
-#   sampler: benchmarks/bench_sampler.py from .old (the one-program-a-row seeded sampler) and from this tree (chunks)
+#   (sampler, the seeded sampler's timing, moved to gpu_merge_moe.sh, where it ran: merge-moe-h200.md)
 #   combos:  the single-GPU rows of tests/test_combinations.py (demo model: graphs, compile, spec, tree, mixed, piecewise)
 #   bash benchmarks/gpu_gemv1.sh [tests|bench|ab|profile|v3]...
 source benchmarks/gpu_v2l_env.sh
@@ -46,10 +46,6 @@ for PART in "$@"; do
     abv3)
       TREE=.old ob v3_old "$V3_4L" 1 16 64
       ob v3_new "$V3_4L" 1 16 64 ;;
-    sampler)
-      (cd .old && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 ../benchmarks/bench_sampler.py 2>&1 | tail -6) \
-        | tee "$OUT/sampler_old.txt"
-      timeout 100 python3 benchmarks/bench_sampler.py 2>&1 | tail -6 | tee "$OUT/sampler_new.txt" ;;
     combos)
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_combinations.py -k gpu_graphs_and_compile \
         2>&1 | tail -4 | tee "$OUT/tests_combos.txt" ;;
