@@ -513,6 +513,70 @@ def test_fused_moe_one_token_runs_no_sort(dtype: torch.dtype, fp8: bool, fuse_qu
     assert rel_err(got, ref) < tol
 
 
+def test_fused_moe_shared_prefetch_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLASERVE_MOE_PREFETCH=1 asks for the shared slots' weights in L2 only for one token on the GPU with shared
+    slots named (`shared_slots`): (slots a token, first shared slot, its expert) to both GEMMs; a bad value is one
+    error naming the variable (launches stubbed: the interpreter has no inline PTX)."""
+    seen: list = []
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: seen.append(args[14]))          # (its prefetch)
+    monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
+    w = {name: v.to("meta") for name, v in dense_weights(V2_LITE._replace(num_experts=18), torch.bfloat16,
+                                                         "cpu").items()}
+
+    def call(tokens: int, shared: int, cuda: bool) -> None:
+        ids = torch.zeros(tokens, 8, dtype=torch.int32, device="meta")
+        x = torch.empty(tokens, V2_LITE.hidden, dtype=torch.bfloat16, device="meta")
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: cuda))
+        fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG, shared_slots=shared)
+
+    monkeypatch.setenv("MLASERVE_MOE_PREFETCH", "1")
+    for tokens, shared, cuda in ((1, 2, True), (1, 0, True), (3, 2, True), (1, 2, False)):
+        call(tokens, shared, cuda)
+    assert seen == [(8, 6, 16)] * 2 + [None] * 6, seen
+    monkeypatch.setenv("MLASERVE_MOE_PREFETCH", "0")
+    seen.clear()
+    call(1, 2, True)
+    assert seen == [None, None]
+    monkeypatch.setenv("MLASERVE_MOE_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="MLASERVE_MOE_PREFETCH='yes'"):
+        call(1, 2, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_shared_prefetch_changes_no_bit(fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token with its shared slots, captured in a graph after the router (which releases early with the
+    prefetch on): the same bits with MLASERVE_MOE_PREFETCH=1 as with 0, and the reference's result."""
+    from mlaserve.kernels.moe_topk import moe_route_norm
+
+    w, topk_weights, topk_ids, x, e = one_token_case("shared", fp8, torch.bfloat16, "cuda")
+    gate = torch.randn(e, x.shape[1], device="cuda", dtype=torch.bfloat16) / x.shape[1] ** 0.5
+    residual, norm_w = torch.randn_like(x), torch.ones(x.shape[1], device="cuda", dtype=torch.bfloat16)
+    sync = torch.zeros(x.shape[1] // 16 + 1, dtype=torch.int32, device="cuda")
+    route_sync = torch.zeros(1, dtype=torch.int32, device="cuda")
+    k = topk_ids.shape[1] - N_SHARED
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MLASERVE_MOE_PREFETCH", flag)
+
+        def step():
+            weights, ids, h, _ = moe_route_norm(x, residual, norm_w, 1e-6, gate, k, topk_method="greedy",
+                                                scoring_func="softmax", n_shared=N_SHARED, sync=route_sync)
+            return fm.fused_moe_norm(h, **w, topk_weights=weights, topk_ids=ids, residual=residual,
+                                     norm_weight=norm_w, eps=1e-6, sync=sync, num_routed_experts=e,
+                                     shared_slots=N_SHARED)[0]
+
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[flag] = out.clone()
+    assert torch.equal(outs["0"], outs["1"])
+    assert not sync.any() and not route_sync.any()
+
+
 def sorted_routing(ids: torch.Tensor, block_m: int, e: int) -> fm.Routing:
     """The counting sort's layout for any token count (what fused_moe takes above the expert-scan bound)."""
     sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids, block_m, e)
