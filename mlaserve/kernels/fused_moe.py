@@ -440,7 +440,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     # EXPERT_SCAN: the sorted layout's row blocks, each program working out its own block's expert and slots from
     # the flat topk_ids [S] (expert_ids_ptr) and the num_experts (E) stacked experts, with no align launch.
     # sorted_ids_ptr and num_post_pad_ptr are read by SORTED only.
-    # SHARED_PREFETCH (SLOT_BLOCKS, `shared_prefetch`): slot j of each token's slots_per_token, from shared_first on,
+    # SHARED_PREFETCH (SLOT_BLOCKS, `fused_moe`'s shared_slots): slot j of each token's slots_per_token, from shared_first on,
     # names the stacked shared expert shared_expert0 + j - shared_first, whatever the router chose. Those slots' row
     # blocks run first, and their programs ask for their weight rows in L2 before the wait (a hint: no result
     # depends on it).
@@ -626,8 +626,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
         n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], w.shape[0], a.stride(0), w.stride(0), w.stride(1),
         c.stride(0), a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps),
-        res.stride(0), ar_ptrs, ar_epochs, ar_rank, ar_half, *(prefetch or (1, 1, 0)), A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8,
-        QUANT_A=fp8 and fuse_quant,
+        res.stride(0), ar_ptrs, ar_epochs, ar_rank, ar_half, *(prefetch or (1, 1, 0)), A_DIV=a_div, GATED=gated,
+        MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
         DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, ROUTING=mode,
         BLOCK_S=triton.next_power_of_2(c.shape[0]) if mode == EXPERT_SCAN.value else 16,
