@@ -21,7 +21,6 @@ import torch
 
 from chain_timer import chain_us
 
-from mlaserve.bench.kernel_cases.fused_moe import MoeShape, make_weights
 from mlaserve.kernels import fused_moe as fm
 from mlaserve.tools.tuning import precompile
 
@@ -46,7 +45,8 @@ def table_config(tokens: int) -> dict:
 
 def case(tokens: int, sets: int, device: str = "cuda") -> dict:
     e = E_ROUTED + N_SHARED
-    ws = [make_weights(MoeShape("v2-lite stacked", e, TOP_K, HIDDEN, INTER, False, 1, 1, 1), device)
+    ws = [dict(w13=torch.randn(e, 2 * INTER, HIDDEN, device=device, dtype=torch.bfloat16) * HIDDEN ** -0.5,
+               w2=torch.randn(e, HIDDEN, INTER, device=device, dtype=torch.bfloat16) * INTER ** -0.5)
           for _ in range(sets)]
     logits = torch.randn(tokens, E_ROUTED, device=device)
     weights, ids = logits.softmax(-1).topk(TOP_K, dim=-1)

@@ -186,6 +186,7 @@ class RoutedExperts(ExpertStack):
         kw = dict(quant=quant, dtype=dtype, device=device, ops=ops)
         super().__init__(n_local + (n_shared if fused else 0), h, i, **kw)
         self.n_total, self.n_routed, self.n_shared, self.tp, self.ep = cfg.n_routed_experts, n_local, n_shared, tp, ep
+        self.cfg_top_k = cfg.num_experts_per_tok
         # NOTE: fused_moe's per-tile arrival counts (its in-GEMM combine), zero between launches
         self.register_buffer("combine_sync", torch.zeros(cdiv(h, 16), dtype=torch.int32, device=device),
                              persistent=False)
@@ -225,23 +226,24 @@ class RoutedExperts(ExpertStack):
         return self.dense_forward(x, range(self.n_routed, self.n_routed + self.n_shared))
 
     def forward_norm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
-                     norm: RMSNorm, all_reduce: LLGroup | None = None,
-                     shared_slots: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     norm: RMSNorm, all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward, then the next layer's input norm inside the combine (`fused_moe_norm`, one token): returns
         (norm(out + residual), out + residual); with `all_reduce`, out summed over the ranks first."""
         kw = {} if all_reduce is None else {"all_reduce": all_reduce}       # (the torch reference takes none)
         return self.ops.fused_moe_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
                                        sync=self.combine_sync, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
-                                       num_routed_experts=self.n_routed, shared_slots=shared_slots, **kw)
+                                       num_routed_experts=self.n_routed, shared_slots=self._shared_slots(ids), **kw)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared_slots: int = 0
-                ) -> torch.Tensor:
-        """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert); `shared_slots`: the
-        router appended the shared slots (the last ones) to every token's (`fused_moe`'s prefetch hint)."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert)."""
         # tuned tiles are keyed by this rank's routed experts; the shared slots ride along
         return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
                                   w2_scale=self.w2_scale, num_routed_experts=self.n_routed, sync=self.combine_sync,
-                                  shared_slots=shared_slots)
+                                  shared_slots=self._shared_slots(ids))
+
+    def _shared_slots(self, ids: torch.Tensor) -> int:
+        # the router appends the shared slots (last, ids n_routed ..) when they ride along: more slots than routed
+        return self.n_shared if self.shared is None and ids.shape[1] > self.cfg_top_k else 0
 
 
 class MoE(torch.nn.Module):
@@ -332,9 +334,9 @@ class MoE(torch.nn.Module):
             weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared, all_reduce=sum_in,
                                                                row_mask=row_mask)
         if next_norm is not None:
-            return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce, n_shared)
+            return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce)
         if ep:                                                                # EP: local ids, -1 elsewhere
             out = ex(x, weights, ex.ep.to_local(ids, ex.n_total))
             return (out + ex.shared_forward(x) if ex.n_shared else out), residual
-        out = ex(x, weights, ids, n_shared)
+        out = ex(x, weights, ids)
         return (out if fuse_shared or not ex.n_shared else out + ex.shared_forward(x)), residual
