@@ -23,7 +23,7 @@
 #   bash benchmarks/gpu_x2_calls.sh U   one-batch V2-Lite tp 1 / tp 2 at bs 1 / 16 / 64 (limit 300 s), then tp 2 with
 #                                       $U_ENV (default: the push variant and the in-kernel sums on, 1 MiB bound)
 #   bash benchmarks/gpu_x2_calls.sh V   at the new defaults (peer kernel up to 1 MiB, push variant auto, in-kernel sums
-#                                       on): one-batch V2-Lite tp 2 and V3 20 layers FP8 tp 2 at bs 1 / 16 / 64;
+#                                       on): one-batch V2-Lite tp 1 against tp 2 and V3 20 layers FP8 tp 2 at bs 1 / 16 / 64;
 #                                       peer_stress.py 6 rounds
 #   bash benchmarks/gpu_x2_calls.sh W   at the new defaults: the two-GPU tests of the peer kernels, tp 2, EP 2 and two
 #                                       GPUs as two nodes serving (`SKIP_COMPILE=1 gpu_verify.sh`)
@@ -149,10 +149,10 @@ case "${1:-}" in
     echo "exit code $?"; grep "^|" "$OUT/one_batch_tp2_env.log" | tail -8 ;;
   V)
     V=mlaserve/tools/configs/deepseek-v2-lite.json
-    echo "== one-batch V2-Lite tp 2 $(date +%T)"
-    MLASERVE_DUMP_STACKS_EVERY=60 timeout 150 $B --model-config $V --batch-size 1 16 64 --input-len 256 --output-len 32 \
-      --tp-size 2 --output-file "$OUT/one_batch_v2l_tp2.md" > "$OUT/one_batch_v2l_tp2.log" 2>&1
-    echo "exit code $?"; grep "^|" "$OUT/one_batch_v2l_tp2.log" | tail -4
+    echo "== one-batch V2-Lite tp 1 and tp 2 $(date +%T)"
+    MLASERVE_DUMP_STACKS_EVERY=60 timeout 200 $B --model-config $V --batch-size 1 16 64 --input-len 256 --output-len 32 \
+      --tp-size 1 2 --output-file "$OUT/one_batch_v2l_tp2.md" > "$OUT/one_batch_v2l_tp2.log" 2>&1
+    echo "exit code $?"; grep "^|" "$OUT/one_batch_v2l_tp2.log" | tail -7
     echo "== V3 20 layers tp 2 $(date +%T)"
     python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
     MLASERVE_DUMP_STACKS_EVERY=60 timeout 220 $B --model-config /tmp/v3_20.json --batch-size 1 16 64 --input-len 256 \

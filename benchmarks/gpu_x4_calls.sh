@@ -19,12 +19,21 @@
 #                                        then one bs-1 profile
 #   bash benchmarks/gpu_x4_calls.sh J    V3 20 layers at tp 2 with the tp 2 GEMM tables, whole log (GPUs 0-1); the
 #                                        tp 2 prefill profile of V2-Lite, 1 x 256 (GPUs 2-3)
+# Planned in the fourteenth session (two x2 calls and the one-GPU prefetch A/B in two x4 calls):
+#   bash benchmarks/gpu_x4_calls.sh K    gpu_x2_calls.sh V (GPUs 0-1) beside gpu_x2_calls.sh W (GPUs 2-3)
+#   bash benchmarks/gpu_x4_calls.sh L    gpu_merge_moe.sh prefetch (GPU 0); the piecewise-compile-spec combination row
+#                                        (GPU 1); torch.compile without graphs at tp 2 ep 2 / dp 2 / spec (GPUs 2-3)
 # After calls A and H, commit the tables from their tune jobs' tgz (configs/) before the later calls use them.
 set -uo pipefail
 ABL="CONCURRENCY=768 TABLES=offline LIMIT=540 bash benchmarks/gpu_ablation_2gpu.sh"
 case "${1:-}" in
   A) bash benchmarks/gpu_jobs.sh 560 "0|TABLES_INTO_TREE=0 bash benchmarks/gpu_tune.sh gemm-tp2" \
        "1|bash benchmarks/gpu_pad_mask.sh" "2,3|bash benchmarks/gpu_tp.sh one-batch v3" ;;
+  K) bash benchmarks/gpu_jobs.sh 570 "0,1|bash benchmarks/gpu_x2_calls.sh V" \
+       "2,3|SKIP_COMPILE=1 T1=200 T3=180 T5=180 bash benchmarks/gpu_x2_calls.sh W" ;;
+  L) bash benchmarks/gpu_jobs.sh 570 "0|bash benchmarks/gpu_merge_moe.sh prefetch" \
+       "1|source benchmarks/gpu_v2l_env.sh; timeout 560 python3 -m pytest -v -p no:cacheprovider tests/test_combinations.py -k 'gpu_graphs_and_compile and piecewise-compile-spec' > \$OUT/tests_combo_pcs.txt 2>&1; tail -5 \$OUT/tests_combo_pcs.txt" \
+       "2,3|source benchmarks/gpu_v2l_env.sh; export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE -k nographs tests/test_combinations.py > \$OUT/tests_nographs.txt 2>&1; tail -8 \$OUT/tests_nographs.txt" ;;
   B) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='10 11 3' $ABL" "2,3|ROWS='12 13 6' $ABL" ;;
   C) bash benchmarks/gpu_jobs.sh 560 "0,1|ROWS='14 15' $ABL" "2,3|ROWS='4 8 7' $ABL" ;;
   F) A="CONCURRENCY=768 TABLES=offline LIMIT=470 bash benchmarks/gpu_ablation_2gpu.sh"
@@ -45,5 +54,5 @@ case "${1:-}" in
        "2,3|PYTHONPATH=\$PWD:/tmp/site timeout 200 python3 -m mlaserve.cli bench one-batch --load-format dummy \
        --model-config mlaserve/tools/configs/deepseek-v2-lite.json --batch-size 1 --input-len 256 --output-len 4 \
        --tp-size 2 --profile --profile-dir \$OUT/prof > \$OUT/tp2_prefill_profile.log 2>&1" ;;
-  *) echo "usage: $0 A|B|C|F|G|D|E|H|I|J"; exit 2 ;;
+  *) echo "usage: $0 A|B|C|F|G|D|E|H|I|J|K|L"; exit 2 ;;
 esac
