@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# Issue 15: the fused MoE's two GEMMs tiled apart at decode sizes, and the one-token MoE's shared-expert L2
-# prefetch, one GPU (carry .whl; `sampler` also .old).
+# Issue 15: the fused MoE's two GEMMs tiled apart at decode sizes, one GPU (carry .whl; `sampler` also .old).
 #   tests:   the kernel tests (MLA absorb / decode, the Triton attention backend, fused MoE) and the fast path
 #            against the reference path on the GPU
 #   sweep:   benchmarks/sweep_moe_small.py at 1 / 2 / 4 / 8 tokens -> $OUT/moe_table.json
 #   (abmerge, MLASERVE_MERGE_WUV=0 / 1 alternated twice, ran at dcf9a7e and went with the merge: merge-moe-h200.md)
 #   abmoe:   bench one-batch V2-Lite bs 1 / 4 / 8, the shipped MoE table and $MOE_TABLE (default: the sweep's
 #            $OUT/moe_table.json) alternated twice
-#   prefetch: the one-token MoE's shared-expert L2 prefetch (MLASERVE_MOE_PREFETCH, not yet run on a GPU): its GPU
-#            tests and the fast path with it on, then bench one-batch V2-Lite bs 1 / 16 and V3 4 layers FP8 bs 1 / 16
-#            with MLASERVE_MOE_PREFETCH=0 and 1 alternated (bs 16 does not take it: the control)
+#   (prefetch, the one-token MoE's shared-expert L2 prefetch, MLASERVE_MOE_PREFETCH=0 / 1 alternated twice, ran at
+#   6a0ca60 and went with the prefetch: merge-moe-h200.md)
 #   v3:      bench one-batch V3 4 layers FP8 bs 1 / 16 / 64
 #   profile: benchmarks/profile_decode.py V2-Lite bs 1
 #   sampler: benchmarks/bench_sampler.py from .old (the one-program-a-row seeded sampler) and from this tree
@@ -47,17 +45,6 @@ for PART in "$@"; do
         cp "$new" "$TABLE"; ob v2l_moe_new$i "$V2L" 1 4 8
       done
       cp /tmp/moe_table_shipped.json "$TABLE" ;;
-    prefetch)
-      timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_moe_prefetch_ptx.py \
-        tests/kernels/test_fused_moe.py -k "prefetch" 2>&1 | tail -3 | tee "$OUT/tests_prefetch.txt"
-      MLASERVE_MOE_PREFETCH=1 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
-        tests/models/test_gpu_fastpath.py 2>&1 | tail -3 | tee "$OUT/tests_fastpath_prefetch.txt"
-      for i in 1 2; do
-        MLASERVE_MOE_PREFETCH=0 ob v2l_pf0_$i "$V2L" 1 16
-        MLASERVE_MOE_PREFETCH=1 ob v2l_pf1_$i "$V2L" 1 16
-        MLASERVE_MOE_PREFETCH=0 ob v3_pf0_$i "$V3_4L" 1 16
-        MLASERVE_MOE_PREFETCH=1 ob v3_pf1_$i "$V3_4L" 1 16
-      done ;;
     v3)
       ob v3 "$V3_4L" 1 16 64 ;;
     profile)

@@ -21,8 +21,9 @@
 #                                        tp 2 prefill profile of V2-Lite, 1 x 256 (GPUs 2-3)
 # Planned in the fourteenth session (two x2 calls and the one-GPU prefetch A/B in two x4 calls):
 #   bash benchmarks/gpu_x4_calls.sh K    gpu_x2_calls.sh V (GPUs 0-1) beside gpu_x2_calls.sh W (GPUs 2-3)
-#   bash benchmarks/gpu_x4_calls.sh L    gpu_merge_moe.sh prefetch (GPU 0); the piecewise-compile-spec combination row
-#                                        (GPU 1); torch.compile without graphs at tp 2 ep 2 / dp 2 / spec (GPUs 2-3)
+#   bash benchmarks/gpu_x4_calls.sh L    gpu_merge_moe.sh prefetch (GPU 0; ran at 6a0ca60, the part went with the
+#                                        prefetch); the piecewise-compile-spec combination row (GPU 1); torch.compile
+#                                        without graphs at tp 2 ep 2 / dp 2 / spec (GPUs 2-3)
 # After calls A and H, commit the tables from their tune jobs' tgz (configs/) before the later calls use them.
 set -uo pipefail
 ABL="CONCURRENCY=768 TABLES=offline LIMIT=540 bash benchmarks/gpu_ablation_2gpu.sh"

@@ -19,7 +19,7 @@ import triton.language as tl
 from mlaserve.kernels import quant
 from mlaserve.kernels.allreduce import LL_DMAX, LL_ROWS, LLGroup, ll_all_reduce_rows
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
-from mlaserve.kernels.pdl import moe_prefetch_enabled, pdl_enter, pdl_meta, pdl_release
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
 from mlaserve.kernels.quant import quant_group_rows
 from mlaserve.kernels.reduce import bf16_rne, sum_dim1
@@ -67,11 +67,11 @@ EXPERT_SCAN_MAX_BINS = 128
 EXPERT_SCAN_FP8 = False
 # How `_fused_moe_kernel` finds each row block's expert and slots (its ROUTING; `Routing`)
 SORTED, SLOT_BLOCKS, EXPERT_SCAN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# One token (SLOT_BLOCKS) with its shared experts riding along (`shared_slots`): the shared slots' programs launch
-# first and, before the PDL wait, ask for their weight rows in L2 (`_prefetch_rows_l2`); the router before them lets
-# them launch at its start (`moe_topk`'s early release), so the reads overlap the router, whose own reads are
-# small. MLASERVE_MOE_PREFETCH=1 turns it on (`pdl.moe_prefetch_enabled`): NOT YET MEASURED on a GPU, hence off.
-PREFETCH_LINES = tl.constexpr(32)         # 128-byte lines a weight row asks for per step
+# NOTE: at one token, the shared slots' programs launched first and asked for their weight rows in L2
+# (`prefetch.global.L2::evict_last`) before the PDL wait, with the router releasing the MoE at its start, so those
+# reads would overlap the router (f150b91). On an H200 the V2-Lite bs-1 graph replay was 2.31 / 2.23 ms with it
+# against 2.13 / 2.14 ms without (alternated twice), V3 4 layers FP8 1.54 / 1.50 against 1.54 / 1.50 ms: removed
+# (benchmarks/results/merge-moe-h200.md).
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
 ALIGN_TWO_LAUNCH_MAX_READS = 128 * 128 * 128
 
@@ -324,30 +324,6 @@ def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET:
 
 
 @triton.jit
-def _l2_prefetch(ptrs):
-    # one `prefetch.global.L2::evict_last` per address: the line is fetched into L2 and kept there before lines
-    # marked otherwise; nothing waits for it (the int32 result is a dummy)
-    return tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows_l2(w_ptr, n0, N, K, stride_bn, GATED: tl.constexpr, TILE_N: tl.constexpr,
-                      ELT_BYTES: tl.constexpr):
-    # The [TILE_N, K] rows n0 .. of one expert's weight (and its up rows at N + n, GATED) into L2, one address per
-    # 128-byte line, PREFETCH_LINES lines a row at a time; addresses past the rows or K are clamped (a line asked
-    # for twice costs nothing more).
-    line: tl.constexpr = 128 // ELT_BYTES
-    rows = tl.minimum(n0 + tl.arange(0, TILE_N), N - 1).to(tl.int64)
-    for k0 in range(0, K, PREFETCH_LINES * line):
-        cols = tl.minimum(k0 + tl.arange(0, PREFETCH_LINES) * line, K - 1)
-        ptrs = w_ptr + rows[:, None] * stride_bn + cols[None, :]
-        _l2_prefetch(ptrs)
-        if GATED:
-            _l2_prefetch(ptrs + N * stride_bn)
-
-
-@triton.jit
 def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
     # Swizzle: GROUP_SIZE_M consecutive row blocks walk the N tiles together, so B tiles are reused from L2.
     per_group = GROUP_SIZE_M * num_pid_n
@@ -423,7 +399,6 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       num_experts,
                       stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, stride_om,
                       nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, stride_res, ar_ptrs, ar_epochs, ar_rank, ar_half,
-                      slots_per_token, shared_first, shared_expert0,
                       A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                       QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
                       DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, ROUTING: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -431,7 +406,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                       GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                      AR_WORLD: tl.constexpr, SHARED_PREFETCH: tl.constexpr, ELT_BYTES: tl.constexpr):
+                      AR_WORLD: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
@@ -440,19 +415,9 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     # EXPERT_SCAN: the sorted layout's row blocks, each program working out its own block's expert and slots from
     # the flat topk_ids [S] (expert_ids_ptr) and the num_experts (E) stacked experts, with no align launch.
     # sorted_ids_ptr and num_post_pad_ptr are read by SORTED only.
-    # SHARED_PREFETCH (SLOT_BLOCKS, `fused_moe`'s shared_slots): slot j of each token's slots_per_token, from shared_first on,
-    # names the stacked shared expert shared_expert0 + j - shared_first, whatever the router chose. Those slots' row
-    # blocks run first, and their programs ask for their weight rows in L2 before the wait (a hint: no result
-    # depends on it).
+    pdl_enter(PDL)                        # (the experts' weights to read are the router's output)
     num_pid_m = tl.cdiv(num_padded, BLOCK_SIZE_M)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, tl.cdiv(N, TILE_N), GROUP_SIZE_M)
-    if SHARED_PREFETCH:
-        pid_m = num_pid_m - 1 - pid_m
-        j = pid_m % slots_per_token
-        if j >= shared_first:
-            _prefetch_rows_l2(b_ptr + (shared_expert0 + j - shared_first).to(tl.int64) * stride_be, pid_n * TILE_N,
-                              N, K, stride_bn, GATED, TILE_N, ELT_BYTES)
-    pdl_enter(PDL)                        # (the experts' weights to read are the router's output)
     offs_n = pid_n * TILE_N + tl.arange(0, TILE_N)
     n_ok = offs_n < N
     if ROUTING == EXPERT_SCAN:
@@ -591,7 +556,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
                   block_shape: tuple[int, int], a_div: int, gated: bool,
                   combine: tuple[torch.Tensor, torch.Tensor] | None = None,
                   norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None,
-                  all_reduce: LLGroup | None = None, prefetch: tuple[int, int, int] | None = None) -> None:
+                  all_reduce: LLGroup | None = None) -> None:
     # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
     # norm = (residual, norm weight, eps, h, residual_out), with combine: also the next layer's input norm
     mode, expert_ids = routing.mode, routing.ids
@@ -616,8 +581,6 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
             f"sync must be int32 [>= {triton.cdiv(n_out, tile_n)}]"
     res, nw, eps, nh, nro = norm or (out, out, 0.0, out, out)
     # with all_reduce (and norm): the combined rows are summed over the ranks before the norm
-    # prefetch = (slots a token, its first shared slot, that slot's expert): SHARED_PREFETCH, one token's slots
-    assert prefetch is None or mode == SLOT_BLOCKS.value, "the shared slots' prefetch needs one block per slot"
     ar_ptrs, ar_epochs, ar_rank, ar_half = all_reduce.launch_args() if all_reduce else (sync, sync, 0, 0)
     if norm:
         assert combine and sync.numel() > triton.cdiv(n_out, tile_n), "the norm needs the combine and one more count"
@@ -626,8 +589,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
         n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], w.shape[0], a.stride(0), w.stride(0), w.stride(1),
         c.stride(0), a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps),
-        res.stride(0), ar_ptrs, ar_epochs, ar_rank, ar_half, *(prefetch or (1, 1, 0)), A_DIV=a_div, GATED=gated,
-        MUL_WEIGHT=weights is not None, FP8=fp8, QUANT_A=fp8 and fuse_quant,
+        res.stride(0), ar_ptrs, ar_epochs, ar_rank, ar_half, A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8,
+        QUANT_A=fp8 and fuse_quant,
         INTERPRET=not a.is_cuda, ROUND_BF16=not a.is_cuda and c.dtype == torch.bfloat16,
         DOT_PREC=dot_precision(a.dtype), COMBINE=combine is not None, ROUTING=mode,
         BLOCK_S=triton.next_power_of_2(c.shape[0]) if mode == EXPERT_SCAN.value else 16,
@@ -636,8 +599,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
-        AR_WORLD=all_reduce.world if all_reduce else 1, SHARED_PREFETCH=prefetch is not None,
-        ELT_BYTES=w.element_size(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        AR_WORLD=all_reduce.world if all_reduce else 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 # One token: its k slots name distinct experts (moe_topk / moe_route pick each routed expert at most once while the
@@ -705,7 +667,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               block_shape: tuple[int, int] = (128, 128), config: dict | None = None,
               num_routed_experts: int | None = None, out: torch.Tensor | None = None,
-              sync: torch.Tensor | None = None, shared_slots: int = 0) -> torch.Tensor:
+              sync: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
 
     Args:
@@ -720,24 +682,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         sync: int32 zeros [>= ceil(K / 32)], owned by the caller and left zero (one launch at a time per buffer).
             With it, up to COMBINE_MAX_TOKENS tokens, the second GEMM also sums each token's k rows (the last
             program of each output tile); otherwise one more launch does (`sum_dim1` or torch.sum: SUM_DIM1_MAX_TOKENS).
-        shared_slots: a hint: the last `shared_slots` of each token's slots name the last `shared_slots` stacked
-            experts, in order (the shared experts riding along). One token on the GPU with MLASERVE_MOE_PREFETCH=1:
-            their weights are asked for in L2 before the PDL wait (see PREFETCH_LINES). No result depends on it.
     One token runs no sort: each of its k slots is a row block of its own (`_slot_blocks`), any ids. Few slots over
     few bf16 experts run none either: each GEMM program works out its block of the sorted layout (EXPERT_SCAN).
     Returns:
         out [T, K] in x.dtype. No host sync: capturable in a CUDA graph for a fixed T.
     """
     return _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config,
-                      num_routed_experts, out, sync, None, shared_slots=shared_slots)
+                      num_routed_experts, out, sync, None)
 
 
 def fused_moe_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
                    sync: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                    block_shape: tuple[int, int] = (128, 128), config: dict | None = None,
-                   num_routed_experts: int | None = None, all_reduce: LLGroup | None = None,
-                   shared_slots: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_routed_experts: int | None = None,
+                   all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_moe` followed by the next layer's input norm, in the same two launches (up to COMBINE_MAX_TOKENS
     tokens, where the second GEMM combines): returns (rmsnorm(out + residual), out + residual), new tensors in
     x.dtype; `residual` [T, K] (rows contiguous) is not modified. The last output tile to be combined norms the
@@ -754,7 +713,7 @@ def fused_moe_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         assert all_reduce.ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
     h, res_out = torch.empty_like(x), torch.empty_like(x)
     _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config, num_routed_experts,
-               None, sync, (residual, norm_weight, eps, h, res_out), all_reduce, shared_slots)
+               None, sync, (residual, norm_weight, eps, h, res_out), all_reduce)
     return h, res_out
 
 
@@ -762,7 +721,7 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
                topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
                block_shape: tuple[int, int], config: dict | None, num_routed_experts: int | None,
                out: torch.Tensor | None, sync: torch.Tensor | None, norm: tuple | None,
-               all_reduce: LLGroup | None = None, shared_slots: int = 0) -> torch.Tensor:
+               all_reduce: LLGroup | None = None) -> torch.Tensor:
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     t, k = x.shape
     e, i, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
@@ -779,18 +738,13 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
     _check_config(cfg2, fp8, fuse_quant, block_shape[1])
     routing = _route(topk_ids, cfg["BLOCK_SIZE_M"], e, fp8)
-    assert 0 <= shared_slots <= min(top_k, e), f"shared_slots must be in [0, {min(top_k, e)}], got {shared_slots}"
-    prefetch = None
-    if shared_slots and routing.mode == SLOT_BLOCKS.value and x.is_cuda and moe_prefetch_enabled():
-        prefetch = (top_k, top_k - shared_slots, e - shared_slots)
     h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
-    _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True, None, None, None,
-                  prefetch)
+    _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
     combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     assert all_reduce is None or (combine and norm), "the all-reduce runs in the norm's program"
     _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg2, fuse_quant,
-                  block_shape, 1, False, combine, norm, all_reduce, prefetch)
+                  block_shape, 1, False, combine, norm, all_reduce)
     if combine:
         return out
     if t <= (SUM_DIM1_MAX_TOKENS if k <= SUM_DIM1_NARROW_HIDDEN else SUM_DIM1_MAX_TOKENS_WIDE):
@@ -812,12 +766,10 @@ def _expert_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] = (128, 128),
-                  num_routed_experts: int | None = None, sync: torch.Tensor | None = None,
-                  shared_slots: int = 0) -> torch.Tensor:
+                  num_routed_experts: int | None = None, sync: torch.Tensor | None = None) -> torch.Tensor:
     """The spec of `fused_moe`: per expert in fp32, with the kernel's roundings (fp8 activation quantisation,
-    h = silu(gate) * up stored in x.dtype). Returns [T, K] in x.dtype; ids -1 add nothing. `num_routed_experts` is the
-    launcher's tile-table key, `sync` its workspace and `shared_slots` its prefetch hint; the reference takes them for
-    a common signature only."""
+    h = silu(gate) * up stored in x.dtype). Returns [T, K] in x.dtype; ids -1 add nothing. `num_routed_experts` is the launcher's
+    tile-table key and `sync` its workspace; the reference takes them for a common signature only."""
     i = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():

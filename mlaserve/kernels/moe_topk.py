@@ -13,7 +13,7 @@ import triton.language as tl
 
 from mlaserve.kernels.allreduce import LLGroup, ll_epoch, ll_next_epoch, ll_own, ll_push, ll_sum
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
-from mlaserve.kernels.pdl import moe_prefetch_enabled, pdl_enter, pdl_meta, pdl_release
+from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING = ("softmax", "sigmoid")
@@ -260,11 +260,7 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
                       NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_H: tl.constexpr, NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr,
-                      AR_WORLD: tl.constexpr, EARLY_RELEASE: tl.constexpr):
-    # EARLY_RELEASE: the next kernel (the one-token fused MoE asking for its shared experts' weights in L2,
-    # `fused_moe.PREFETCH_LINES`) may launch from this kernel's start; it still waits for this one to complete.
-    if EARLY_RELEASE:
-        pdl_release(PDL)
+                      AR_WORLD: tl.constexpr):
     # ONE_TILE: hidden <= BLOCK_H. NORM_IN: the gate reads rmsnorm(x + res) (weight nw); the slice-0 program of each token also writes that
     # normed row (the experts' input) and x + res (the residual stream) to their own buffers.
     t = tl.program_id(1).to(tl.int64)
@@ -412,9 +408,7 @@ def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | Non
                                   e_score_correction_bias, n_shared, x.device, row_mask, BLOCK_E=block_e,
                                   BLOCK_H=block_h,
                                   NORM_IN=norm is not None, ONE_TILE=h <= block_h,
-                                  AR_WORLD=all_reduce.world if all_reduce is not None else 1,
-                                  EARLY_RELEASE=t == 1 and n_shared > 0 and x.is_cuda and moe_prefetch_enabled(),
-                                  **cfg)
+                                  AR_WORLD=all_reduce.world if all_reduce is not None else 1, **cfg)
     return weights, ids, normed, res_out
 
 

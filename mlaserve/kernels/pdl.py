@@ -45,15 +45,6 @@ def pdl_release(PDL: tl.constexpr):
         tlc.gdc_launch_dependents()
 
 
-def moe_prefetch_enabled() -> bool:
-    """MLASERVE_MOE_PREFETCH=1: the one-token fused MoE's shared-expert weights asked for in L2 while the router runs
-    (`fused_moe.PREFETCH_LINES`); off by default until measured."""
-    v = os.environ.get("MLASERVE_MOE_PREFETCH", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"MLASERVE_MOE_PREFETCH={v!r}: expected 0 or 1")
-    return v == "1"
-
-
 def enabled() -> bool:
     return os.environ.get("MLASERVE_PDL", "1") != "0"
 

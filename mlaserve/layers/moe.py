@@ -186,7 +186,6 @@ class RoutedExperts(ExpertStack):
         kw = dict(quant=quant, dtype=dtype, device=device, ops=ops)
         super().__init__(n_local + (n_shared if fused else 0), h, i, **kw)
         self.n_total, self.n_routed, self.n_shared, self.tp, self.ep = cfg.n_routed_experts, n_local, n_shared, tp, ep
-        self.cfg_top_k = cfg.num_experts_per_tok
         # NOTE: fused_moe's per-tile arrival counts (its in-GEMM combine), zero between launches
         self.register_buffer("combine_sync", torch.zeros(cdiv(h, 16), dtype=torch.int32, device=device),
                              persistent=False)
@@ -232,18 +231,13 @@ class RoutedExperts(ExpertStack):
         kw = {} if all_reduce is None else {"all_reduce": all_reduce}       # (the torch reference takes none)
         return self.ops.fused_moe_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
                                        sync=self.combine_sync, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
-                                       num_routed_experts=self.n_routed, shared_slots=self._shared_slots(ids), **kw)
+                                       num_routed_experts=self.n_routed, **kw)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert)."""
         # tuned tiles are keyed by this rank's routed experts; the shared slots ride along
         return self.ops.fused_moe(x, self.w13, self.w2, weights, ids, w13_scale=self.w13_scale,
-                                  w2_scale=self.w2_scale, num_routed_experts=self.n_routed, sync=self.combine_sync,
-                                  shared_slots=self._shared_slots(ids))
-
-    def _shared_slots(self, ids: torch.Tensor) -> int:
-        # the router appends the shared slots (last, ids n_routed ..) when they ride along: more slots than routed
-        return self.n_shared if self.shared is None and ids.shape[1] > self.cfg_top_k else 0
+                                  w2_scale=self.w2_scale, num_routed_experts=self.n_routed, sync=self.combine_sync)
 
 
 class MoE(torch.nn.Module):
