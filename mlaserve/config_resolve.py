@@ -76,7 +76,7 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     load = _resolve_load(server.load, model, device)
     parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
-    sched = _resolve_spec(_resolve_sched(server.sched, load, device), model, load)
+    sched = _resolve_spec(_resolve_sched(server.sched, load, device, cache), model, load)
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 
@@ -153,6 +153,7 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
                     f"{p.dp_size + 1} ports after it (each group's requests, the outputs); choose a lower port")
     if p.dist_timeout is not None and p.dist_timeout <= 0:
         _reject(f"--dist-timeout {p.dist_timeout}: must be > 0")
+    _check_one_rank(p, device)
     if p.base_gpu_id < 0 or (p.base_gpu_id and device.type != "cuda"):
         _reject(f"--base-gpu-id {p.base_gpu_id}: must be >= 0, and picks GPUs only (the device is {device.type})")
     _check_dense_and_head(p, model)
@@ -160,7 +161,22 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
     check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8,
                     attn_tp=p.tp_size // p.dp_size if p.enable_dp_attention else None,
                     dense_tp=p.moe_dense_tp_size, ep=p.ep_size)
-    return replace(p, dist_timeout=p.dist_timeout or DEFAULT_DIST_TIMEOUT)
+    # NOTE: one rank joins no group (init_distributed), so its resolved timeout stays unset
+    return replace(p, dist_timeout=(p.dist_timeout or DEFAULT_DIST_TIMEOUT) if p.tp_size > 1 else None)
+
+
+def _check_one_rank(p: ParallelConfig, device: DeviceInfo) -> None:
+    """The flags of the ranks' process group act only with several ranks (one rank joins none), and the custom
+    all-reduce only over CUDA IPC."""
+    if p.tp_size == 1:
+        given = [_flag(n) for n, v in (("dist_init_addr", p.dist_init_addr), ("dist_timeout", p.dist_timeout),
+                                       ("disable_custom_all_reduce", p.disable_custom_all_reduce)) if v]
+        if given:
+            _reject(f"{' '.join(given)}: act only with --tp-size > 1 (one rank joins no process group and runs "
+                    "no all-reduce)")
+    elif p.disable_custom_all_reduce and device.type != "cuda":
+        _reject(f"--disable-custom-all-reduce: the custom all-reduce runs over CUDA IPC only; on the {device.type} "
+                "every all-reduce is gloo's already")
 
 
 def _check_dp_attention(p: ParallelConfig) -> None:
@@ -344,8 +360,11 @@ def _graphs_off_reason(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> 
     return None
 
 
-def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo) -> SchedConfig:
+def _resolve_sched(s: SchedConfig, load: LoadConfig, device: DeviceInfo, cache: CacheConfig) -> SchedConfig:
     _check_sched_ranges(s)
+    if s.schedule_policy == "lpm" and cache.disable_radix_cache:
+        _reject("--schedule-policy lpm with --disable-radix-cache: lpm orders by cached prefix length, and with the "
+                "prefix cache off every request's is 0 (fcfs order); drop one")
     s = replace(s, max_running_requests=s.max_running_requests or DEFAULT_MAX_RUNNING[device.type])
     why_off = _graphs_off_reason(s, load, device)
     if why_off is not None:
@@ -474,12 +493,14 @@ def _graph_sizes(s: SchedConfig) -> tuple[list[int], int]:
 
 HTTP_ONLY = ("host", "port", "api_key", "chat_template", "tool_call_parser", "reasoning_parser", "enable_metrics",
              "log_requests")
+HTTP_ONLY_LOAD = ("served_model_name",)     # the name /v1/models answers; the offline Engine answers no model name
 
 
 def http_only_flags(server: ServerConfig) -> list[str]:
     """The HTTP-server flags set away from their defaults (they act in `mlaserve serve`, not in the offline Engine)."""
     default = ServerConfig()
-    return [_flag(n) for n in HTTP_ONLY if getattr(server, n) != getattr(default, n)]
+    return [_flag(n) for n in HTTP_ONLY if getattr(server, n) != getattr(default, n)] + \
+        [_flag(n) for n in HTTP_ONLY_LOAD if getattr(server.load, n) != getattr(default.load, n)]
 
 
 def precheck(server: ServerConfig, model_path: str) -> ServerConfig:

@@ -169,6 +169,13 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (CPU, V2_LITE, dict(max_running_requests=0), "--max-running-requests 0"),
     (CPU, V2_LITE, dict(min_new_token_ratio=0.9), "--min-new-token-ratio 0.9"),
     (CPU, V2_LITE, dict(watchdog_timeout=0.0), "--watchdog-timeout"),
+    (CPU, V2_LITE, dict(schedule_policy="lpm", disable_radix_cache=True),
+     "--schedule-policy lpm with --disable-radix-cache"),
+    (CPU, V2_LITE, dict(dist_timeout=20.0), "--dist-timeout: act only with --tp-size > 1"),
+    (CPU, V2_LITE, dict(dist_init_addr="127.0.0.1:5000"), "--dist-init-addr: act only with --tp-size > 1"),
+    (H100, V2_LITE, dict(disable_custom_all_reduce=True), "--disable-custom-all-reduce: act only with --tp-size > 1"),
+    (CPU, V2_LITE, dict(tp_size=2, disable_custom_all_reduce=True),
+     "--disable-custom-all-reduce: the custom all-reduce runs over CUDA IPC only"),
 ])
 def test_unsupported_combinations_fail_in_one_line_naming_the_flags(device, model, flags, words):
     with pytest.raises(ConfigError) as e:
@@ -439,3 +446,24 @@ def test_sglang_flags_we_do_not_take_get_one_line_saying_why(argv, why, capsys):
     name = argv[0][2:].replace("-", "_")                         # the Engine API's keyword: the same line
     with pytest.raises(TypeError, match=f"^{name}: .*{why}"):
         ServerConfig.from_flat(**{name: True})
+
+
+def test_flags_of_several_ranks_resolve_with_several_ranks_only():
+    r = resolve(H100, tp_size=2, dist_timeout=20.0, disable_custom_all_reduce=True, dist_init_addr="127.0.0.1:5000")
+    assert (r.parallel.dist_timeout, r.parallel.disable_custom_all_reduce) == (20.0, True)
+    assert resolve(CPU, tp_size=2, dist_timeout=20.0).parallel.dist_timeout == 20.0     # gloo ranks time out too
+    one = resolve(H100)
+    assert one.parallel.dist_timeout is None and resolve_config(one, V2_LITE, H100) == one   # one rank: no group
+
+
+def test_lpm_resolves_with_the_prefix_cache():
+    assert resolve(CPU, schedule_policy="lpm").sched.schedule_policy == "lpm"
+    assert resolve(CPU, disable_radix_cache=True).cache.disable_radix_cache
+
+
+def test_http_only_flags_include_the_served_model_name():
+    from mlaserve.config_resolve import http_only_flags
+
+    assert http_only_flags(ServerConfig.from_flat(served_model_name="m", port=8000)) == ["--port",
+                                                                                          "--served-model-name"]
+    assert http_only_flags(ServerConfig.from_flat(tokenizer_path="/t")) == []
