@@ -48,6 +48,7 @@ def sync(group: RankGroup | None = None) -> None:
 
 
 PREFILL_REPEATS = 3
+DEFAULT_PROFILE_DIR = "/tmp/mlaserve-profile"
 
 
 def model_dir(args: argparse.Namespace) -> str:
@@ -360,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                     help="tokens verified per step (default num_steps + 1)")
     ap.add_argument("--profile", action="store_true", help="write a torch profiler trace of the last batch size")
-    ap.add_argument("--profile-dir", default="/tmp/mlaserve-profile")
+    ap.add_argument("--profile-dir", default=None, help="where --profile writes (default /tmp/mlaserve-profile)")
     ap.add_argument("--hf-peer", action="store_true", help="then run HF transformers on the same config")
     ap.add_argument("--output-file", help="append the markdown table and JSON rows here")
     add_refused_flags(ap)
@@ -372,6 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.model_path and not (args.load_format == "dummy" and args.model_config):
         ap.error("give --model-path, or --load-format dummy with --model-config")
+    # flags that would act on nothing: one line, as `serve` refuses them
+    if args.model_path and args.model_config:
+        ap.error("--model-config: the shapes come from --model-path's config.json; give one of the two")
+    if args.profile_dir is not None and not args.profile:
+        ap.error("--profile-dir: acts only with --profile")
+    if args.disable_custom_all_reduce and max(args.tp_size) == 1:
+        ap.error("--disable-custom-all-reduce: acts only with a --tp-size > 1 (one rank runs no all-reduce)")
+    args.profile_dir = args.profile_dir or DEFAULT_PROFILE_DIR
     path = model_dir(args)
     combos = [(tp, ep) for tp in args.tp_size for ep in args.ep_size if not tp % ep]
     for tp, ep in combos:                  # every refusal before any run: one line, as `serve` gives it

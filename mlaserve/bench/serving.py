@@ -435,8 +435,8 @@ def record(m: dict[str, Any], args: argparse.Namespace, model: str | None) -> di
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mlaserve bench serving", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default=None, help="server host (default 127.0.0.1; not with --base-url)")
+    p.add_argument("--port", type=int, default=None, help="server port (default 30000; not with --base-url)")
     p.add_argument("--backend", choices=[*ENDPOINTS, "sglang"], default="openai",
                    help="openai-chat: /v1/chat/completions, openai: /v1/completions, mlaserve: native /generate; "
                         "sglang: the same native protocol (SGLang's name for it: the seeds' bench_serving lines run "
@@ -463,6 +463,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="chart throughput, TTFT and TPOT / ITL percentiles against concurrency (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.base_url and (args.host is not None or args.port is not None):
+        p.error("--host / --port: --base-url names the server already; give one or the other")
+    args.host = "127.0.0.1" if args.host is None else args.host
+    args.port = 30000 if args.port is None else args.port
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if args.backend == "sglang":
         args.backend = "mlaserve"                # one protocol, two names

@@ -55,6 +55,18 @@ def test_the_seeds_bench_one_batch_flags(tmp_path, capsys, monkeypatch):
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"mlaserve bench one-batch: error: {line}")
 
 
+@pytest.mark.parametrize("extra,line", [
+    (["--model-path", "/m"], "--model-config: the shapes come from --model-path's config.json"),
+    (["--profile-dir", "/tmp/p"], "--profile-dir: acts only with --profile"),
+    (["--disable-custom-all-reduce"], "--disable-custom-all-reduce: acts only with a --tp-size > 1"),
+])
+def test_bench_flags_that_would_act_on_nothing_fail_in_one_line(extra, line, capsys):
+    base = ["--load-format", "dummy", "--model-config", str(CONFIGS / "deepseek-v2-lite.json"), "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        one_batch.main(base + extra)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"mlaserve bench one-batch: error: {line}")
+
+
 def test_floor_of_one_rank_splits_all_but_the_replicated_parts():
     v3 = ModelConfig.from_dict(json.loads((CONFIGS / "deepseek-v3.json").read_text()))
     one, two = decode_step_bytes(v3, 1, 256), decode_step_bytes(v3, 1, 256, tp=2)

@@ -236,7 +236,10 @@ def test_tokenizer_prompts_have_exact_lengths(tmp_path: Path) -> None:
 
 def test_url_flags() -> None:
     assert serving.parse_args(["--host", "10.0.0.2", "--port", "8000"]).base_url == "http://10.0.0.2:8000"
-    assert serving.parse_args(["--base-url", "http://h:1/", "--port", "2"]).base_url == "http://h:1"
+    assert serving.parse_args(["--base-url", "http://h:1/"]).base_url == "http://h:1"
+    for given in (["--port", "2"], ["--host", "h2"]):           # would be ignored: --base-url names the server
+        with pytest.raises(SystemExit):
+            serving.parse_args(["--base-url", "http://h:1/", *given])
     with pytest.raises(SystemExit):
         serving.parse_args(["--request-rate", "0"])
 
