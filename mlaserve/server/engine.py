@@ -38,10 +38,12 @@ def native_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
         raise RequestError(f"{len(params)} sampling_params for {len(prompts)} prompts", "sampling_params")
     if req.stream and batch:
         raise RequestError("stream takes a single prompt", "stream")
+    if req.rid is not None and batch:
+        raise RequestError("rid takes a single prompt (each request of a batch gets its own id)", "rid")
     each = params if isinstance(params, list) else [params] * len(prompts)
     return [GenerateInput(**p, sampling_params=sp, return_logprob=req.return_logprob,
                           logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-                          stream=req.stream, rid=None if batch else req.rid) for p, sp in zip(prompts, each)], batch
+                          stream=req.stream, rid=req.rid) for p, sp in zip(prompts, each)], batch
 
 
 def engine_inputs(**fields: Any) -> tuple[list[GenerateInput], bool]:

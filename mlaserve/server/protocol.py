@@ -330,6 +330,14 @@ class GenerateRequest(APIModel):
     stream: StrictBool = False
     rid: Text | None = None
 
+    @field_validator("logprob_start_len", "top_logprobs_num")
+    @classmethod
+    def _needs_return_logprob(cls, v: int, info: ValidationInfo) -> int:
+        # NOTE: both shape the log-probs return_logprob asks for; without it they would act on nothing
+        if v != (-1 if info.field_name == "logprob_start_len" else 0) and not info.data.get("return_logprob"):
+            raise ValueError(f"{info.field_name} needs return_logprob: true")
+        return v
+
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
