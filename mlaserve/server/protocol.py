@@ -158,6 +158,13 @@ class SamplingFields(APIModel):
     regex: Text | None = None
     ebnf: Text | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):          # OpenAI answers 400 too
+            raise ValueError("stream_options needs stream: true")
+        return v
+
     def sampling_params(self, max_new_tokens: int | None, index: int = 0) -> SamplingParams:
         """The SamplingParams of choice `index` (with a seed, choice i uses seed + i); RequestError in OpenAI names."""
         p: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos,

@@ -1,4 +1,4 @@
-"""The native request's fields (/generate, Engine.generate): one that would act on nothing is a 400 naming it."""
+"""Request fields (native /generate and Engine.generate, OpenAI): one that would act on nothing is a 400 naming it."""
 from __future__ import annotations
 
 import pytest
@@ -27,3 +27,19 @@ def test_the_same_fields_act_where_they_apply():
     assert not batch and (one.top_logprobs_num, one.logprob_start_len, one.rid) == (3, 0, "r1")
     objs, batch = engine_inputs(**(ONE | dict(prompt=["a", "b"])))
     assert batch and [o.rid for o in objs] == [None, None]
+
+
+@pytest.mark.parametrize("model", ["chat", "completions"])
+def test_stream_options_need_stream(model):
+    from pydantic import ValidationError
+
+    from mlaserve.server.protocol import ChatCompletionRequest, CompletionRequest, describe_errors
+
+    cls, body = ((ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}) if model == "chat"
+                 else (CompletionRequest, {"prompt": "hi"}))
+    opts = {"stream_options": {"include_usage": True}}
+    assert cls.model_validate(body | opts | {"stream": True}).stream_options.include_usage
+    with pytest.raises(ValidationError) as e:
+        cls.model_validate(body | opts)
+    assert describe_errors(e.value.errors()) == ("Invalid value for 'stream_options': stream_options needs stream: "
+                                                 "true", "stream_options")
