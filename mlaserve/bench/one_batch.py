@@ -310,9 +310,10 @@ def bench_rank(group: RankGroup | None, args: argparse.Namespace, path: str, cei
                 row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len, graph_stats=False)
             if runner.spec is None:
                 row |= graph_stats_of(runner, bs)
-            Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(Path(args.profile_dir) / f"one_batch_bs{bs}.json"))
-            (Path(args.profile_dir) / f"one_batch_bs{bs}.txt").write_text(
+            out = Path(args.profile_dir or DEFAULT_PROFILE_DIR)       # (a parser of build_parser's without main)
+            out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(out / f"one_batch_bs{bs}.json"))
+            (out / f"one_batch_bs{bs}.txt").write_text(
                 prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
         else:
             row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len)
@@ -380,7 +381,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--profile-dir: acts only with --profile")
     if args.disable_custom_all_reduce and max(args.tp_size) == 1:
         ap.error("--disable-custom-all-reduce: acts only with a --tp-size > 1 (one rank runs no all-reduce)")
-    args.profile_dir = args.profile_dir or DEFAULT_PROFILE_DIR
     path = model_dir(args)
     combos = [(tp, ep) for tp in args.tp_size for ep in args.ep_size if not tp % ep]
     for tp, ep in combos:                  # every refusal before any run: one line, as `serve` gives it
