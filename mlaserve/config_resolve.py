@@ -153,7 +153,6 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
                     f"{p.dp_size + 1} ports after it (each group's requests, the outputs); choose a lower port")
     if p.dist_timeout is not None and p.dist_timeout <= 0:
         _reject(f"--dist-timeout {p.dist_timeout}: must be > 0")
-    _check_one_rank(p, device)
     if p.base_gpu_id < 0 or (p.base_gpu_id and device.type != "cuda"):
         _reject(f"--base-gpu-id {p.base_gpu_id}: must be >= 0, and picks GPUs only (the device is {device.type})")
     _check_dense_and_head(p, model)
@@ -161,22 +160,7 @@ def _resolve_parallel(p: ParallelConfig, model: ModelConfig, load: LoadConfig, d
     check_tp_shapes(model, p.tp_size, fp8=model.is_fp8 and not load.dequant_fp8,
                     attn_tp=p.tp_size // p.dp_size if p.enable_dp_attention else None,
                     dense_tp=p.moe_dense_tp_size, ep=p.ep_size)
-    # NOTE: one rank joins no group (init_distributed), so its resolved timeout stays unset
-    return replace(p, dist_timeout=(p.dist_timeout or DEFAULT_DIST_TIMEOUT) if p.tp_size > 1 else None)
-
-
-def _check_one_rank(p: ParallelConfig, device: DeviceInfo) -> None:
-    """The flags of the ranks' process group act only with several ranks (one rank joins none), and the custom
-    all-reduce only over CUDA IPC."""
-    if p.tp_size == 1:
-        given = [_flag(n) for n, v in (("dist_init_addr", p.dist_init_addr), ("dist_timeout", p.dist_timeout),
-                                       ("disable_custom_all_reduce", p.disable_custom_all_reduce)) if v]
-        if given:
-            _reject(f"{' '.join(given)}: act only with --tp-size > 1 (one rank joins no process group and runs "
-                    "no all-reduce)")
-    elif p.disable_custom_all_reduce and device.type != "cuda":
-        _reject(f"--disable-custom-all-reduce: the custom all-reduce runs over CUDA IPC only; on the {device.type} "
-                "every all-reduce is gloo's already")
+    return replace(p, dist_timeout=p.dist_timeout or DEFAULT_DIST_TIMEOUT)
 
 
 def _check_dp_attention(p: ParallelConfig) -> None:

@@ -171,11 +171,6 @@ def test_fp8_checkpoint_runs_dequantised_or_on_new_gpus():
     (CPU, V2_LITE, dict(watchdog_timeout=0.0), "--watchdog-timeout"),
     (CPU, V2_LITE, dict(schedule_policy="lpm", disable_radix_cache=True),
      "--schedule-policy lpm with --disable-radix-cache"),
-    (CPU, V2_LITE, dict(dist_timeout=20.0), "--dist-timeout: act only with --tp-size > 1"),
-    (CPU, V2_LITE, dict(dist_init_addr="127.0.0.1:5000"), "--dist-init-addr: act only with --tp-size > 1"),
-    (H100, V2_LITE, dict(disable_custom_all_reduce=True), "--disable-custom-all-reduce: act only with --tp-size > 1"),
-    (CPU, V2_LITE, dict(tp_size=2, disable_custom_all_reduce=True),
-     "--disable-custom-all-reduce: the custom all-reduce runs over CUDA IPC only"),
 ])
 def test_unsupported_combinations_fail_in_one_line_naming_the_flags(device, model, flags, words):
     with pytest.raises(ConfigError) as e:
@@ -446,14 +441,6 @@ def test_sglang_flags_we_do_not_take_get_one_line_saying_why(argv, why, capsys):
     name = argv[0][2:].replace("-", "_")                         # the Engine API's keyword: the same line
     with pytest.raises(TypeError, match=f"^{name}: .*{why}"):
         ServerConfig.from_flat(**{name: True})
-
-
-def test_flags_of_several_ranks_resolve_with_several_ranks_only():
-    r = resolve(H100, tp_size=2, dist_timeout=20.0, disable_custom_all_reduce=True, dist_init_addr="127.0.0.1:5000")
-    assert (r.parallel.dist_timeout, r.parallel.disable_custom_all_reduce) == (20.0, True)
-    assert resolve(CPU, tp_size=2, dist_timeout=20.0).parallel.dist_timeout == 20.0     # gloo ranks time out too
-    one = resolve(H100)
-    assert one.parallel.dist_timeout is None and resolve_config(one, V2_LITE, H100) == one   # one rank: no group
 
 
 def test_lpm_resolves_with_the_prefix_cache():

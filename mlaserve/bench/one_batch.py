@@ -379,8 +379,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--model-config: the shapes come from --model-path's config.json; give one of the two")
     if args.profile_dir is not None and not args.profile:
         ap.error("--profile-dir: acts only with --profile")
-    if args.disable_custom_all_reduce and max(args.tp_size) == 1:
-        ap.error("--disable-custom-all-reduce: acts only with a --tp-size > 1 (one rank runs no all-reduce)")
     path = model_dir(args)
     combos = [(tp, ep) for tp in args.tp_size for ep in args.ep_size if not tp % ep]
     for tp, ep in combos:                  # every refusal before any run: one line, as `serve` gives it

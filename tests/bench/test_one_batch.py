@@ -58,7 +58,6 @@ def test_the_seeds_bench_one_batch_flags(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("extra,line", [
     (["--model-path", "/m"], "--model-config: the shapes come from --model-path's config.json"),
     (["--profile-dir", "/tmp/p"], "--profile-dir: acts only with --profile"),
-    (["--disable-custom-all-reduce"], "--disable-custom-all-reduce: acts only with a --tp-size > 1"),
 ])
 def test_bench_flags_that_would_act_on_nothing_fail_in_one_line(extra, line, capsys):
     base = ["--load-format", "dummy", "--model-config", str(CONFIGS / "deepseek-v2-lite.json"), "--device", "cpu"]
