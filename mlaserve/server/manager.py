@@ -11,7 +11,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -64,6 +64,7 @@ class _State:
     stops: StopStream
     queue: asyncio.Queue
     created: float
+    wire_rid: str                 # the scheduler's id of this run (req.rid is the caller's)
     text: str = ""                # final text so far (stop strings already applied)
     ids: list[int] = field(default_factory=list)
     finished: FinishReason | None = None
@@ -96,7 +97,8 @@ class TokenizerManager:
             self.dp = DataParallelController(self.ctx, send_addr, info.get("load_balance_method", "shortest_queue"))
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(recv_addr)
-        self.states: dict[str, _State] = {}
+        self.states: dict[str, _State] = {}     # by the scheduler's id of the run (`_State.wire_rid`)
+        self.running: set[str] = set()          # the callers' rids of the requests in flight
         self.dead: str | None = None          # why no request can be served any more
         self._seeds = random.Random(seed)
         self._alive = alive
@@ -190,14 +192,18 @@ class TokenizerManager:
         """Run a prepared request; yield cumulative snapshots when streaming, else only the final one."""
         self._check_alive()
         await self.check_grammars([req])      # NOTE: before the rid check: no await between it and registering
-        if req.rid in self.states:
+        if req.rid in self.running:
             raise RequestError(f"request id {req.rid!r} is already running", "rid")
+        # NOTE: the scheduler knows each run by a fresh id: outputs of an earlier run of the same rid (its abort
+        # answer after a disconnect or a stop string) can still be in flight and must not reach this one
+        wire = replace(req, rid=uuid.uuid4().hex)
         p = req.params
         state = _State(req, IncrementalDetokenizer(self.tokenizer, req.input_ids, p.skip_special_tokens),
-                       StopStream(p.stop, keep_stop=p.no_stop_trim), asyncio.Queue(), time.monotonic())
-        self.states[req.rid] = state
+                       StopStream(p.stop, keep_stop=p.no_stop_trim), asyncio.Queue(), time.monotonic(), wire.rid)
+        self.states[wire.rid] = state
+        self.running.add(req.rid)
         try:
-            await self._send(req)
+            await self._send(wire)
             while True:
                 await state.queue.get()
                 while not state.queue.empty():
@@ -210,12 +216,13 @@ class TokenizerManager:
                 if done:
                     return
         finally:
+            self.running.discard(req.rid)
             if state.finished is None and self.dead is None:   # the caller went away: abort and free its KV
                 state.finished = FinishReason("abort")
-                await self.abort(req.rid)
-            self.states.pop(req.rid, None)
+                await self.abort(wire.rid)
+            self.states.pop(wire.rid, None)
             if self.dp is not None:
-                self.dp.forget(req.rid)
+                self.dp.forget(wire.rid)
 
     async def abort(self, rid: str) -> None:
         if self.dead is None:
@@ -331,7 +338,7 @@ class TokenizerManager:
             if state.stops.stopped:
                 self._finish(state, FinishReason("stop", matched=state.stops.matched))
                 if out.finished is None:
-                    self._spawn(self.abort(state.req.rid))
+                    self._spawn(self.abort(state.wire_rid))
                 return
         if out.finished is not None:
             state.text += state.stops.add(state.detok.flush())

@@ -96,11 +96,11 @@ def test_a_failing_output_ends_only_its_request(demo_tokenizer, tmp_path):
             bad = manager.prepare(GenerateInput(text="a", rid="bad"))
             good = manager.prepare(GenerateInput(text="b", rid="good"))
             tasks = [asyncio.ensure_future(final(manager, r)) for r in (bad, good)]
-            sent = {(await fake.request()).rid for _ in range(2)}
-            assert sent == {"bad", "good"}
+            sent = {tuple(r.input_ids): r.rid for r in [await fake.request() for _ in range(2)]}
+            b, g = sent[tuple(bad.input_ids)], sent[tuple(good.input_ids)]    # the scheduler's ids of the two runs
             # the detokenizer cannot decode a negative id: only "bad" fails; its abort reaches the scheduler
-            await fake.send(m.ReqOutput("bad", [-5]), m.ReqOutput("good", [300, 301]))
-            await fake.send(m.ReqOutput("good", [302], finished=FinishReason("length", length=3)))
+            await fake.send(m.ReqOutput(b, [-5]), m.ReqOutput(g, [300, 301]))
+            await fake.send(m.ReqOutput(g, [302], finished=FinishReason("length", length=3)))
             out_bad, out_good = await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
             assert isinstance(await fake.request(), m.AbortReqMsg)
             return out_bad["meta_info"]["finish_reason"], out_good
@@ -180,3 +180,53 @@ def test_grammar_backend_none_refuses_constrained_requests(demo_tokenizer, tmp_p
         assert manager.prepare(GenerateInput(text="x")).params.grammar is None
     finally:
         manager.ctx.destroy(linger=0)
+
+
+def test_a_reused_rid_never_gets_the_previous_runs_outputs(demo_tokenizer, tmp_path):
+    """A caller that reuses its rid at once (after a disconnect, or after a stop string ended the last run) is not
+    ended by the previous run's abort answer still in flight: each run has its own id at the scheduler."""
+    async def go():
+        manager, fake = make(demo_tokenizer, tmp_path)
+        manager.start()
+        try:
+            first = manager.generate(manager.prepare(GenerateInput(text="a", rid="R", stream=True)))
+            pending = asyncio.ensure_future(first.__anext__())
+            old = (await fake.request()).rid
+            await fake.send(m.ReqOutput(old, [300]))
+            await asyncio.wait_for(pending, WAIT_S)
+            await first.aclose()                           # the caller went away
+            abort = await fake.request()
+            assert isinstance(abort, m.AbortReqMsg) and abort.rid == old
+            again = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a", rid="R"))))
+            new = (await fake.request()).rid
+            assert new != old
+            await fake.send(m.ReqOutput(old, [], finished=FinishReason("abort")))     # the old run's answer
+            await fake.send(m.ReqOutput(new, [301, 302], finished=FinishReason("length", length=2)))
+            return await asyncio.wait_for(again, WAIT_S)
+        finally:
+            await manager.aclose()
+            fake.close()
+
+    out = asyncio.run(go())
+    assert out["output_ids"] == [301, 302] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+    assert out["meta_info"]["id"] == "R"
+
+
+def test_a_rid_in_flight_is_refused(demo_tokenizer, tmp_path):
+    async def go():
+        manager, fake = make(demo_tokenizer, tmp_path)
+        manager.start()
+        try:
+            running = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a", rid="R"))))
+            wire = (await fake.request()).rid
+            with pytest.raises(RequestError) as e:
+                await final(manager, manager.prepare(GenerateInput(text="b", rid="R")))
+            await fake.send(m.ReqOutput(wire, [301], finished=FinishReason("length", length=1)))
+            return e.value, await asyncio.wait_for(running, WAIT_S)
+        finally:
+            await manager.aclose()
+            fake.close()
+
+    err, out = asyncio.run(go())
+    assert err.param == "rid" and "already running" in err.message
+    assert out["output_ids"] == [301] and out["meta_info"]["id"] == "R"
