@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
 
@@ -218,8 +219,10 @@ class RequestError(ValueError):
         """The same error with `param` (and its mention in the message) in an API's own names."""
         if self.param not in names:
             return self
-        new = names[self.param]
-        return RequestError(self.message.replace(f"{self.param}=", f"{new}=", 1), new, self.status_code)
+        # every name the message mentions (e.g. "min_new_tokens (20) must not exceed max_new_tokens (16)")
+        message = re.sub(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?!\w)",
+                         lambda mt: names[mt.group(1)], self.message)
+        return RequestError(message, names[self.param], self.status_code)
 
 
 @dataclass(frozen=True)

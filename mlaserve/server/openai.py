@@ -120,12 +120,22 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 # --- OpenAI ----------------------------------------------------------------------------------------------------
 
+def _model_card(request: Request) -> ModelCard:
+    ctx, state = _ctx(request), request.app.state
+    return ModelCard(id=ctx.model_name, owned_by=DEMO_OWNER if state.demo else "mlaserve",
+                     root=state.model_path, max_model_len=ctx.context_len)
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    ctx, state = _ctx(request), request.app.state
-    card = ModelCard(id=ctx.model_name, owned_by=DEMO_OWNER if state.demo else "mlaserve",
-                     root=state.model_path, max_model_len=ctx.context_len)
-    return JSONResponse(ModelList(data=[card]).model_dump())
+    return JSONResponse(ModelList(data=[_model_card(request)]).model_dump())
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    """OpenAI's retrieve-model (`client.models.retrieve(name)`): the card of a name this server answers to."""
+    check_model(_ctx(request), model)
+    return JSONResponse(_model_card(request).model_dump())
 
 
 @router.post("/v1/chat/completions")

@@ -12,7 +12,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 from pydantic.functional_validators import AfterValidator
 
 from mlaserve.core import (
-    LogitBias, MaxNewTokens, MinP, Penalty, RepetitionPenalty, RequestError, SamplingParams, Seed, Stop, Temperature,
+    INT64_MIN, LogitBias, MaxNewTokens, MinP, Penalty, RepetitionPenalty, RequestError, SamplingParams, Seed, Stop, Temperature,
     Text, TokenId, TopK, TopP, check_utf8,
 )
 
@@ -174,8 +174,8 @@ class SamplingFields(APIModel):
                      "presence_penalty", "stop_token_ids", "stop", "logit_bias"):
             if getattr(self, name) is not None:
                 p[name] = getattr(self, name)
-        if self.seed is not None:
-            p["seed"] = self.seed + index
+        if self.seed is not None:       # wraps within int64: any valid seed works with any n
+            p["seed"] = (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN
         schema = self.response_format.json_schema_text() if self.response_format is not None else None
         for name, value in (("json_schema", schema), ("regex", self.regex), ("ebnf", self.ebnf)):
             if value is not None:

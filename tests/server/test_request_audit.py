@@ -1,0 +1,45 @@
+"""Requests an audit of the HTTP server found mishandled: every valid seed works with any n, an error names the
+fields in the API's own names, OpenAI's retrieve-model route answers, a /generate batch takes a list of rids."""
+from __future__ import annotations
+
+import pytest
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+@pytest.mark.parametrize("path, body", [(CHAT, {"messages": USER}), (COMPLETIONS, {"prompt": "hi"})])
+def test_the_largest_seed_works_with_several_choices(scripted_app, path, body):
+    """Choice i samples with seed + i, wrapped within int64 (it was a 400 'seed must be <= 2**63 - 1' when the
+    request sent exactly that)."""
+    client, manager = scripted_app(lambda i, obj: "ok")
+    r = client.post(path, json={**body, "n": 3, "seed": INT64_MAX, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert [obj.sampling_params.seed for obj in manager.requests] == [INT64_MAX, INT64_MIN, INT64_MIN + 1]
+    r = client.post(path, json={**body, "n": 2, "seed": 7, "max_tokens": 2})
+    assert [obj.sampling_params.seed for obj in manager.requests[3:]] == [7, 8]
+
+
+@pytest.mark.parametrize("path, body", [(CHAT, {"messages": USER, "max_tokens": 5, "min_tokens": 6}),
+                                        (COMPLETIONS, {"prompt": "hi", "min_tokens": 20})])   # max_tokens: 16
+def test_min_tokens_error_uses_the_openai_names(scripted_app, path, body):
+    client, _ = scripted_app(lambda i, obj: "ok")
+    r = client.post(path, json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "min_tokens"
+    assert "min_new_tokens" not in err["message"] and "max_new_tokens" not in err["message"], err["message"]
+    assert err["message"].startswith("Invalid value for 'min_tokens': min_tokens (")
+
+
+def test_retrieve_model(scripted_app):
+    import openai
+
+    client, _ = scripted_app(lambda i, obj: "ok")
+    r = client.get("/v1/models/mlaserve-demo")
+    assert r.status_code == 200 and r.json()["id"] == "mlaserve-demo" and r.json()["object"] == "model"
+    assert client.get("/v1/models/scripted").json()["id"] == "mlaserve-demo"      # the model path too
+    r = client.get("/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    with openai.OpenAI(base_url="http://test/v1", api_key="x", http_client=client, max_retries=0) as oai:
+        assert oai.models.retrieve("mlaserve-demo").id == "mlaserve-demo"
