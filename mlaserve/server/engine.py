@@ -38,12 +38,19 @@ def native_inputs(req: GenerateRequest) -> tuple[list[GenerateInput], bool]:
         raise RequestError(f"{len(params)} sampling_params for {len(prompts)} prompts", "sampling_params")
     if req.stream and batch:
         raise RequestError("stream takes a single prompt", "stream")
-    if req.rid is not None and batch:
-        raise RequestError("rid takes a single prompt (each request of a batch gets its own id)", "rid")
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+    if batch and isinstance(req.rid, str):
+        raise RequestError("a batch takes a list of rids, one per prompt", "rid")
+    if not batch and isinstance(req.rid, list):
+        raise RequestError("a single prompt takes one rid (a string)", "rid")
+    if len(rids) != len(prompts):
+        raise RequestError(f"{len(rids)} rids for {len(prompts)} prompts", "rid")
+    if req.rid is not None and len(set(rids)) != len(rids):
+        raise RequestError("the rids of a batch must differ", "rid")
     each = params if isinstance(params, list) else [params] * len(prompts)
     return [GenerateInput(**p, sampling_params=sp, return_logprob=req.return_logprob,
                           logprob_start_len=req.logprob_start_len, top_logprobs_num=req.top_logprobs_num,
-                          stream=req.stream, rid=req.rid) for p, sp in zip(prompts, each)], batch
+                          stream=req.stream, rid=rid) for p, sp, rid in zip(prompts, each, rids)], batch
 
 
 def engine_inputs(**fields: Any) -> tuple[list[GenerateInput], bool]:

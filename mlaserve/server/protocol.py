@@ -335,7 +335,7 @@ class GenerateRequest(APIModel):
     logprob_start_len: Annotated[StrictInt, Field(ge=-1)] = -1      # -1: output tokens only
     top_logprobs_num: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     stream: StrictBool = False
-    rid: Text | None = None
+    rid: Text | Annotated[list[Text], Field(min_length=1)] | None = None    # a batch: one per prompt (SGLang)
 
     @field_validator("logprob_start_len", "top_logprobs_num")
     @classmethod

@@ -43,3 +43,19 @@ def test_retrieve_model(scripted_app):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     with openai.OpenAI(base_url="http://test/v1", api_key="x", http_client=client, max_retries=0) as oai:
         assert oai.models.retrieve("mlaserve-demo").id == "mlaserve-demo"
+
+
+def test_generate_batch_takes_a_list_of_rids(scripted_app):
+    """SGLang's /generate: a batch's rid is a list, one per prompt (a list was refused, and a string was dropped
+    without a word)."""
+    client, manager = scripted_app(lambda i, obj: "ok")
+    r = client.post("/generate", json={"text": ["a", "b"], "rid": ["r1", "r2"]})
+    assert r.status_code == 200 and [obj.rid for obj in manager.requests] == ["r1", "r2"]
+    r = client.post("/generate", json={"text": "a", "rid": "one"})
+    assert r.status_code == 200 and manager.requests[-1].rid == "one"
+    for body in ({"text": ["a", "b"], "rid": "same"}, {"text": ["a", "b"], "rid": ["r1"]},
+                 {"input_ids": [[5], [6]], "rid": ["r", "r"]}, {"text": "a", "rid": ["r1"]},
+                 {"text": ["a", "b"], "rid": []}):
+        r = client.post("/generate", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "rid", (body, r.text)
+    assert len(manager.requests) == 3
