@@ -264,6 +264,17 @@ def check_request(ids: list[int], params: SamplingParams, limits: RequestLimits)
     return params
 
 
+def check_text_length(min_tokens: int, limits: RequestLimits) -> None:
+    """Refuse a prompt text whose token count is surely too large from a lower bound of it (`min_tokens`), before
+    tokenizing it: a prompt of megabytes ties up the server's event loop for seconds to minutes."""
+    if min_tokens >= limits.context_len:
+        raise RequestError(f"This model's maximum context length is {limits.context_len} tokens; the prompt has at "
+                           f"least {min_tokens} tokens.", "input_ids")
+    if min_tokens >= limits.max_total_tokens:
+        raise RequestError(f"the prompt has at least {min_tokens} tokens, more than the KV cache holds "
+                           f"({limits.max_total_tokens} tokens)", "input_ids")
+
+
 def fit_request(ids: list[int], params: SamplingParams,
                 limits: RequestLimits) -> tuple[list[int], SamplingParams, str | None]:
     """--allow-auto-truncate: the prompt cut to its first tokens and an explicit max_new_tokens lowered so that

@@ -17,7 +17,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mlaserve.core import FinishReason, RequestError, RequestLimits, SamplingParams, check_request, fit_request
+from mlaserve.core import (FinishReason, RequestError, RequestLimits, SamplingParams, check_request,
+                           check_text_length, fit_request)
 from mlaserve.ipc import messages as m
 from mlaserve.server.dp_controller import DataParallelController
 from mlaserve.tokenizer import Tokenizer
@@ -139,6 +140,11 @@ class TokenizerManager:
         if obj.input_ids is not None:
             ids = list(obj.input_ids)
         elif obj.text is not None:
+            if not self.info.get("allow_auto_truncate"):
+                try:
+                    check_text_length(self.tokenizer.min_tokens(obj.text), self.limits)
+                except RequestError as e:
+                    raise e.renamed({"input_ids": "text"}) from None
             ids = self.tokenizer.encode(obj.text)
         else:
             raise RequestError("either text (prompt) or input_ids is required", "text")

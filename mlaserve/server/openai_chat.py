@@ -9,7 +9,8 @@ from mlaserve.core import SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.server.manager import GenerateInput
 from mlaserve.server.openai_common import (
-    ServingContext, chat_logprobs, check_grammars, finish_reason, matched_stop, new_id, prepare, stream_end, usage,
+    ServingContext, chat_logprobs, check_grammars, encode_prompt, finish_reason, matched_stop, new_id, prepare,
+    stream_end, usage,
 )
 from mlaserve.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from mlaserve.server.reasoning import create_reasoning_parser
@@ -87,7 +88,7 @@ def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServingContext, tools: list
     except Exception as e:  # noqa: BLE001 - the template runs on what the request sent
         param = "chat_template_kwargs" if kwargs else "messages"
         raise APIError(f"the chat template failed on this request: {type(e).__name__}: {e}", param) from None
-    return ctx.tokenizer.encode(text, add_bos=False)
+    return encode_prompt(ctx, text, "messages", add_bos=False)
 
 
 def chat_inputs(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[GenerateReqMsg], list[dict] | None]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlaserve.config import ServerConfig
-from mlaserve.core import RequestError
+from mlaserve.core import RequestError, RequestLimits, check_text_length
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.server.manager import GenerateInput
 from mlaserve.server.protocol import OPENAI_NAMES, APIError, UsageInfo
@@ -49,6 +49,18 @@ def prepare(ctx: ServingContext, inputs: list[GenerateInput], prompt_param: str)
         return [ctx.manager.prepare(obj) for obj in inputs]
     except RequestError as e:
         raise e.renamed(names) from None
+
+
+def encode_prompt(ctx: ServingContext, text: str, param: str, add_bos: bool = True) -> list[int]:
+    """`text` tokenized, unless it is surely longer than the context (refused without tokenizing it: a prompt of
+    megabytes would hold up every request for seconds); --allow-auto-truncate cuts it later instead."""
+    if not getattr(ctx.manager, "info", {}).get("allow_auto_truncate"):
+        limits = RequestLimits(ctx.context_len, ctx.max_total_tokens or ctx.context_len, ctx.tokenizer.vocab_size)
+        try:
+            check_text_length(ctx.tokenizer.min_tokens(text), limits)
+        except RequestError as e:
+            raise e.renamed({"input_ids": param}) from None
+    return ctx.tokenizer.encode(text, add_bos=add_bos)
 
 
 async def check_grammars(ctx: ServingContext, reqs: list[GenerateReqMsg]) -> None:

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.server.manager import GenerateInput
 from mlaserve.server.openai_common import (
-    ServingContext, check_grammars, completion_logprobs, finish_reason, matched_stop, new_id, prepare, stream_end, usage,
+    ServingContext, check_grammars, completion_logprobs, encode_prompt, finish_reason, matched_stop, new_id, prepare,
+    stream_end, usage,
 )
 from mlaserve.server.protocol import APIError, CompletionRequest
 from mlaserve.server.sse import collect, merge, sse
@@ -23,7 +24,7 @@ def completion_inputs(req: CompletionRequest, ctx: ServingContext) -> tuple[list
     want_lp = req.logprobs is not None
     inputs = []
     for prompt in prompts:
-        ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = encode_prompt(ctx, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         inputs += [GenerateInput(input_ids=ids, sampling_params=req.sampling_params(req.max_tokens, j),
                                  return_logprob=want_lp, logprob_start_len=0 if req.echo and want_lp else -1,
                                  top_logprobs_num=req.logprobs or 0, stream=req.stream) for j in range(req.n)]

@@ -87,6 +87,18 @@ class Tokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters one token stands for (None: unknown, as a normalizer may change the text)."""
+        if self.backend.normalizer is not None:
+            return None
+        return max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of len(encode(text, add_bos=False)), found without tokenizing (0: none known)."""
+        most = self.max_token_chars
+        return -(-len(text) // most) if most else 0
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         bos = self.bos_token_id

@@ -59,3 +59,46 @@ def test_generate_batch_takes_a_list_of_rids(scripted_app):
         r = client.post("/generate", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "rid", (body, r.text)
     assert len(manager.requests) == 3
+
+
+HUGE = "ab c" * 250_000        # 1 MB of text: far over the context, and seconds of tokenizing
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS, {"prompt": HUGE}, "prompt"), (COMPLETIONS, {"prompt": ["hi", HUGE]}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": HUGE}]}, "messages")])
+def test_a_huge_prompt_is_refused_before_tokenizing(scripted_app, demo_tokenizer, monkeypatch, path, body, param):
+    """A prompt text surely longer than the context is refused from its length alone: tokenizing megabytes held up
+    every other request (the event loop) for seconds, a minute for 50 MB."""
+    encode = demo_tokenizer.encode
+
+    def small_only(text, *a, **kw):
+        assert len(text) < 100_000, "a huge prompt was tokenized"
+        return encode(text, *a, **kw)
+
+    monkeypatch.setattr(demo_tokenizer, "encode", small_only)
+    client, manager = scripted_app(lambda i, obj: "ok")
+    r = client.post(path, json={**body, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and "at least" in err["message"], r.text
+    assert not manager.requests
+    assert client.post(COMPLETIONS, json={"prompt": "river " * 100, "max_tokens": 1}).status_code == 200
+
+
+def test_min_tokens_is_a_lower_bound(demo_tokenizer):
+    for text in ("", "hi", "ab c" * 100, " " * 500, "<｜begin▁of▁sentence｜>" * 5, "0123456789" * 20, "é∑😀" * 30):
+        assert demo_tokenizer.min_tokens(text) <= len(demo_tokenizer.encode(text, add_bos=False)), text
+
+
+def test_generate_refuses_a_huge_text_before_tokenizing(demo_tokenizer, tmp_path):
+    from mlaserve.server.manager import GenerateInput, RequestError, TokenizerManager
+
+    info = {"context_length": 256, "max_total_tokens": 512, "vocab_size": demo_tokenizer.vocab_size}
+    manager = TokenizerManager(demo_tokenizer, f"ipc://{tmp_path}/r", f"ipc://{tmp_path}/o", info)
+    try:
+        with pytest.raises(RequestError) as e:
+            manager.prepare(GenerateInput(text=HUGE))
+        assert e.value.param == "text" and "at least" in e.value.message
+        assert manager.prepare(GenerateInput(text="hi")).input_ids          # a short one still passes
+    finally:
+        manager.ctx.destroy(linger=0)
