@@ -335,11 +335,17 @@ class TokenizerManager:
         if out.input_logprobs is not None:
             state.meta["input_token_logprobs"] = out.input_logprobs
             state.meta["input_top_logprobs"] = out.input_top_logprobs
+        # SGLang: the stop token matched (stop_token_ids, EOS) is in output_ids but not in the text (no_stop_trim keeps it)
+        fin = out.finished
+        trim = fin is not None and fin.kind == "stop" and isinstance(fin.matched, int) \
+            and not state.req.params.no_stop_trim and bool(out.new_ids) and out.new_ids[-1] == fin.matched
         for i, tok in enumerate(out.new_ids):
             state.ids.append(tok)
             if out.new_logprobs:
                 state.out_logprobs.append(out.new_logprobs[i])
                 state.out_top.append(out.new_top_logprobs[i])
+            if trim and i == len(out.new_ids) - 1:
+                break
             state.text += state.stops.add(state.detok.add([tok]))
             if state.stops.stopped:
                 self._finish(state, FinishReason("stop", matched=state.stops.matched))

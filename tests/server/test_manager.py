@@ -230,3 +230,27 @@ def test_a_rid_in_flight_is_refused(demo_tokenizer, tmp_path):
     err, out = asyncio.run(go())
     assert err.param == "rid" and "already running" in err.message
     assert out["output_ids"] == [301] and out["meta_info"]["id"] == "R"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_matched_stop_token_is_not_in_the_text(demo_tokenizer, tmp_path, keep):
+    """As SGLang: a request ended by one of its stop_token_ids (or EOS) has that token in output_ids but not in its
+    text, unless no_stop_trim."""
+    async def go():
+        manager, fake = make(demo_tokenizer, tmp_path)
+        manager.start()
+        try:
+            params = SamplingParams(stop_token_ids=[302], no_stop_trim=keep)
+            run = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a", sampling_params=params))))
+            wire = (await fake.request()).rid
+            await fake.send(m.ReqOutput(wire, [300, 301]))
+            await fake.send(m.ReqOutput(wire, [302], finished=FinishReason("stop", matched=302)))
+            return await asyncio.wait_for(run, WAIT_S)
+        finally:
+            await manager.aclose()
+            fake.close()
+
+    out = asyncio.run(go())
+    assert out["output_ids"] == [300, 301, 302] and out["meta_info"]["finish_reason"] == {"type": "stop",
+                                                                                            "matched": 302}
+    assert out["text"] == demo_tokenizer.decode([300, 301, 302] if keep else [300, 301])
