@@ -13,7 +13,7 @@ ONE = dict(prompt="hi", sampling_params=None, input_ids=None, return_logprob=Fal
 @pytest.mark.parametrize("fields, param, words", [
     (dict(top_logprobs_num=3), "top_logprobs_num", "top_logprobs_num needs return_logprob: true"),
     (dict(logprob_start_len=0), "logprob_start_len", "logprob_start_len needs return_logprob: true"),
-    (dict(prompt=["a", "b"], rid="r1"), "rid", "rid takes a single prompt"),
+    (dict(prompt=["a", "b"], rid="r1"), "rid", "a batch takes a list of rids, one per prompt"),
 ])
 def test_fields_that_would_act_on_nothing_are_refused(fields, param, words):
     with pytest.raises(RequestError) as e:
@@ -27,6 +27,8 @@ def test_the_same_fields_act_where_they_apply():
     assert not batch and (one.top_logprobs_num, one.logprob_start_len, one.rid) == (3, 0, "r1")
     objs, batch = engine_inputs(**(ONE | dict(prompt=["a", "b"])))
     assert batch and [o.rid for o in objs] == [None, None]
+    objs, batch = engine_inputs(**(ONE | dict(prompt=["a", "b"], rid=["r1", "r2"])))
+    assert batch and [o.rid for o in objs] == ["r1", "r2"]
 
 
 @pytest.mark.parametrize("model", ["chat", "completions"])
