@@ -237,6 +237,16 @@ class TokenizerManager:
             except EngineDeadError:
                 pass
 
+    async def abort_request(self, rid: str | None, abort_all: bool = False) -> int:
+        """End the caller's running request `rid` (or every one) now: its caller gets the output so far with an
+        abort finish, and the scheduler frees its KV. How many were running."""
+        hit = [s for s in self.states.values() if s.finished is None and (abort_all or s.req.rid == rid)]
+        for state in hit:
+            self._finish(state, FinishReason("abort", message="aborted by an /abort_request call"))
+            state.queue.put_nowait(None)
+            await self.abort(state.wire_rid)
+        return len(hit)
+
     async def flush_cache(self) -> bool:
         return (await self._request(m.FlushCacheReqMsg())).ok
 

@@ -25,7 +25,7 @@ from mlaserve.server.openai_chat import chat_completion, chat_inputs, chat_strea
 from mlaserve.server.openai_common import ServingContext, check_grammars, check_model
 from mlaserve.server.openai_completions import completion, completion_inputs, completion_stream
 from mlaserve.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
+    AbortRequest, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
     TokenizeRequest, describe_errors, error_body, field_name,
 )
 from mlaserve.server.sse import DONE, ClientGone, SSEResponse, collect, sse, unless_disconnected
@@ -97,6 +97,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
         return _error(f"The request body is not valid JSON ({detail}).", None, 400)
     if field_name(tuple(errors[0]["loc"])) is None:
+        if errors[0].get("type") == "value_error":          # a check of the whole body (which fields go together)
+            return _error(errors[0]["msg"].removeprefix("Value error, "), None, 400)
         return _error("The request body must be a JSON object (content-type: application/json).", None, 400)
     return _error(*describe_errors(errors), 400)
 
@@ -229,7 +231,8 @@ async def get_model_info(request: Request) -> JSONResponse:
     info = getattr(ctx.manager, "info", {})
     return JSONResponse({
         "model_path": state.model_path, "tokenizer_path": ctx.server.load.tokenizer_path or state.model_path,
-        "served_model_name": ctx.model_name, "is_generation": True, "random_weights": state.demo,
+        "served_model_name": ctx.model_name, "is_generation": True,
+        "random_weights": ctx.server.load.load_format == "dummy",          # (the built-in demo model is trained)
         "architecture": info.get("architecture"), "context_length": ctx.context_len,
         "max_total_tokens": ctx.max_total_tokens, "vocab_size": ctx.tokenizer.vocab_size,
     })
@@ -255,6 +258,14 @@ async def flush_cache(request: Request) -> JSONResponse:
     if await _ctx(request).manager.flush_cache():
         return JSONResponse({"success": True, "message": "Cache flushed."})
     return _error("Cache not flushed: requests are running; retry when the server is idle.", None, 400)
+
+
+@router.post("/abort_request")
+async def abort_request(req: AbortRequest, request: Request) -> JSONResponse:
+    """End a running request (its caller gets the error "aborted by an /abort_request call"), or all of them;
+    answers how many were running. An unknown or finished rid is not an error (it may have just ended)."""
+    _require_scheduler(request)
+    return JSONResponse({"aborted": await _ctx(request).manager.abort_request(req.rid, req.abort_all)})
 
 
 @router.get("/metrics")

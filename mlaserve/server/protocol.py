@@ -352,6 +352,18 @@ class GenerateRequest(APIModel):
         return self
 
 
+class AbortRequest(APIModel):
+    """SGLang's /abort_request: one running request by its rid, or every one."""
+    rid: Text | None = None
+    abort_all: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AbortRequest:
+        if (self.rid is None) == (not self.abort_all):
+            raise ValueError("give a rid or abort_all: true (not both)")
+        return self
+
+
 class TokenizeRequest(APIModel):
     prompt: Text | list[ChatMessage]
     add_special_tokens: StrictBool = True

@@ -232,6 +232,41 @@ def test_a_rid_in_flight_is_refused(demo_tokenizer, tmp_path):
     assert out["output_ids"] == [301] and out["meta_info"]["id"] == "R"
 
 
+def test_abort_request_ends_the_callers_request_and_frees_it_at_the_scheduler(demo_tokenizer, tmp_path):
+    """/abort_request by the caller's rid: the caller gets its tokens so far with an abort finish at once, the
+    scheduler is told the run's own id; an unknown rid aborts nothing; abort_all ends every running request."""
+    async def go():
+        manager, fake = make(demo_tokenizer, tmp_path)
+        manager.start()
+        try:
+            running = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a", rid="R"))))
+            wire = (await fake.request()).rid
+            await fake.send(m.ReqOutput(wire, [300]))
+            while not manager.states[wire].ids:
+                await asyncio.sleep(0.01)
+            none = await manager.abort_request("other")
+            one = await manager.abort_request("R")
+            told = await fake.request()
+            out = await asyncio.wait_for(running, WAIT_S)
+            others = [asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="b", rid=r))))
+                      for r in ("S", "T")]
+            wires = {(await fake.request()).rid for _ in others}
+            both = await manager.abort_request(None, abort_all=True)
+            told_all = {(await fake.request()).rid for _ in others}
+            outs = await asyncio.wait_for(asyncio.gather(*others), WAIT_S)
+            return none, one, told, wire, out, both, told_all == wires, outs
+        finally:
+            await manager.aclose()
+            fake.close()
+
+    none, one, told, wire, out, both, all_told, outs = asyncio.run(go())
+    assert (none, one, both) == (0, 1, 2) and all_told
+    assert isinstance(told, m.AbortReqMsg) and told.rid == wire
+    assert out["output_ids"] == [300] and out["meta_info"]["id"] == "R"
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted by an /abort_request call"}
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_the_matched_stop_token_is_not_in_the_text(demo_tokenizer, tmp_path, keep):
     """As SGLang: a request ended by one of its stop_token_ids (or EOS) has that token in output_ids but not in its

@@ -119,7 +119,7 @@ def test_tokenize_detokenize_roundtrip(http):
 
 def test_info_health_and_cache_endpoints(http, server):
     info = http.get("/get_model_info").json()
-    assert info["random_weights"] is True and info["context_length"] == server.context_len
+    assert info["random_weights"] is False and info["context_length"] == server.context_len    # the trained demo
     got = http.get("/get_server_info").json()
     assert got["max_total_tokens"] == 4096 and got["context_length"] == server.context_len
     assert got["scheduler_pid"] > 0 and "num_running_reqs" in got and got["api_key"] == "<set>"
@@ -258,3 +258,24 @@ def test_malformed_tool_call_is_returned_as_content(scripted_app):
     assert m.message.tool_calls is None and "{not json" in m.message.content and m.finish_reason == "stop"
     content, _, calls, _ = streamed_chat(client, messages=USER, tools=TOOLS)
     assert calls == {} and content == m.message.content
+
+
+def test_abort_request_ends_a_running_stream(http):
+    """SGLang's /abort_request: a running request by rid (its stream ends with an abort finish), nothing for an
+    unknown rid, one line for a body naming neither or both targets."""
+    for body in ({}, {"rid": "x", "abort_all": True}):
+        r = http.post("/abort_request", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "give a rid or abort_all: true (not both)"
+    r = http.post("/generate", json={"sampling_params": {}})              # a check of the whole body: its own line
+    assert r.status_code == 400 and r.json()["error"]["message"] == "give exactly one of text and input_ids", r.text
+    assert http.post("/abort_request", json={"rid": "nobody"}).json() == {"aborted": 0}
+    body = {"text": "def", "rid": "long-1", "stream": True, "sampling_params": {"max_new_tokens": 1000,
+                                                                             "ignore_eos": True}}
+    with http.stream("POST", "/generate", json=body) as r:
+        events = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(events))
+        assert http.post("/abort_request", json={"rid": "long-1"}).json() == {"aborted": 1}
+        rest = [e for e in events if e != "[DONE]"]
+    last = json.loads(rest[-1]) if rest else first
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted by an /abort_request call"}
+    assert len(last["output_ids"]) < 1000
