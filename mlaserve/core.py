@@ -259,6 +259,9 @@ def check_request(ids: list[int], params: SamplingParams, limits: RequestLimits)
             held = ("the KV cache holds", limits.max_total_tokens)
         raise RequestError(f"max_new_tokens={want} is too large: {held[0]} {held[1]} tokens and the prompt has "
                            f"{n}, so at most {room} can be generated.", "max_new_tokens")
+    if params.min_new_tokens > room:                 # (max_new_tokens unset: it would become `room`)
+        raise RequestError(f"min_new_tokens={params.min_new_tokens} cannot be met: the prompt has {n} tokens, so at "
+                           f"most {room} can be generated.", "min_new_tokens")
     if want is None or want > room:
         return params.model_copy(update={"max_new_tokens": room})
     return params

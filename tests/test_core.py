@@ -73,6 +73,11 @@ def test_check_request_resolves_or_refuses_max_new_tokens():
     assert e.value.renamed({"max_new_tokens": "max_tokens"}).message.startswith("max_tokens=51 is too large")
     with pytest.raises(RequestError, match="maximum context length is 100"):
         check_request(ids, SamplingParams(max_new_tokens=95), RequestLimits(100, 1000, 1000))
+    # min_new_tokens past the room left, max_new_tokens unset (it would become the room): refused, naming it
+    assert check_request(ids, SamplingParams(max_new_tokens=None, min_new_tokens=50), LIMITS).max_new_tokens == 50
+    with pytest.raises(RequestError, match="min_new_tokens=51 cannot be met: .* at most 50") as e:
+        check_request(ids, SamplingParams(max_new_tokens=None, min_new_tokens=51), LIMITS)
+    assert e.value.renamed({"min_new_tokens": "min_tokens"}).message.startswith("min_tokens=51 cannot be met")
 
 
 def test_fit_request_cuts_what_check_request_would_refuse():

@@ -135,8 +135,11 @@ class TokenizerManager:
         """Tokenize and check one request (the only check on its path) and choose its seed.
 
         Raises RequestError naming the field (`text` / `input_ids`, `max_new_tokens`, `logit_bias`, a grammar
-        with --grammar-backend none), or EngineDeadError. Grammars are checked by `check_grammars` (async)."""
+        with --grammar-backend none, a rid already running), or EngineDeadError. Grammars are checked by
+        `check_grammars` (async)."""
         self._check_alive()
+        if obj.rid is not None and obj.rid in self.running:     # (before a stream starts; `generate` checks again)
+            raise RequestError(f"request id {obj.rid!r} is already running", "rid")
         if obj.input_ids is not None:
             ids = list(obj.input_ids)
         elif obj.text is not None:

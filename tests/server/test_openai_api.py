@@ -262,7 +262,7 @@ def test_malformed_tool_call_is_returned_as_content(scripted_app):
 
 def test_abort_request_ends_a_running_stream(http):
     """SGLang's /abort_request: a running request by rid (its stream ends with an abort finish), nothing for an
-    unknown rid, one line for a body naming neither or both targets."""
+    unknown rid, one line for a body naming neither or both targets; a second stream of a running rid is a 400."""
     for body in ({}, {"rid": "x", "abort_all": True}):
         r = http.post("/abort_request", json=body)
         assert r.status_code == 400 and r.json()["error"]["message"] == "give a rid or abort_all: true (not both)"
@@ -274,6 +274,8 @@ def test_abort_request_ends_a_running_stream(http):
     with http.stream("POST", "/generate", json=body) as r:
         events = (line[len("data: "):] for line in r.iter_lines() if line.startswith("data: "))
         first = json.loads(next(events))
+        dup = http.post("/generate", json=body)               # the same rid while it runs: 400 before any stream
+        assert dup.status_code == 400 and "'long-1' is already running" in dup.json()["error"]["message"], dup.text
         assert http.post("/abort_request", json={"rid": "long-1"}).json() == {"aborted": 1}
         rest = [e for e in events if e != "[DONE]"]
     last = json.loads(rest[-1]) if rest else first
