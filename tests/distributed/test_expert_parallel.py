@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from mlaserve.layers.ops import get_ops
 from mlaserve.models import weights as weights_mod
 from mlaserve.models.deepseek import DeepseekForCausalLM
 from mlaserve.tools.make_checkpoint import make_config
-from parallel_common import FP8_TIE_MARGIN, VARIANTS as ALL_VARIANTS, assert_fp8_logprobs_close, checkpoint_builder
+from parallel_common import (VARIANTS as ALL_VARIANTS, assert_fp8_logprobs_close, assert_fp8_outputs_close,
+                             checkpoint_builder)
 from seq_runner import SeqRunner
 
 CONFIGS = Path(mlaserve.__file__).parent / "tools" / "configs"
@@ -48,7 +50,7 @@ def engine_run(path: str, prompts: list[list[int]], **server) -> tuple[list[dict
         # makes the checkpoint's eos the greedy choice)
         outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0,
                                                                    "ignore_eos": True},
-                               return_logprob=True, logprob_start_len=0)
+                               return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
         return outs, engine.get_server_info()
 
 
@@ -77,7 +79,7 @@ MAX_NEW = 8
 
 
 def seeded_prompts(n: int) -> list[list[int]]:
-    seed = random.randrange(2**31)
+    seed = int(os.environ.get("TEST_SEED") or random.randrange(2**31))     # TEST_SEED=N replays a printed seed
     print(f"seed {seed}")
     rng = random.Random(seed)
     return [[rng.randrange(5, 4000) for _ in range(rng.randint(3, 40))] for _ in range(n)]
@@ -107,9 +109,12 @@ def test_ep2_equals_tp1_through_the_engine(checkpoint, case, one_thread):
         assert [ids for _, ids, _ in ref] == [o["output_ids"] for o in got]
         return
     assert_fp8_logprobs_close(diffs)
-    for (_, ids, margins), o in zip(ref, got):
-        n = next((i for i, m in enumerate(margins) if m < FP8_TIE_MARGIN), len(ids))   # before a near-tie
-        assert ids[:n] == o["output_ids"][:n]
+    # NOTE: greedy tokens against the single-process Engine on the same batch (as the tp 2 test does): against the
+    # reference above, which decodes each prompt alone, a batch's last-bit differences flipped one e4m3 rounding or
+    # routing choice and a greedy token with a 2.2 margin (seed 752050335); the Engine at tp 1, tp 2 and tp 2 ep 2
+    # gave the same tokens there
+    one, _ = engine_run(path, prompts, tp_size=1, **flags)
+    assert_fp8_outputs_close(one, got)
 
 
 # case -> (checkpoint, Engine flags): four ranks in two expert sets of two, each set splitting its 8 experts'
