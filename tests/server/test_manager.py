@@ -3,6 +3,8 @@ failure stays its own, and a dead scheduler or receive loop fails every request 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,25 @@ def make(tokenizer, tmp_path: Path, seed: int = 0, alive=None) -> tuple[Tokenize
     base = f"ipc://{tmp_path}/mgr-{seed}-{id(alive)}"
     manager = TokenizerManager(tokenizer, base + "-req", base + "-out", INFO, seed=seed, alive=alive)
     return manager, FakeScheduler(base + "-req", base + "-out")
+
+
+@contextlib.asynccontextmanager
+async def started(tokenizer, tmp_path: Path) -> AsyncIterator[tuple[TokenizerManager, FakeScheduler]]:
+    """A started manager and its scripted scheduler, both closed on the way out."""
+    manager, fake = make(tokenizer, tmp_path)
+    manager.start()
+    try:
+        yield manager, fake
+    finally:
+        await manager.aclose()
+        fake.close()
+
+
+async def running(manager: TokenizerManager, fake: FakeScheduler, rid: str | None, text: str = "a",
+                  **fields) -> tuple[asyncio.Future, str]:
+    """A request under way (its final snapshot, a future) and the id the scheduler knows it by."""
+    fut = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text=text, rid=rid, **fields))))
+    return fut, (await fake.request()).rid
 
 
 async def final(manager: TokenizerManager, req: m.GenerateReqMsg) -> dict:
@@ -186,9 +207,7 @@ def test_a_reused_rid_never_gets_the_previous_runs_outputs(demo_tokenizer, tmp_p
     """A caller that reuses its rid at once (after a disconnect, or after a stop string ended the last run) is not
     ended by the previous run's abort answer still in flight: each run has its own id at the scheduler."""
     async def go():
-        manager, fake = make(demo_tokenizer, tmp_path)
-        manager.start()
-        try:
+        async with started(demo_tokenizer, tmp_path) as (manager, fake):
             first = manager.generate(manager.prepare(GenerateInput(text="a", rid="R", stream=True)))
             pending = asyncio.ensure_future(first.__anext__())
             old = (await fake.request()).rid
@@ -197,15 +216,11 @@ def test_a_reused_rid_never_gets_the_previous_runs_outputs(demo_tokenizer, tmp_p
             await first.aclose()                           # the caller went away
             abort = await fake.request()
             assert isinstance(abort, m.AbortReqMsg) and abort.rid == old
-            again = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a", rid="R"))))
-            new = (await fake.request()).rid
+            again, new = await running(manager, fake, "R")
             assert new != old
             await fake.send(m.ReqOutput(old, [], finished=FinishReason("abort")))     # the old run's answer
             await fake.send(m.ReqOutput(new, [301, 302], finished=FinishReason("length", length=2)))
             return await asyncio.wait_for(again, WAIT_S)
-        finally:
-            await manager.aclose()
-            fake.close()
 
     out = asyncio.run(go())
     assert out["output_ids"] == [301, 302] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
@@ -214,18 +229,12 @@ def test_a_reused_rid_never_gets_the_previous_runs_outputs(demo_tokenizer, tmp_p
 
 def test_a_rid_in_flight_is_refused(demo_tokenizer, tmp_path):
     async def go():
-        manager, fake = make(demo_tokenizer, tmp_path)
-        manager.start()
-        try:
-            running = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a", rid="R"))))
-            wire = (await fake.request()).rid
+        async with started(demo_tokenizer, tmp_path) as (manager, fake):
+            first, wire = await running(manager, fake, "R")
             with pytest.raises(RequestError) as e:
                 await final(manager, manager.prepare(GenerateInput(text="b", rid="R")))
             await fake.send(m.ReqOutput(wire, [301], finished=FinishReason("length", length=1)))
-            return e.value, await asyncio.wait_for(running, WAIT_S)
-        finally:
-            await manager.aclose()
-            fake.close()
+            return e.value, await asyncio.wait_for(first, WAIT_S)
 
     err, out = asyncio.run(go())
     assert err.param == "rid" and "already running" in err.message
@@ -236,28 +245,20 @@ def test_abort_request_ends_the_callers_request_and_frees_it_at_the_scheduler(de
     """/abort_request by the caller's rid: the caller gets its tokens so far with an abort finish at once, the
     scheduler is told the run's own id; an unknown rid aborts nothing; abort_all ends every running request."""
     async def go():
-        manager, fake = make(demo_tokenizer, tmp_path)
-        manager.start()
-        try:
-            running = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a", rid="R"))))
-            wire = (await fake.request()).rid
+        async with started(demo_tokenizer, tmp_path) as (manager, fake):
+            first, wire = await running(manager, fake, "R")
             await fake.send(m.ReqOutput(wire, [300]))
             while not manager.states[wire].ids:
                 await asyncio.sleep(0.01)
             none = await manager.abort_request("other")
             one = await manager.abort_request("R")
             told = await fake.request()
-            out = await asyncio.wait_for(running, WAIT_S)
-            others = [asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="b", rid=r))))
-                      for r in ("S", "T")]
-            wires = {(await fake.request()).rid for _ in others}
+            out = await asyncio.wait_for(first, WAIT_S)
+            others = [await running(manager, fake, r, "b") for r in ("S", "T")]
             both = await manager.abort_request(None, abort_all=True)
             told_all = {(await fake.request()).rid for _ in others}
-            outs = await asyncio.wait_for(asyncio.gather(*others), WAIT_S)
-            return none, one, told, wire, out, both, told_all == wires, outs
-        finally:
-            await manager.aclose()
-            fake.close()
+            outs = await asyncio.wait_for(asyncio.gather(*(f for f, _ in others)), WAIT_S)
+            return none, one, told, wire, out, both, told_all == {w for _, w in others}, outs
 
     none, one, told, wire, out, both, all_told, outs = asyncio.run(go())
     assert (none, one, both) == (0, 1, 2) and all_told
@@ -272,18 +273,12 @@ def test_the_matched_stop_token_is_not_in_the_text(demo_tokenizer, tmp_path, kee
     """As SGLang: a request ended by one of its stop_token_ids (or EOS) has that token in output_ids but not in its
     text, unless no_stop_trim."""
     async def go():
-        manager, fake = make(demo_tokenizer, tmp_path)
-        manager.start()
-        try:
+        async with started(demo_tokenizer, tmp_path) as (manager, fake):
             params = SamplingParams(stop_token_ids=[302], no_stop_trim=keep)
-            run = asyncio.ensure_future(final(manager, manager.prepare(GenerateInput(text="a", sampling_params=params))))
-            wire = (await fake.request()).rid
+            run, wire = await running(manager, fake, None, sampling_params=params)
             await fake.send(m.ReqOutput(wire, [300, 301]))
             await fake.send(m.ReqOutput(wire, [302], finished=FinishReason("stop", matched=302)))
             return await asyncio.wait_for(run, WAIT_S)
-        finally:
-            await manager.aclose()
-            fake.close()
 
     out = asyncio.run(go())
     assert out["output_ids"] == [300, 301, 302] and out["meta_info"]["finish_reason"] == {"type": "stop",
