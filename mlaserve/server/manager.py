@@ -76,6 +76,19 @@ class _State:
     last_token_time: float | None = None
 
 
+def encode_within(tokenizer: Tokenizer, text: str, limits: RequestLimits, param: str, *, truncate: bool,
+                  add_bos: bool = True) -> list[int]:
+    """`text` tokenized; a text surely longer than the limits is refused first, without tokenizing it (a prompt of
+    megabytes would hold up the event loop), as a RequestError naming `param`. truncate (--allow-auto-truncate): no
+    refusal, `fit_request` cuts the tokens later."""
+    if not truncate:
+        try:
+            check_text_length(tokenizer.min_tokens(text), limits)
+        except RequestError as e:
+            raise e.renamed({"input_ids": param}) from None
+    return tokenizer.encode(text, add_bos=add_bos)
+
+
 class TokenizerManager:
     """Args:
         send_addr: the scheduler's request socket, or one per DP-attention group (then a DataParallelController
@@ -143,12 +156,8 @@ class TokenizerManager:
         if obj.input_ids is not None:
             ids = list(obj.input_ids)
         elif obj.text is not None:
-            if not self.info.get("allow_auto_truncate"):
-                try:
-                    check_text_length(self.tokenizer.min_tokens(obj.text), self.limits)
-                except RequestError as e:
-                    raise e.renamed({"input_ids": "text"}) from None
-            ids = self.tokenizer.encode(obj.text)
+            ids = encode_within(self.tokenizer, obj.text, self.limits, "text",
+                                truncate=bool(self.info.get("allow_auto_truncate")))
         else:
             raise RequestError("either text (prompt) or input_ids is required", "text")
         params = obj.sampling_params
@@ -348,7 +357,7 @@ class TokenizerManager:
         if out.input_logprobs is not None:
             state.meta["input_token_logprobs"] = out.input_logprobs
             state.meta["input_top_logprobs"] = out.input_top_logprobs
-        # SGLang: the stop token matched (stop_token_ids, EOS) is in output_ids but not in the text (no_stop_trim keeps it)
+        # SGLang: the matched stop token (stop_token_ids, EOS) is in output_ids, not in the text (no_stop_trim keeps it)
         fin = out.finished
         trim = fin is not None and fin.kind == "stop" and isinstance(fin.matched, int) \
             and not state.req.params.no_stop_trim and bool(out.new_ids) and out.new_ids[-1] == fin.matched

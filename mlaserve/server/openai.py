@@ -25,8 +25,8 @@ from mlaserve.server.openai_chat import chat_completion, chat_inputs, chat_strea
 from mlaserve.server.openai_common import ServingContext, check_grammars, check_model
 from mlaserve.server.openai_completions import completion, completion_inputs, completion_stream
 from mlaserve.server.protocol import (
-    AbortRequest, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ModelCard, ModelList,
-    TokenizeRequest, describe_errors, error_body, field_name,
+    AbortRequest, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ModelCard,
+    ModelList, TokenizeRequest, describe_errors, error_body, field_name,
 )
 from mlaserve.server.sse import DONE, ClientGone, SSEResponse, collect, sse, unless_disconnected
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlaserve.config import ServerConfig
-from mlaserve.core import RequestError, RequestLimits, check_text_length
+from mlaserve.core import RequestError, RequestLimits
 from mlaserve.ipc.messages import GenerateReqMsg
-from mlaserve.server.manager import GenerateInput
+from mlaserve.server.manager import GenerateInput, encode_within
 from mlaserve.server.protocol import OPENAI_NAMES, APIError, UsageInfo
 from mlaserve.server.sse import DONE, sse
 from mlaserve.tokenizer import Tokenizer
@@ -52,15 +52,10 @@ def prepare(ctx: ServingContext, inputs: list[GenerateInput], prompt_param: str)
 
 
 def encode_prompt(ctx: ServingContext, text: str, param: str, add_bos: bool = True) -> list[int]:
-    """`text` tokenized, unless it is surely longer than the context (refused without tokenizing it: a prompt of
-    megabytes would hold up every request for seconds); --allow-auto-truncate cuts it later instead."""
-    if not getattr(ctx.manager, "info", {}).get("allow_auto_truncate"):
-        limits = RequestLimits(ctx.context_len, ctx.max_total_tokens or ctx.context_len, ctx.tokenizer.vocab_size)
-        try:
-            check_text_length(ctx.tokenizer.min_tokens(text), limits)
-        except RequestError as e:
-            raise e.renamed({"input_ids": param}) from None
-    return ctx.tokenizer.encode(text, add_bos=add_bos)
+    """`text` tokenized under the manager's limits (`manager.encode_within`), a refusal naming `param`."""
+    limits = RequestLimits(ctx.context_len, ctx.max_total_tokens or ctx.context_len, ctx.tokenizer.vocab_size)
+    return encode_within(ctx.tokenizer, text, limits, param, add_bos=add_bos,
+                         truncate=bool(getattr(ctx.manager, "info", {}).get("allow_auto_truncate")))
 
 
 async def check_grammars(ctx: ServingContext, reqs: list[GenerateReqMsg]) -> None:

@@ -12,8 +12,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 from pydantic.functional_validators import AfterValidator
 
 from mlaserve.core import (
-    INT64_MIN, LogitBias, MaxNewTokens, MinP, Penalty, RepetitionPenalty, RequestError, SamplingParams, Seed, Stop, Temperature,
-    Text, TokenId, TopK, TopP, check_utf8,
+    INT64_MIN, LogitBias, MaxNewTokens, MinP, Penalty, RepetitionPenalty, RequestError, SamplingParams, Seed, Stop,
+    Temperature, Text, TokenId, TopK, TopP, check_utf8,
 )
 
 MAX_N = 64              # most choices per request
