@@ -37,6 +37,7 @@ DEMO_OWNER = "mlaserve-demo (trained on Python source)"
 OPEN_PATHS = ("/health", "/metrics")   # reachable without the API key (probes, scrapers)
 HEALTH_TIMEOUT_S = 30.0
 CLIENT_CLOSED = 499                    # nginx's status for "client closed request"
+MAX_BODY_BYTES = 64 << 20              # a request body past this is refused (413) as it arrives, before it is all read
 
 router = APIRouter()
 
@@ -57,6 +58,7 @@ def create_app(manager: Any, tokenizer: Any, server: ServerConfig, *, model_path
     app = FastAPI(title="mlaserve", dependencies=[Depends(_check_request)])
     app.state.ctx, app.state.handle, app.state.metrics = ctx, handle, metrics
     app.state.model_path, app.state.demo = model_path, demo
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestError, _api_error)
@@ -82,6 +84,36 @@ async def _check_request(request: Request) -> None:
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if not hmac.compare_digest(given.encode(), server.api_key.encode()):
         raise APIError("Incorrect API key provided (send it as 'Authorization: Bearer KEY').", None, 401)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes ends in 413 as soon as its Content-Length or its bytes read
+    so far pass the limit, so an endless or huge upload cannot exhaust the server's memory."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            if declared.isdigit() and int(declared) > self.limit:
+                raise HTTPException(413, self._message())
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"The request body is larger than the server's limit of {self.limit >> 20} MiB."
 
 
 # --- errors ---------------------------------------------------------------------------------------------------

@@ -70,22 +70,35 @@ def error_body(message: str, param: str | None, status_code: int, type: str | No
                       "code": code or status_code}}
 
 
-def field_name(loc: tuple) -> str | None:
-    """`("body", "messages", 0, "role")` -> "messages[0].role"; pydantic's type / union tags are dropped."""
-    out = ""
+def _field_parts(loc: tuple) -> list[str]:
+    """The parts of a pydantic location that name a field or an index; the body prefix and pydantic's type /
+    union tags are dropped."""
+    out = []
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
-            out += f"[{part}]"
+            out.append(f"[{part}]")
         elif part.isidentifier() and not part[0].isupper() and part not in ("str", "int", "float", "bool", "list",
                                                                               "dict", "none"):
-            out += f".{part}" if out else part
-    return out or None
+            out.append(f".{part}" if out else part)
+    return out
+
+
+def field_name(loc: tuple) -> str | None:
+    """`("body", "messages", 0, "role")` -> "messages[0].role"; pydantic's type / union tags are dropped."""
+    return "".join(_field_parts(loc)) or None
 
 
 def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
-    """(message, param) for pydantic's errors: the first field named, with every complaint about it."""
-    param = field_name(tuple(errors[0]["loc"]))
-    msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errors
+    """(message, param) for pydantic's errors: the first field named, with every complaint about it.
+
+    A value that fails every member of a union gets one error per member; the member that got furthest into the
+    value (the deepest location) names the cause: `content: [{"type": "text"}]` is missing `content[0].text`, not
+    "not a string". Members that failed at the same place are listed together ("... ; or ...")."""
+    top = _field_parts(tuple(errors[0]["loc"]))[:1]
+    same = [e for e in errors if _field_parts(tuple(e["loc"]))[:1] == top]
+    deepest = max(len(_field_parts(tuple(e["loc"]))) for e in same)
+    param = field_name(tuple(next(e for e in same if len(_field_parts(tuple(e["loc"]))) == deepest)["loc"]))
+    msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in same
                               if field_name(tuple(e["loc"])) == param))
     return f"Invalid value for '{param}': {'; or '.join(msgs)}", param
 
@@ -365,7 +378,7 @@ class AbortRequest(APIModel):
 
 
 class TokenizeRequest(APIModel):
-    prompt: Text | list[ChatMessage]
+    prompt: Text | Annotated[list[ChatMessage], Field(min_length=1)]
     add_special_tokens: StrictBool = True
 
 

@@ -102,3 +102,50 @@ def test_generate_refuses_a_huge_text_before_tokenizing(demo_tokenizer, tmp_path
         assert manager.prepare(GenerateInput(text="hi")).input_ids          # a short one still passes
     finally:
         manager.ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text",
+     "Field required"),
+    (CHAT, {"messages": USER, "tool_choice": {"type": "function"}}, "tool_choice.function", "Field required"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt[1]", "valid integer"),
+    (COMPLETIONS, {"prompt": None}, "prompt", "valid string; or Input should be a valid list"),
+    ("/generate", {"text": ["a", 1]}, "text[1]", "valid string"),
+])
+def test_a_union_error_names_the_member_that_got_furthest(scripted_app, path, body, param, words):
+    """A value that fails every member of a union was answered with the first member's complaint ("content: Input
+    should be a valid string" for a content part without its text); the member that got deepest names the cause."""
+    client, _ = scripted_app(lambda i, obj: "ok")
+    r = client.post(path, json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and words in err["message"], r.text
+
+
+def test_tokenize_refuses_an_empty_chat(scripted_app):
+    client, _ = scripted_app(lambda i, obj: "ok")
+    r = client.post("/tokenize", json={"prompt": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = client.post("/tokenize", json={"prompt": USER})
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+def test_a_body_over_the_limit_is_refused_as_it_arrives(scripted_app, monkeypatch):
+    """413 with OpenAI's error body, whether the client declares the length or streams the body in chunks; the
+    server keeps serving."""
+    from mlaserve.server import openai as server_openai
+
+    monkeypatch.setattr(server_openai, "MAX_BODY_BYTES", 1 << 20)
+    client, _ = scripted_app(lambda i, obj: "ok")
+    big = {"prompt": "x" * (1 << 20)}
+    r = client.post(COMPLETIONS, json=big)
+    assert r.status_code == 413 and "limit of 1 MiB" in r.json()["error"]["message"], r.text
+
+    def chunks():                                       # no Content-Length: counted as the bytes arrive
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"x" * (64 << 10)
+        yield b'"}'
+
+    r = client.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
