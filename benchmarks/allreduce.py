@@ -1,8 +1,8 @@
 """The decode path's small all-reduce alone, [tokens, hidden] bf16, 50 back to back inside a CUDA graph, per-call
-time by replaying the graph: NCCL, the one-shot all-reduce over peer buffers (`distributed/peer.py`), its push
-variant (rows <= 16: `kernels/allreduce.peer_all_reduce_ll`; whole rows from one program each, and from
-SPLIT_COLS-column programs), and each followed by the residual add + RMSNorm
-(NCCL + the norm kernel vs the peer kernels with the norm fused in).
+time by replaying the graph: NCCL, the model's call (`distributed/peer.py`: whichever kernel its rules pick), the
+one-shot pull kernel over peer buffers, its push variant (rows <= 16: `kernels/allreduce.peer_all_reduce_ll`;
+whole rows from one program each, and from SPLIT_COLS-column programs), and each followed by the residual add +
+RMSNorm (NCCL + the norm kernel vs the peer kernels with the norm fused in).
 Every rank checks its sums against the others' parts.
 
     python benchmarks/allreduce.py --tp-size 2            # on a machine with >= 2 GPUs (NCCL, CUDA IPC)
@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from mlaserve.bench.timing import time_graph_or_wall
 from mlaserve.distributed import RankGroup, spawn_ranks
-from mlaserve.kernels.allreduce import ll_chunk, peer_all_reduce_ref
+from mlaserve.distributed.peer import SPLIT_COLS
+from mlaserve.kernels.allreduce import ll_chunk, peer_all_reduce, peer_all_reduce_ref
 from mlaserve.kernels.norm import fused_add_rmsnorm
 
-SHAPES = [(1, 2048), (1, 7168), (4, 7168), (8, 7168), (16, 7168), (64, 7168)]
+SHAPES = [(1, 2048), (4, 2048), (16, 2048), (1, 7168), (4, 7168), (8, 7168), (16, 7168), (64, 7168)]
 CALLS = 50
-SPLIT_COLS = 1024          # the split push variant: about this many columns per program
 
 
 def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) -> list[dict]:
@@ -46,9 +46,11 @@ def time_allreduce(group: RankGroup, shapes: list[tuple[int, int]], calls: int) 
         lib = "nccl" if cuda else "gloo"
         ways = {
             lib: lambda: dist.all_reduce(y, group=tp.group),
-            "peer": lambda: peer.all_reduce(y),
+            "ours (the model's call)": lambda: peer.all_reduce(y),
+            "pull": lambda: peer_all_reduce(y, peer.peers),
             f"{lib} + norm": lambda: fused_add_rmsnorm(dist.all_reduce(y, group=tp.group) or y, res, w, 1e-6),
-            "peer + norm (one launch)": lambda: peer.all_reduce_add_norm(y, res, w, 1e-6),
+            "ours + norm (one launch)": lambda: peer.all_reduce_add_norm(y, res, w, 1e-6),
+            "pull + norm": lambda: peer_all_reduce(y, peer.peers, res, w, 1e-6),
             "push": lambda: peer.all_reduce_push(y),
             "push + norm": lambda: peer.all_reduce_push(y, res, w, 1e-6),
             f"push, {SPLIT_COLS}-column programs": lambda: peer.all_reduce_push(y, chunk=chunk),

@@ -25,6 +25,10 @@
 #   bash benchmarks/gpu_x2_calls.sh V   at the new defaults (peer kernel up to 1 MiB, push variant auto, in-kernel sums
 #                                       on): one-batch V2-Lite tp 1 against tp 2 and V3 20 layers FP8 tp 2 at bs 1 / 16 / 64;
 #                                       peer_stress.py 6 rounds
+#   bash benchmarks/gpu_x2_calls.sh X   the split push with the norm's sum of squares shared between a row's programs:
+#                                       the all-reduce alone, the peer / tp GPU tests, peer_stress.py at hidden 7168
+#   bash benchmarks/gpu_x2_calls.sh Y   one-batch V3 20 layers FP8 tp 2 (twice) and V2-Lite tp 2 at bs 1 / 16,
+#                                       MLASERVE_PEER_SPLIT=0 against the default, alternating
 #   bash benchmarks/gpu_x2_calls.sh W   at the new defaults: the two-GPU tests of the peer kernels, tp 2, EP 2 and two
 #                                       GPUs as two nodes serving (`SKIP_COMPILE=1 gpu_verify.sh`)
 # Every output goes to $OUT (the whole logs too).
@@ -163,5 +167,27 @@ case "${1:-}" in
     echo "exit code $?"; grep -v "^ \|^File\|^Thread\|^Current" "$OUT/peer_stress_r6.txt" | tail -4 ;;
   W)
     SKIP_COMPILE=1 bash benchmarks/gpu_verify.sh ;;
-  *) echo "usage: $0 K|L|M|N|Q|S|T|U|V|W"; exit 2 ;;
+  X)
+    echo "== the all-reduce alone $(date +%T)"
+    timeout 120 python3 benchmarks/allreduce.py --tp-size 2 > "$OUT/allreduce.txt" 2>&1
+    echo "exit code $?" | tee -a "$OUT/allreduce.txt"; tail -12 "$OUT/allreduce.txt"
+    echo "== GPU tests $(date +%T)"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m "multi_gpu or gpu" tests/distributed/test_peer.py \
+      tests/distributed/test_tensor_parallel.py -k "gpu" > "$OUT/tests_peer_tp.txt" 2>&1
+    echo "exit code $?" >> "$OUT/tests_peer_tp.txt"; tail -4 "$OUT/tests_peer_tp.txt"
+    echo "== peer_stress h7168 $(date +%T)"
+    timeout 100 python3 benchmarks/peer_stress.py --phase-timeout 45 --hidden 7168 > "$OUT/peer_stress_h7168.txt" 2>&1
+    echo "exit code $?"; grep -v "^ \|^File\|^Thread\|^Current" "$OUT/peer_stress_h7168.txt" | tail -8 ;;
+  Y)
+    python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
+    for M in "v3 /tmp/v3_20.json 0 16 0 16" "v2l mlaserve/tools/configs/deepseek-v2-lite.json 0 16"; do
+      set -- $M; N=$1; C=$2; shift 2
+      for S in "$@"; do
+        echo "== one-batch $N tp 2 bs 1 16 MLASERVE_PEER_SPLIT=$S $(date +%T)"
+        MLASERVE_PEER_SPLIT=$S MLASERVE_DUMP_STACKS_EVERY=60 timeout 150 $B --model-config $C --batch-size 1 16 \
+          --input-len 256 --output-len 32 --tp-size 2 >> "$OUT/one_batch_${N}_split$S.log" 2>&1
+        echo "exit code $?" | tee -a "$OUT/one_batch_${N}_split$S.log"; grep "^|" "$OUT/one_batch_${N}_split$S.log" | tail -2
+      done
+    done ;;
+  *) echo "usage: $0 K|L|M|N|Q|S|T|U|V|W|X|Y"; exit 2 ;;
 esac

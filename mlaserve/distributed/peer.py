@@ -20,8 +20,8 @@ from multiprocessing import shared_memory
 import torch
 import torch.distributed as dist
 
-from mlaserve.kernels.allreduce import (LL_DMAX, LL_MAX_SPLIT, LL_ROWS, LLGroup, LLPointers, PeerPointers,
-                                        buffer_bytes, ll_buffer_bytes, peer_all_reduce, peer_all_reduce_ll,
+from mlaserve.kernels.allreduce import (LL_DMAX, LL_ROWS, LLGroup, LLPointers, PeerPointers,
+                                        buffer_bytes, ll_buffer_bytes, ll_chunk, peer_all_reduce, peer_all_reduce_ll,
                                         sig_pad_ints)
 
 logger = logging.getLogger(__name__)
@@ -87,9 +87,9 @@ class PeerAllReduce:
         bufs, sigs, lls = (torch.tensor(p, dtype=torch.int64, device=device) for p in ptrs)
         self.peers = PeerPointers(group_rank, self.world, bufs, sigs,
                                   torch.zeros(max_rows, dtype=torch.int32, device=device), max_rows, half_bytes)
-        self.ll = LLPointers(lls, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=device))
+        self.ll = LLPointers.new(lls)
         # every rank inherits the environment
-        self.push_elems, self.kernel_sums, self.max_call_bytes = peer_settings(os.environ, half_bytes)
+        self.push_elems, self.kernel_sums, self.max_call_bytes, self.split_rows = peer_settings(os.environ, half_bytes)
         self.ll_group = LLGroup(self.ll, group_rank, self.world)     # for kernels that run the push themselves
 
     def __repr__(self) -> str:
@@ -106,6 +106,8 @@ class PeerAllReduce:
         """Sum of x over the group, in place."""
         if self.pushes(x):
             return peer_all_reduce_ll(x, self.ll_group)
+        if chunk := self.split_chunk(x):
+            return peer_all_reduce_ll(x, self.ll_group, chunk=chunk)
         return peer_all_reduce(x, self.peers)
 
     @torch.compiler.disable
@@ -114,11 +116,20 @@ class PeerAllReduce:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
         if self.pushes(x):
             return peer_all_reduce_ll(x, self.ll_group, residual, weight, eps)
+        if chunk := self.split_chunk(x):
+            return peer_all_reduce_ll(x, self.ll_group, residual, weight, eps, chunk)
         return peer_all_reduce(x, self.peers, residual, weight, eps), residual
 
     def pushes(self, x: torch.Tensor) -> bool:
         """Whether a call on x takes the push variant (MLASERVE_PEER_PUSH's rule), given `fits(x)`."""
         return x.numel() <= self.push_elems and self.ll.fits(x)
+
+    def split_chunk(self, x: torch.Tensor) -> int | None:
+        """Columns per program where a call on x takes the split push (MLASERVE_PEER_SPLIT's rule: on a GPU, more
+        values than the whole-row push takes, at most `split_rows` rows): about SPLIT_COLS; else None."""
+        if x.device.type != "cuda" or self.pushes(x) or not x.shape[0] <= self.split_rows or not self.ll.fits(x):
+            return None
+        return ll_chunk(x.shape[1], -(-x.shape[1] // SPLIT_COLS))
 
     # NOTE: tests hold the push variant to the pull one's bits
     def fits_push(self, x: torch.Tensor) -> bool:
@@ -142,6 +153,25 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PUSH_AUTO_ELEMS = 4096
 
 
+# A row of more values goes out from several programs of about SPLIT_COLS columns each, the norm's sum of squares
+# added up between them (`peer_all_reduce_ll`'s chunk). Two H200s, 50 calls in a CUDA graph, us per call, pull /
+# split push without the norm (the split norm then read the whole row in every program): 1 x 7168 6.8 / 4.0,
+# 4 x 7168 7.0 / 4.7, 8 x 7168 7.0 / 5.3, 16 x 7168 7.4 / 6.8 (benchmarks/results/tp-h200x2.md, ninth run).
+# With MLASERVE_PEER_SPLIT unset, calls of up to this many rows take it
+SPLIT_COLS = 1024
+SPLIT_AUTO_ROWS = 16
+
+
+def split_rows(setting: str) -> int:
+    """MLASERVE_PEER_SPLIT: the most rows a call of more than the push's values takes the split push with (unset:
+    SPLIT_AUTO_ROWS; 0: never; at most LL_ROWS)."""
+    if not setting:
+        return SPLIT_AUTO_ROWS
+    if not setting.isdigit() or int(setting) > LL_ROWS:
+        raise ValueError(f"MLASERVE_PEER_SPLIT={setting!r}: expected a number of rows from 0 to {LL_ROWS}")
+    return int(setting)
+
+
 def push_elems(setting: str) -> int:
     """The largest call (rows x hidden) the push variant takes: MLASERVE_PEER_PUSH=auto (default: PUSH_AUTO_ELEMS),
     0 (never), 1 (every call of <= LL_ROWS rows: A/B runs).
@@ -157,12 +187,14 @@ def push_elems(setting: str) -> int:
     return limits[setting]
 
 
-def peer_settings(environ, half_bytes: int) -> tuple[int, bool, int]:
-    """(push_elems, kernel_sums, max_call_bytes) from MLASERVE_PEER_PUSH (default auto), MLASERVE_KERNEL_SUMS
-    (default 1) and MLASERVE_PEER_MAX_BYTES (default PEER_CALL_MAX_BYTES)."""
+def peer_settings(environ, half_bytes: int) -> tuple[int, bool, int, int]:
+    """(push_elems, kernel_sums, max_call_bytes, split_rows) from MLASERVE_PEER_PUSH (default auto),
+    MLASERVE_KERNEL_SUMS (default 1), MLASERVE_PEER_MAX_BYTES (default PEER_CALL_MAX_BYTES) and
+    MLASERVE_PEER_SPLIT (default SPLIT_AUTO_ROWS)."""
     return (push_elems(environ.get("MLASERVE_PEER_PUSH", "auto")),
             kernel_sums(environ.get("MLASERVE_KERNEL_SUMS", "1")),
-            max_call_bytes(environ.get("MLASERVE_PEER_MAX_BYTES", ""), half_bytes))
+            max_call_bytes(environ.get("MLASERVE_PEER_MAX_BYTES", ""), half_bytes),
+            split_rows(environ.get("MLASERVE_PEER_SPLIT", "")))
 
 
 def max_call_bytes(setting: str, half_bytes: int) -> int:

@@ -80,25 +80,20 @@ def _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish_row(acc, like, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out,
-                NORM: tl.constexpr, res_out_ptr=None, stride_res_out=0, smask=None):
+                NORM: tl.constexpr):
     """The row's fp32 sum `acc` rounded to the dtype of `like` (x), stored: alone, or with NORM residual += sum
-    and out = rmsnorm(residual) * w. The new residual goes to res_out_ptr (default: in place over res_ptr); only the
-    lanes of `smask` (default: mask) are stored, the norm taken over every lane of `mask`."""
-    if res_out_ptr is None:
-        res_out_ptr, stride_res_out = res_ptr, stride_res
-    if smask is None:
-        smask = mask
+    (in place) and out = rmsnorm(residual) * w."""
     y = acc.to(like.dtype)                               # what the all-reduce alone returns
     if NORM:
         r = tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + r).to(like.dtype)        # residual_out, rounded to x.dtype
-        tl.store(res_out_ptr + row.to(tl.int64) * stride_res_out + offs, y, mask=smask)
+        tl.store(res_ptr + row.to(tl.int64) * stride_res + offs, y, mask=mask)
         y32 = y.to(tl.float32)
         var = tl.sum(y32 * y32, axis=0) / D
         n = (y32 * tl.math.rsqrt(var + eps)).to(like.dtype).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = (w * n).to(like.dtype)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=smask)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y, mask=mask)
 
 
 @triton.jit
@@ -210,11 +205,12 @@ def ll_all_reduce_rows(x_ptr, stride_x, num_rows, D, ll_ptrs, epoch_ptr, rank, h
 
 
 @triton.jit
-def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_ptrs, epoch_ptr, rank, D, half, eps,
-                               stride_x, stride_res, stride_out, stride_res_out, WORLD: tl.constexpr,
+def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, pad_ptr, ll_ptrs, epoch_ptr, rank, D, half, eps,
+                               stride_x, stride_res, stride_out, WORLD: tl.constexpr,
                                SPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
-    # program (row, c) pushes columns [c * CHUNK, (c + 1) * CHUNK) of its row to every peer; without NORM it polls
-    # and sums those columns only; with NORM it polls the whole row (the norm needs it), stores its columns
+    # program (row, c) pushes columns [c * CHUNK, (c + 1) * CHUNK) of its row to every peer, then polls and sums
+    # those columns only; with NORM (SPLIT > 1) the row's programs add their parts of the sum of squares through the
+    # row's local slots of norm_pad (`_row_total`)
     row, c = tl.program_id(0), tl.program_id(1)
     e = ll_epoch(epoch_ptr, row, c, SPLIT)
     cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -222,25 +218,55 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, ll_p
     xrow = x_ptr + row.to(tl.int64) * stride_x
     xc = tl.load(xrow + cols, mask=cmask, other=0.0)
     own, parity = ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD)
-    if NORM:
-        offs = tl.arange(0, BLOCK)
-        mask = offs < D
-        x = tl.load(xrow + offs, mask=mask, other=0.0)
-        acc = ll_sum(tl.zeros([BLOCK], dtype=tl.float32), x, own, parity, rank, row, offs, mask, e, WORLD)
-        mine_cols = mask & (offs >= c * CHUNK) & (offs < (c + 1) * CHUNK)
-        _finish_row(acc, x, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, True,
-                    res_out_ptr, stride_res_out, mine_cols)
+    acc = ll_sum(tl.zeros([CHUNK], dtype=tl.float32), xc, own, parity, rank, row, cols, cmask, e, WORLD)
+    if NORM and SPLIT > 1:
+        y = acc.to(xc.dtype)
+        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(xc.dtype)                     # residual_out, rounded to x.dtype
+        tl.store(res_ptr + row.to(tl.int64) * stride_res + cols, y, mask=cmask)
+        y32 = y.to(tl.float32)
+        var = _row_total(pad_ptr, row, c, e, tl.sum(y32 * y32, axis=0), SPLIT) / D
+        n = (y32 * tl.math.rsqrt(var + eps)).to(xc.dtype).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, (w * n).to(xc.dtype), mask=cmask)
     else:
-        acc = ll_sum(tl.zeros([CHUNK], dtype=tl.float32), xc, own, parity, rank, row, cols, cmask, e, WORLD)
-        _finish_row(acc, xc, row, cols, cmask, x_ptr, w_ptr, out_ptr, D, eps, 0, stride_out, False)
+        _finish_row(acc, xc, row, cols, cmask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
+
+
+@triton.jit
+def _row_total(pad_ptr, row, c, e, part, SPLIT: tl.constexpr):
+    """The sum over the SPLIT programs of `row` of their fp32 `part`, added in program order (the same bits in every
+    program and on every rank). Each program stores its part packed with epoch e into the row's slot c of this
+    GPU's pad (half e & 1), then polls the row's slots until every one carries e: the programs of a row must run at
+    the same time (on GPUs; under the interpreter, one program at a time, the first would wait forever)."""
+    base = pad_ptr + ((e & 1) * _ROWS + row).to(tl.int64) * _MAX_SPLIT
+    packed = (e.to(tl.int64) << 32) | (part.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    tl.atomic_xchg(base + c, packed, sem="relaxed", scope="gpu")
+    offs = tl.arange(0, _MAX_SPLIT)
+    mask = offs < SPLIT
+    late = 1
+    while late > 0:
+        v = tl.load(base + offs, mask=mask, other=0, volatile=True)
+        late = tl.max(tl.where(mask, (v >> 32).to(tl.int32) != e, 0).to(tl.int32), axis=0)
+    v = tl.load(base + offs, mask=mask, other=0, volatile=True)
+    return tl.sum(tl.where(mask, (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), 0.0), axis=0)
 
 
 class LLPointers(NamedTuple):
     """The push variant's receive buffers: every rank's address (in this process) and this rank's epoch counters
-    [LL_ROWS * LL_MAX_SPLIT] (one per row and column chunk; a call advances all of a row's to the same value)."""
+    [LL_ROWS * LL_MAX_SPLIT] (one per row and column chunk; a call advances all of a row's to the same value);
+    `norm_pad`: this GPU's int64 [2 * LL_ROWS * LL_MAX_SPLIT] slots where a split row's programs add up its norm."""
 
     ll_ptrs: torch.Tensor
     epochs: torch.Tensor
+    norm_pad: torch.Tensor
+
+    @staticmethod
+    def new(ll_ptrs: torch.Tensor) -> LLPointers:
+        """Around the receive buffers' addresses: fresh counters and pad on their device."""
+        dev = ll_ptrs.device
+        return LLPointers(ll_ptrs, torch.zeros(LL_ROWS * LL_MAX_SPLIT, dtype=torch.int32, device=dev),
+                          torch.zeros(2 * LL_ROWS * LL_MAX_SPLIT, dtype=torch.int64, device=dev))
 
     @staticmethod
     def fits(x: torch.Tensor) -> bool:
@@ -334,11 +360,12 @@ def _operands(x: torch.Tensor, residual: torch.Tensor | None,
 def peer_all_reduce_ll(x: torch.Tensor, group: LLGroup, residual: torch.Tensor | None = None,
                        weight: torch.Tensor | None = None, eps: float = 0.0,
                        chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`peer_all_reduce` by the push variant (rows <= LL_ROWS, D <= LL_DMAX): the same results, bit for bit.
+    """`peer_all_reduce` by the push variant (rows <= LL_ROWS, D <= LL_DMAX): the same results, bit for bit (the
+    norm of a split row: the same sum and residual, the sum of squares added in another order).
 
-    Returns the sum (over x), or with `residual`: (rmsnorm(sum + residual) * weight, sum + residual). `chunk`
-    (a power of two): each row's columns go out from D / chunk programs (<= LL_MAX_SPLIT), not one; with a residual
-    the new residual is then a new tensor (every program of a row reads the old one whole), else `residual` itself.
+    Returns the sum (over x), or with `residual`: (rmsnorm(sum + residual) * weight, sum + residual), the residual
+    updated in place. `chunk` (a power of two): each row's columns go out from D / chunk programs (<= LL_MAX_SPLIT),
+    not one (GPUs only with a residual).
     """
     assert group.ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
     norm, out = _operands(x, residual, weight)
@@ -348,16 +375,15 @@ def peer_all_reduce_ll(x: torch.Tensor, group: LLGroup, residual: torch.Tensor |
     split = triton.cdiv(d, chunk)
     assert chunk & (chunk - 1) == 0 and split <= LL_MAX_SPLIT, \
         f"chunk {chunk}: a power of two giving <= {LL_MAX_SPLIT} programs per row of {d}"
-    # NOTE: the programs of a row wait for the peers' programs of every column with a residual: under the
-    # interpreter (one program at a time) that never ends
+    # NOTE: with the norm the programs of a row wait for each other (`_row_total`): under the interpreter (one
+    # program at a time) that never ends
     assert not (norm and split > 1 and x.device.type == "cpu"), "a split row with the norm needs concurrent programs"
-    res_out = (residual if split == 1 else torch.empty_like(residual)) if norm else x
     ll_ptrs, epochs, rank, half = group.launch_args()
     _peer_all_reduce_ll_kernel[(t, split)](
-        x, residual if norm else x, weight if norm else x, out, res_out, ll_ptrs, epochs, rank, d, half, float(eps),
-        x.stride(0), residual.stride(0) if norm else 0, out.stride(0), res_out.stride(0), WORLD=group.world,
-        SPLIT=split, CHUNK=chunk, BLOCK=block, NORM=norm, num_warps=num_warps_for(block if norm else chunk))
-    return (out, res_out) if norm else out
+        x, residual if norm else x, weight if norm else x, out, group.ll.norm_pad, ll_ptrs, epochs, rank, d, half,
+        float(eps), x.stride(0), residual.stride(0) if norm else 0, out.stride(0), WORLD=group.world,
+        SPLIT=split, CHUNK=chunk, BLOCK=block, NORM=norm, num_warps=num_warps_for(chunk))
+    return (out, residual) if norm else out
 
 
 def peer_all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = None,
