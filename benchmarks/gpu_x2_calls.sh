@@ -27,8 +27,8 @@
 #                                       peer_stress.py 6 rounds
 #   bash benchmarks/gpu_x2_calls.sh X   the split push with the norm's sum of squares shared between a row's programs:
 #                                       the all-reduce alone, the peer / tp GPU tests, peer_stress.py at hidden 7168
-#   bash benchmarks/gpu_x2_calls.sh Y   one-batch V3 20 layers FP8 tp 2 (twice) and V2-Lite tp 2 at bs 1 / 16,
-#                                       MLASERVE_PEER_SPLIT=0 against the default, alternating
+#   bash benchmarks/gpu_x2_calls.sh Y   one-batch V3 20 layers FP8 tp 2 at bs 1 / 8, MLASERVE_PEER_SPLIT=0 against 8
+#                                       (the default), alternating, twice; then the peer / tp GPU tests
 #   bash benchmarks/gpu_x2_calls.sh W   at the new defaults: the two-GPU tests of the peer kernels, tp 2, EP 2 and two
 #                                       GPUs as two nodes serving (`SKIP_COMPILE=1 gpu_verify.sh`)
 # Every output goes to $OUT (the whole logs too).
@@ -180,14 +180,15 @@ case "${1:-}" in
     echo "exit code $?"; grep -v "^ \|^File\|^Thread\|^Current" "$OUT/peer_stress_h7168.txt" | tail -8 ;;
   Y)
     python3 benchmarks/v3_config.py --layers 20 --out /tmp/v3_20.json
-    for M in "v3 /tmp/v3_20.json 0 16 0 16" "v2l mlaserve/tools/configs/deepseek-v2-lite.json 0 16"; do
-      set -- $M; N=$1; C=$2; shift 2
-      for S in "$@"; do
-        echo "== one-batch $N tp 2 bs 1 16 MLASERVE_PEER_SPLIT=$S $(date +%T)"
-        MLASERVE_PEER_SPLIT=$S MLASERVE_DUMP_STACKS_EVERY=60 timeout 150 $B --model-config $C --batch-size 1 16 \
-          --input-len 256 --output-len 32 --tp-size 2 >> "$OUT/one_batch_${N}_split$S.log" 2>&1
-        echo "exit code $?" | tee -a "$OUT/one_batch_${N}_split$S.log"; grep "^|" "$OUT/one_batch_${N}_split$S.log" | tail -2
-      done
-    done ;;
+    for S in 0 8 0 8; do
+      echo "== one-batch v3 20 layers tp 2 bs 1 8 MLASERVE_PEER_SPLIT=$S $(date +%T)"
+      MLASERVE_PEER_SPLIT=$S MLASERVE_DUMP_STACKS_EVERY=60 timeout 120 $B --model-config /tmp/v3_20.json \
+        --batch-size 1 8 --input-len 256 --output-len 32 --tp-size 2 >> "$OUT/one_batch_v3_split$S.log" 2>&1
+      echo "exit code $?" | tee -a "$OUT/one_batch_v3_split$S.log"; grep "^|" "$OUT/one_batch_v3_split$S.log" | tail -2
+    done
+    echo "== GPU tests $(date +%T)"
+    timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider --durations=10 -m "multi_gpu or gpu" \
+      tests/distributed/test_peer.py tests/distributed/test_tensor_parallel.py -k "gpu" > "$OUT/tests_peer_tp.txt" 2>&1
+    echo "exit code $?" >> "$OUT/tests_peer_tp.txt"; tail -16 "$OUT/tests_peer_tp.txt" ;;
   *) echo "usage: $0 K|L|M|N|Q|S|T|U|V|W|X|Y"; exit 2 ;;
 esac

@@ -154,12 +154,12 @@ PUSH_AUTO_ELEMS = 4096
 
 
 # A row of more values goes out from several programs of about SPLIT_COLS columns each, the norm's sum of squares
-# added up between them (`peer_all_reduce_ll`'s chunk). Two H200s, 50 calls in a CUDA graph, us per call, pull /
-# split push without the norm (the split norm then read the whole row in every program): 1 x 7168 6.8 / 4.0,
-# 4 x 7168 7.0 / 4.7, 8 x 7168 7.0 / 5.3, 16 x 7168 7.4 / 6.8 (benchmarks/results/tp-h200x2.md, ninth run).
-# With MLASERVE_PEER_SPLIT unset, calls of up to this many rows take it
+# added up between them (`peer_all_reduce_ll`'s chunk). Two H200s, 50 calls in a CUDA graph, us per call, the pull
+# kernel / the split push, each with the norm fused: 1 x 7168 6.8 / 5.0, 4 x 7168 6.9 / 5.7, 8 x 7168 7.0 / 6.3,
+# 16 x 7168 7.3 / 7.7, 4 x 2048 5.6 / 5.1, 16 x 2048 5.8 / 5.9 (benchmarks/results/tp-h200x2.md, tenth run). With
+# MLASERVE_PEER_SPLIT unset, calls of up to this many rows take it
 SPLIT_COLS = 1024
-SPLIT_AUTO_ROWS = 16
+SPLIT_AUTO_ROWS = 8
 
 
 def split_rows(setting: str) -> int:

@@ -301,7 +301,7 @@ def test_which_calls_take_the_split_push():
 
     from mlaserve.distributed.peer import SPLIT_COLS, PeerAllReduce
 
-    peer = SimpleNamespace(push_elems=4096, split_rows=16, ll=SimpleNamespace(fits=lambda x: x.shape[0] <= LL_ROWS))
+    peer = SimpleNamespace(push_elems=4096, split_rows=8, ll=SimpleNamespace(fits=lambda x: x.shape[0] <= LL_ROWS))
     peer.pushes = lambda x: PeerAllReduce.pushes(peer, x)
 
     def chunk(t: int, d: int, dev: str = "cuda") -> int | None:       # a [t, d] tensor's shape on `dev`
@@ -309,9 +309,9 @@ def test_which_calls_take_the_split_push():
         return PeerAllReduce.split_chunk(peer, x)
 
     assert PeerAllReduce.split_chunk.__doc__ and SPLIT_COLS == 1024
-    assert chunk(1, 7168) == chunk(16, 7168) == 1024 and chunk(1, 5120) == 1024 and chunk(4, 2048) == 1024
+    assert chunk(1, 7168) == chunk(8, 7168) == 1024 and chunk(1, 5120) == 1024 and chunk(4, 2048) == 1024
     assert chunk(1, 2048) is None and chunk(2, 2048) is None              # the whole-row push takes them
-    assert chunk(17, 7168) is None and chunk(1, 7168, "cpu") is None
+    assert chunk(9, 7168) is None and chunk(1, 7168, "cpu") is None
     peer.split_rows = 0
     assert chunk(1, 7168) is None
 
