@@ -178,7 +178,9 @@ def test_native_generate_per_request(tmp_path: Path) -> None:
     for req, res in zip(reqs, results):
         assert res.success, res.error
         assert res.output_tokens == req.output_len and len(res.itl) == req.output_len - 1
-        assert res.ttft >= FIRST_DELAY and res.latency >= res.ttft + (req.output_len - 1) * TOKEN_DELAY * 0.9
+        # the last token cannot come before the mock has slept for all of them (a busy client may read the first
+        # late and the rest at once, so no bound from ttft)
+        assert res.ttft >= FIRST_DELAY and res.latency >= FIRST_DELAY + (req.output_len - 1) * TOKEN_DELAY * 0.9
         assert res.prompt_len == len(req.prompt.split()) == req.prompt_len
     m = serving.summarize(results, duration)
     assert m["concurrency"] > 3  # rate inf, no limit: the 8 requests overlap
