@@ -127,7 +127,7 @@ class PeerAllReduce:
     def split_chunk(self, x: torch.Tensor) -> int | None:
         """Columns per program where a call on x takes the split push (MLASERVE_PEER_SPLIT's rule: on a GPU, more
         values than the whole-row push takes, at most `split_rows` rows): about SPLIT_COLS; else None."""
-        if x.device.type != "cuda" or self.pushes(x) or not x.shape[0] <= self.split_rows or not self.ll.fits(x):
+        if x.device.type != "cuda" or self.pushes(x) or x.shape[0] > self.split_rows or not self.ll.fits(x):
             return None
         return ll_chunk(x.shape[1], -(-x.shape[1] // SPLIT_COLS))
 

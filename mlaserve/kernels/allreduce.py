@@ -80,16 +80,20 @@ def _start_row(x_ptr, epoch_ptr, D, stride_x, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish_row(acc, like, row, offs, mask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out,
-                NORM: tl.constexpr):
+                NORM: tl.constexpr, pad_ptr=None, c=0, e=0, SPLIT: tl.constexpr = 1):
     """The row's fp32 sum `acc` rounded to the dtype of `like` (x), stored: alone, or with NORM residual += sum
-    (in place) and out = rmsnorm(residual) * w."""
+    (in place) and out = rmsnorm(residual) * w. `offs` may be one of SPLIT programs' columns of the row (program c,
+    epoch e): the sum of squares is then added up over them through pad_ptr (`_row_total`)."""
     y = acc.to(like.dtype)                               # what the all-reduce alone returns
     if NORM:
         r = tl.load(res_ptr + row.to(tl.int64) * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) + r).to(like.dtype)        # residual_out, rounded to x.dtype
         tl.store(res_ptr + row.to(tl.int64) * stride_res + offs, y, mask=mask)
         y32 = y.to(tl.float32)
-        var = tl.sum(y32 * y32, axis=0) / D
+        if SPLIT > 1:
+            var = _row_total(pad_ptr, row, c, e, tl.sum(y32 * y32, axis=0), SPLIT) / D
+        else:
+            var = tl.sum(y32 * y32, axis=0) / D
         n = (y32 * tl.math.rsqrt(var + eps)).to(like.dtype).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = (w * n).to(like.dtype)
@@ -219,18 +223,8 @@ def _peer_all_reduce_ll_kernel(x_ptr, res_ptr, w_ptr, out_ptr, pad_ptr, ll_ptrs,
     xc = tl.load(xrow + cols, mask=cmask, other=0.0)
     own, parity = ll_push(ll_ptrs, rank, row, e, half, cols, cmask, xc, WORLD)
     acc = ll_sum(tl.zeros([CHUNK], dtype=tl.float32), xc, own, parity, rank, row, cols, cmask, e, WORLD)
-    if NORM and SPLIT > 1:
-        y = acc.to(xc.dtype)
-        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = (y.to(tl.float32) + r).to(xc.dtype)                     # residual_out, rounded to x.dtype
-        tl.store(res_ptr + row.to(tl.int64) * stride_res + cols, y, mask=cmask)
-        y32 = y.to(tl.float32)
-        var = _row_total(pad_ptr, row, c, e, tl.sum(y32 * y32, axis=0), SPLIT) / D
-        n = (y32 * tl.math.rsqrt(var + eps)).to(xc.dtype).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, (w * n).to(xc.dtype), mask=cmask)
-    else:
-        _finish_row(acc, xc, row, cols, cmask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM)
+    _finish_row(acc, xc, row, cols, cmask, res_ptr, w_ptr, out_ptr, D, eps, stride_res, stride_out, NORM,
+                pad_ptr, c, e, SPLIT)
 
 
 @triton.jit

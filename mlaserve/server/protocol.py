@@ -94,12 +94,11 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     A value that fails every member of a union gets one error per member; the member that got furthest into the
     value (the deepest location) names the cause: `content: [{"type": "text"}]` is missing `content[0].text`, not
     "not a string". Members that failed at the same place are listed together ("... ; or ...")."""
-    top = _field_parts(tuple(errors[0]["loc"]))[:1]
-    same = [e for e in errors if _field_parts(tuple(e["loc"]))[:1] == top]
-    deepest = max(len(_field_parts(tuple(e["loc"]))) for e in same)
-    param = field_name(tuple(next(e for e in same if len(_field_parts(tuple(e["loc"]))) == deepest)["loc"]))
-    msgs = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in same
-                              if field_name(tuple(e["loc"])) == param))
+    named = [(_field_parts(tuple(e["loc"])), e["msg"]) for e in errors]
+    same = [(parts, msg) for parts, msg in named if parts[:1] == named[0][0][:1]]
+    deepest = max((parts for parts, _ in same), key=len)          # the first of the deepest
+    param = "".join(deepest) or None
+    msgs = list(dict.fromkeys(msg.removeprefix("Value error, ") for parts, msg in same if parts == deepest))
     return f"Invalid value for '{param}': {'; or '.join(msgs)}", param
 
 
