@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal
@@ -87,6 +88,42 @@ class ForwardContext:
     @property
     def prefix_lens_cpu(self) -> list[int]:
         return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]
+
+
+# --- functions torch.compile must not trace (Triton launchers, collectives, host syncs) ------------------------
+
+# each entry: [what the wrapper calls, the plain function]; the state of make_compile_opaque()
+_COMPILE_OPAQUE: list[list[Callable]] = []
+_compile_opaque_on = False
+
+
+def compile_opaque(fn: Callable) -> Callable:
+    """`fn` behind a wrapper that torch.compile does not trace into once `make_compile_opaque()` has run (the
+    runners call it before their first compile); until then the wrapper calls `fn` itself. Functions and methods.
+
+    NOTE: `torch.compiler.disable` imports dynamo, about 1.3 s of each process's start on a CPU (every rank of
+    every Engine), so it is applied only in the processes that compile."""
+    box = [fn, fn]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return box[0](*args, **kwargs)
+
+    _COMPILE_OPAQUE.append(box)
+    if _compile_opaque_on:
+        make_compile_opaque()
+    return call
+
+
+def make_compile_opaque() -> None:
+    """Every `compile_opaque` function, made and made later, from now on through `torch.compiler.disable`."""
+    global _compile_opaque_on
+    import torch
+
+    _compile_opaque_on = True
+    for box in _COMPILE_OPAQUE:
+        if box[0] is box[1]:
+            box[0] = torch.compiler.disable(box[1])
 
 
 # --- the sampling parameters: one typed declaration for the Engine API, /generate and the OpenAI routes ---------

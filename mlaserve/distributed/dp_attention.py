@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mlaserve.core import compile_opaque
 from mlaserve.distributed.expert import reduce_scatter_rows
 from mlaserve.distributed.parallel import TensorParallel
 
@@ -74,7 +75,7 @@ def _padded(y: torch.Tensor, counts: list[int], pad: int) -> torch.Tensor:
     return out
 
 
-@torch.compiler.disable
+@compile_opaque
 def _all_gather_rows(x: torch.Tensor, world: TensorParallel) -> torch.Tensor:
     """[P, h] on every rank -> [W, P, h], rank r's at index r."""
     if world.size == 1:

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from mlaserve.core import compile_opaque
 from mlaserve.distributed.parallel import TensorParallel
 
 
@@ -117,14 +118,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@torch.compiler.disable
+@compile_opaque
 def _all_gather_rows(x: torch.Tensor, size: int, group) -> torch.Tensor:
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
-@torch.compiler.disable
+@compile_opaque
 def reduce_scatter_rows(x: torch.Tensor, size: int, group) -> torch.Tensor:
     assert x.shape[0] % size == 0, f"reduce_scatter: {x.shape[0]} rows do not split over {size} ranks"
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -132,7 +133,7 @@ def reduce_scatter_rows(x: torch.Tensor, size: int, group) -> torch.Tensor:
     return out
 
 
-@torch.compiler.disable
+@compile_opaque
 def _all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     assert sum(send) == x.shape[0], f"all_to_all: send counts {send} do not sum to {x.shape[0]} rows"
     out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from mlaserve.core import compile_opaque
 from mlaserve.env import install_stack_dumps
 
 if TYPE_CHECKING:
@@ -146,12 +147,12 @@ class TensorParallel:
         return _all_gather_last(x, self.size, self.group, self.nccl)
 
 
-@torch.compiler.disable
+@compile_opaque
 def _all_reduce(x: torch.Tensor, group) -> None:
     dist.all_reduce(x, group=group)
 
 
-@torch.compiler.disable
+@compile_opaque
 def _all_gather_last(x: torch.Tensor, size: int, group, nccl: bool) -> torch.Tensor:
     x = x.contiguous()
     if nccl:

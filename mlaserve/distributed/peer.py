@@ -20,6 +20,7 @@ from multiprocessing import shared_memory
 import torch
 import torch.distributed as dist
 
+from mlaserve.core import compile_opaque
 from mlaserve.kernels.allreduce import (LL_DMAX, LL_ROWS, LLGroup, LLPointers, PeerPointers,
                                         buffer_bytes, ll_buffer_bytes, ll_chunk, peer_all_reduce, peer_all_reduce_ll,
                                         sig_pad_ints)
@@ -101,7 +102,7 @@ class PeerAllReduce:
             and x.numel() * x.element_size() <= self.max_call_bytes
 
     # NOTE: Triton launches stay opaque to torch.compile, as the model's kernels do (layers/ops.py)
-    @torch.compiler.disable
+    @compile_opaque
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the group, in place."""
         if self.pushes(x):
@@ -110,7 +111,7 @@ class PeerAllReduce:
             return peer_all_reduce_ll(x, self.ll_group, chunk=chunk)
         return peer_all_reduce(x, self.peers)
 
-    @torch.compiler.disable
+    @compile_opaque
     def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual); `residual` is updated in place."""
@@ -135,7 +136,7 @@ class PeerAllReduce:
     def fits_push(self, x: torch.Tensor) -> bool:
         return self.fits(x) and self.ll.fits(x)
 
-    @torch.compiler.disable
+    @compile_opaque
     def all_reduce_push(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                         weight: torch.Tensor | None = None, eps: float = 0.0,
                         chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from mlaserve.core import ForwardContext, ForwardMode
+from mlaserve.core import ForwardContext, ForwardMode, make_compile_opaque
 from mlaserve.engine.spec_tree import DraftTree, accept_tree, draft_tree, query_counts, slots_per_step, verify_tree
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 
@@ -72,6 +72,7 @@ class DecodeGraphRunner:
         if compile_max_bs:
             # NOTE: graph breaks at the Triton launchers are fine: dynamo compiles the torch code between them
             allow_recompiles(model.num_kv_layers, sum(b <= compile_max_bs for b in self.batch_sizes))
+            make_compile_opaque()
             self.compiled = torch.compile(model, dynamic=False)
         self.dummy_req, self.device = dummy_req, device
         n = self.batch_sizes[-1]
@@ -259,6 +260,7 @@ class SpecGraphRunner:
         if compile_max_bs:
             # NOTE: as DecodeGraphRunner: graph breaks at the Triton launchers; one compile per batch size
             allow_recompiles(spec.model.num_kv_layers, sum(b <= compile_max_bs for b in self.batch_sizes))
+            make_compile_opaque()
             compiled = (torch.compile(spec.target_fn, dynamic=False), torch.compile(spec.draft_fn, dynamic=False))
         s, k, tree = spec.steps, spec.steps + 1, spec.topk > 1
         width = slots_per_step(s, spec.topk, spec.num_draft)              # slots per request of a step

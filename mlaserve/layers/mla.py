@@ -13,7 +13,7 @@ import torch
 
 from mlaserve.attention.base import KVNew
 from mlaserve.config import ModelConfig
-from mlaserve.core import ForwardContext, ForwardMode
+from mlaserve.core import ForwardContext, ForwardMode, compile_opaque
 from mlaserve.distributed import TensorParallel
 from mlaserve.kernels.quant import block_dequant_ref
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear
@@ -139,11 +139,11 @@ class MLAAttention(torch.nn.Module):
         return self.ops.head_gemm(o_lat, self.w_vc, trans=True)                # apply W_UV: [T, H, Dv]
 
 
-@torch.compiler.disable
+@compile_opaque
 def _decode(backend, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     return backend.decode(layer, q, q_pe, ctx)
 
 
-@torch.compiler.disable
+@compile_opaque
 def _extend(backend, layer: int, q, kv_c, k_pe, ctx: ForwardContext, expand_kv, kv_new) -> torch.Tensor:
     return backend.extend(layer, q, kv_c, k_pe, ctx, expand_kv, kv_new)

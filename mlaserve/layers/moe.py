@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mlaserve.config import ModelConfig, QuantConfig
+from mlaserve.core import compile_opaque
 from mlaserve.distributed import TensorParallel
 from mlaserve.distributed.expert import AllToAllDispatcher, ExpertParallel
 from mlaserve.kernels.allreduce import LLGroup
@@ -292,7 +293,7 @@ class MoE(torch.nn.Module):
         return self._forward(x, None, row_mask=row_mask)[0]
 
     # NOTE: the row counts come to the host (a sync): never inside a CUDA graph or a torch.compile trace
-    @torch.compiler.disable
+    @compile_opaque
     def forward_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, h] this rank's rows (n may be 0: an IDLE forward) -> [n, h] their whole MoE output: the routed
         experts on the ranks holding them (rows sent there and back), the shared experts here, whole."""

@@ -9,8 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, NamedTuple
 
-import torch
-
+from mlaserve.core import compile_opaque
 from mlaserve.kernels import activation, fp8_gemm, fused_moe, gemv, mla_absorb, moe_topk, norm, rope
 
 KERNEL_BACKENDS = ("triton", "torch")
@@ -33,15 +32,12 @@ class Ops(NamedTuple):
     moe_route_norm: Callable       # (x, residual, norm weight, eps, gate weight, K) -> moe_route of the norm, + h, x + res
 
 
-def _opaque(fn: Callable) -> Callable:
-    # NOTE: Triton launchers stay opaque to torch.compile (it compiles the torch code between them)
-    return torch.compiler.disable(fn)
-
-
 @functools.lru_cache(maxsize=None)
 def get_ops(name: str) -> Ops:
     """The kernel set called `name` (one of KERNEL_BACKENDS)."""
     if name == "triton":
+        # NOTE: Triton launchers stay opaque to torch.compile (it compiles the torch code between them)
+        _opaque = compile_opaque
         return Ops("triton", _opaque(norm.rmsnorm), _opaque(norm.fused_add_rmsnorm),
                    _opaque(activation.silu_and_mul), _opaque(moe_topk.moe_topk), _opaque(moe_topk.moe_route),
                    _opaque(fused_moe.fused_moe), _opaque(fused_moe.fused_moe_norm),
