@@ -824,11 +824,10 @@ def _load_configs(path: Path) -> dict[int, dict] | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _warn_untuned(name: str, gpu: str) -> None:
-    # once per shape and process; no GPU (the interpreter) has no tables to miss
-    log = logger.debug if gpu == "cpu" else logger.warning
-    log("fused_moe: no tuned table %s in %s; running untuned default tiles (tune with `mlaserve tune fused-moe`)",
-        name, CONFIG_DIR)
+def _warn_untuned(name: str) -> None:
+    # once per shape and process
+    logger.warning("fused_moe: no tuned table %s in %s; running untuned default tiles (tune with `mlaserve tune "
+                   "fused-moe`)", name, CONFIG_DIR)
 
 
 def default_moe_config(M: int, dtype: str | None) -> dict:
@@ -841,19 +840,29 @@ def default_moe_config(M: int, dtype: str | None) -> dict:
     return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, num_warps=4, num_stages=3)
 
 
+def interpreter_moe_config(M: int) -> dict:
+    """Tiles for the Triton interpreter (no GPU: CPU tests and debugging). It runs the programs one after another at
+    a cost per program, not per value: output tiles as wide as the shrunk models' (256 columns) and deep K steps.
+    The kernel tests pin their own tiles, the GPU's among them."""
+    return dict(BLOCK_SIZE_M=16 if M <= 64 else 64, BLOCK_SIZE_N=256, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4,
+                num_stages=1)
+
+
 def get_moe_config(E: int, N: int, dtype: str | None, M: int, device_name: str | None = None) -> dict:
     """Tile config for `fused_moe` with T = M tokens, E routed experts and intermediate size N (per TP rank).
 
     Read from CONFIG_DIR/`config_file_name(...)` (JSON {"M": config}, nearest M key wins), else
-    `default_moe_config` and one WARNING per shape on a GPU. Keys: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps,
+    `default_moe_config` and one WARNING per shape; without a GPU `interpreter_moe_config`. Keys: BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps,
     num_stages; BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns), unless
     an optional "down" entry gives the second GEMM its own BLOCK_SIZE_N / BLOCK_SIZE_K / num_warps / num_stages.
     `device_name` defaults to this process's GPU (`gpu_name()`).
     """
     gpu = device_name or gpu_name()
+    if gpu == "cpu":
+        return interpreter_moe_config(M)
     name = config_file_name(E, N, dtype, gpu)
     table = _load_configs(CONFIG_DIR / name)
     if not table:
-        _warn_untuned(name, gpu)
+        _warn_untuned(name)
         return default_moe_config(M, dtype)
     return dict(table[min(table, key=lambda m: (abs(m - M), m))])
