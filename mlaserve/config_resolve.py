@@ -42,11 +42,13 @@ class DeviceInfo:
 
 
 def probe_device(name: str, details: bool = True) -> DeviceInfo:
-    """The device `--device name` means here. `details=False` reads no device properties (no CUDA context)."""
-    import torch
+    """The device `--device name` means here. `details=False` reads no device properties (no CUDA context);
+    `--device cpu` imports no torch (the HTTP process probes before the ranks start)."""
+    if name != "cpu":
+        import torch
 
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return DeviceInfo("cpu", triton=os.environ.get("TRITON_INTERPRET") == "1")
     kind, _, idx = name.partition(":")

@@ -38,8 +38,12 @@ def install() -> bool:
         return False
     patched: list[set[int]] = []        # inside a launch: the ids of the language modules patched so far
 
+    langs_by_fn: dict = {}              # fn -> the language modules its globals name (as _patch_lang finds them)
+
     def repatch_once(fn):
-        langs = {id(v) for v in fn.__globals__.values() if any(v is m for m in langs_of)}
+        langs = langs_by_fn.get(fn)
+        if langs is None:
+            langs = langs_by_fn[fn] = {id(v) for v in fn.__globals__.values() if any(v is m for m in langs_of)}
         if patched and langs and langs <= patched[-1]:
             return _NoRestore()             # a device call: what it would patch is patched
         scope = patch_lang(fn)
