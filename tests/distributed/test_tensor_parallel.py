@@ -147,17 +147,22 @@ def test_dense_layers_whole_on_every_rank_under_tp2(checkpoint):
 
 def test_radix_chunked_prefill_retraction_and_aborts_under_tp2(checkpoint):
     rng, prompts = seeded_prompts(48, (5, 30), (8, 4, 90))
-    msgs = [_msg(f"s{i}", p, 1 if i == 0 else rng.randint(1, 30) if i < 5 else rng.randint(15, 30))
-            for i, p in enumerate(prompts)]
-    # s0 finishes first and leaves the shared prefix in the radix tree; s1..s4 arrive together right after it (a
-    # hit before anything else can evict it), the others while those run; three of the others are aborted
-    arrivals = {m.rid: 0 if i == 0 else 4 if i < 5 else rng.randint(5, 8) for i, m in enumerate(msgs)}
-    aborts = {m.rid: arrivals[m.rid] + rng.randint(0, 12) for m in rng.sample(msgs[5:], 3)}
     path = checkpoint("v3")
-    big = drive_scheduler(_scheduler(path, max_total_tokens=8192), msgs, arrivals)
     small = dict(max_total_tokens=160, max_running_requests=16, chunked_prefill_size=64,
                  init_new_token_ratio=0.0, min_new_token_ratio=0.0)
-    one = drive_on_ranks(None, path, small, msgs, arrivals, aborts)
+    # NOTE: now and then (seed 969082443; none of 30 others) the drawn lengths, arrivals and aborts fit the pool
+    # without a retraction: draw them again from the same stream until one process retracts
+    for _ in range(10):
+        msgs = [_msg(f"s{i}", p, 1 if i == 0 else rng.randint(1, 30) if i < 5 else rng.randint(15, 30))
+                for i, p in enumerate(prompts)]
+        # s0 finishes first and leaves the shared prefix in the radix tree; s1..s4 arrive together right after it
+        # (a hit before anything else can evict it), the others while those run; three of the others are aborted
+        arrivals = {m.rid: 0 if i == 0 else 4 if i < 5 else rng.randint(5, 8) for i, m in enumerate(msgs)}
+        aborts = {m.rid: arrivals[m.rid] + rng.randint(0, 12) for m in rng.sample(msgs[5:], 3)}
+        one = drive_on_ranks(None, path, small, msgs, arrivals, aborts)
+        if one["retracted"]:
+            break
+    big = drive_scheduler(_scheduler(path, max_total_tokens=8192), msgs, arrivals)
     ranks = spawn_ranks(drive_on_ranks, 2, path, small, msgs, arrivals, aborts, timeout=300)
     assert ranks[0] == ranks[1], "the two ranks disagree"
     two = ranks[0]
