@@ -111,19 +111,22 @@ def compile_opaque(fn: Callable) -> Callable:
 
     _COMPILE_OPAQUE.append(box)
     if _compile_opaque_on:
-        make_compile_opaque()
+        import torch
+
+        box[0] = torch.compiler.disable(fn)
     return call
 
 
 def make_compile_opaque() -> None:
     """Every `compile_opaque` function, made and made later, from now on through `torch.compiler.disable`."""
     global _compile_opaque_on
+    if _compile_opaque_on:                    # every runner that compiles calls this
+        return
     import torch
 
     _compile_opaque_on = True
     for box in _COMPILE_OPAQUE:
-        if box[0] is box[1]:
-            box[0] = torch.compiler.disable(box[1])
+        box[0] = torch.compiler.disable(box[1])
 
 
 # --- the sampling parameters: one typed declaration for the Engine API, /generate and the OpenAI routes ---------

@@ -15,7 +15,8 @@ import os
 
 logger = logging.getLogger(__name__)
 
-_originals: tuple | None = None         # (the interpreter module, its _patch_lang, GridExecutor.__call__) once installed
+# once installed: (the interpreter module, its _patch_lang, GridExecutor.__call__)
+_originals: tuple | None = None
 
 
 class _NoRestore:
@@ -37,7 +38,6 @@ def install() -> bool:
         logger.debug("Triton interpreter: device calls keep repatching (%s)", e)
         return False
     patched: list[set[int]] = []        # inside a launch: the ids of the language modules patched so far
-
     langs_by_fn: dict = {}              # fn -> the language modules its globals name (as _patch_lang finds them)
 
     def repatch_once(fn):

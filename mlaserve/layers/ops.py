@@ -37,13 +37,10 @@ def get_ops(name: str) -> Ops:
     """The kernel set called `name` (one of KERNEL_BACKENDS)."""
     if name == "triton":
         # NOTE: Triton launchers stay opaque to torch.compile (it compiles the torch code between them)
-        _opaque = compile_opaque
-        return Ops("triton", _opaque(norm.rmsnorm), _opaque(norm.fused_add_rmsnorm),
-                   _opaque(activation.silu_and_mul), _opaque(moe_topk.moe_topk), _opaque(moe_topk.moe_route),
-                   _opaque(fused_moe.fused_moe), _opaque(fused_moe.fused_moe_norm),
-                   _opaque(fp8_gemm.fp8_linear), _opaque(rope.mla_rope_kv_store),
-                   _opaque(mla_absorb.head_gemm), _opaque(mla_absorb.rope_head_gemm),
-                   _opaque(gemv.linear), _opaque(moe_topk.moe_route_norm))
+        return Ops("triton", *map(compile_opaque, (
+            norm.rmsnorm, norm.fused_add_rmsnorm, activation.silu_and_mul, moe_topk.moe_topk, moe_topk.moe_route,
+            fused_moe.fused_moe, fused_moe.fused_moe_norm, fp8_gemm.fp8_linear, rope.mla_rope_kv_store,
+            mla_absorb.head_gemm, mla_absorb.rope_head_gemm, gemv.linear, moe_topk.moe_route_norm)))
     if name == "torch":
         return Ops("torch", norm.rmsnorm_ref, norm.fused_add_rmsnorm_ref, activation.silu_and_mul_ref,
                    moe_topk.moe_topk_ref, moe_topk.moe_route_ref, fused_moe.fused_moe_ref, fused_moe.fused_moe_norm_ref,
