@@ -9,7 +9,9 @@
 #   spec:     the speculative GPU rows (graphs, torch.compile inside the draft + verify graphs; carry xgrammar)
 #   mlarows:  benchmarks/probe_mla_rows.py (MLA decode variants at short contexts)
 #   profile:  benchmarks/profile_decode.py V2-Lite bs 1 (kernels of one step, the host ops of one step)
-#   ab:       bench one-batch V2-Lite bs 1 / 16 / 64 with $AB_ENV unset and set, alternated twice
+#   ab:       bench one-batch V2-Lite bs 1 / 16 / 64, the MLA decode configs before this session and this tree's,
+#             alternated twice
+#   mlatests: the MLA decode kernel tests, the Triton backend's, the fast path against the reference
 #   bash benchmarks/gpu_session47.sh PART...
 source benchmarks/gpu_v2l_env.sh
 cat "$OUT/env.txt"
@@ -47,10 +49,18 @@ for PART in "$@"; do
     profile)
       timeout 150 python3 benchmarks/profile_decode.py --bs 1 > "$OUT/prof_v2l_bs1.txt" 2>&1
       grep -v "loading weights" "$OUT/prof_v2l_bs1.txt" | head -40 ;;
-    ab)
-      for i in 1 2; do
-        ob v2l_base$i "$V2L" --batch-size 1 16 64
-        env $AB_ENV bash -c "$(declare -f ob); V2L=$V2L OUT=$OUT ob v2l_new$i $V2L --batch-size 1 16 64"
+    ab)   # the MLA decode configs before this session (4 warps, no few-programs tiles) against this tree's, alternated
+      old="import mlaserve.kernels.mla_decode as m; m.CONFIGS[16] = m.MLADecodeConfig(16, 64, 4, 2); m.FEW_PROGRAMS = 0"
+      for tag in old new old new; do
+        patch="import sys"; [ $tag = old ] && patch="$old"
+        echo "### $tag"
+        timeout 150 python3 -c "$patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
+          --load-format dummy --input-len 256 --output-len 32 --model-config "$V2L" --batch-size 1 16 64 \
+          --output-file "$OUT/one_batch_ab_$tag.md" 2>&1 | grep "^| mlaserve" | tail -3
       done ;;
+    mlatests)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_decode.py \
+        tests/attention/test_triton_backend.py tests/models/test_gpu_fastpath.py -k "not logprobs_through_the_runner" \
+        > "$OUT/tests_mla.txt" 2>&1; tail -3 "$OUT/tests_mla.txt" ;;
   esac
 done
