@@ -50,8 +50,8 @@ for PART in "$@"; do
       timeout 150 python3 benchmarks/profile_decode.py --bs 1 > "$OUT/prof_v2l_bs1.txt" 2>&1
       grep -v "loading weights" "$OUT/prof_v2l_bs1.txt" | head -40 ;;
     ab)   # the MLA decode configs before this session (4 warps, no few-programs tiles) against this tree's, alternated
-      old="import mlaserve.kernels.mla_decode as m; m.CONFIGS[16] = m.MLADecodeConfig(16, 64, 4, 2); m.FEW_PROGRAMS = 0"
-      for tag in old new old new; do
+      old="import sys, mlaserve.kernels.mla_decode as m; m.CONFIGS[16] = m.MLADecodeConfig(16, 64, 4, 2); m.FEW_PROGRAMS = 0"
+      for tag in ${AB_TAGS:-old new old new}; do
         patch="import sys"; [ $tag = old ] && patch="$old"
         echo "### $tag"
         timeout 150 python3 -c "$patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
