@@ -32,6 +32,12 @@ REDUCE_TILE = 8192         # fp32 values of [S, BLOCK_L] one reduce program hold
 # an H200: V2-Lite graph replay 2.43 / 2.44 against 2.23 / 2.23 ms at bs 1, 10.0 / 10.1 against 9.45 / 9.62 ms at
 # bs 64, alternated in one call (benchmarks/results/merge-moe-h200.md): its split loop is a chain of dependent L2
 # reads in every program. Tried at dcf9a7e and removed.
+# NOTE: one request in 32-token tiles (4 warps) was 0.3-0.8 us a call faster than the H=16 entry below in
+# benchmarks/probe_mla_rows.py on an H200 (27 calls back to back in one graph; 7.6 -> 6.9 us at bs 1, 256 tokens),
+# but in the decode graph, together with the entry's 8 warps, equal to 4 warps within the spread (V2-Lite bs 1 graph
+# replay 2.16-2.20 against 2.14-2.21 ms; benchmarks/results/mla-short-h200.md). Tried at 74c751e and removed. A
+# one-head-a-program variant with its dot products on CUDA cores was 1.4x (bs 1, 256 tokens) to 25x (bs 64, 4096
+# tokens) slower (same file).
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -49,33 +55,23 @@ class MLADecodeConfig(NamedTuple):
 # entry with several head blocks. H=16 (V2-Lite) is bandwidth-bound; H=128 (V3, ~241 FLOP/byte) compute-bound.
 # Chosen by benchmarks/sweep_mla_decode.py on an H100 (benchmarks/results/tuning/h100-mla-decode-sweep.txt); H=16
 # tiles of 64 tokens by benchmarks/sweep_mla_short.py (decode-graph split counts: 1-3 us faster up to 4k tokens,
-# equal at 16k, 7% slower at 64 x 2048). H=16 at 8 warps: benchmarks/probe_mla_rows.py on an H200, 27 calls a graph
-# at the decode graph's split counts, 1-25 us a call faster than 4 warps at every batch of 1-64 and context of
-# 256-4096 (benchmarks/results/mla-short-h200.md; on an H100 they were faster alone but equal in the decode graph,
-# results/decode-host-h100.md).
+# equal at 16k, 7% slower at 64 x 2048). Their 8 warps: on an H100 1.2-5.4 us a call faster alone
+# (benchmarks/sweep_mla_batch.py, tuning/h100-mla-decode-batch-sweep.txt), V2-Lite decode graph equal within the
+# spread at 256 tokens (results/decode-host-h100.md); on an H200 1-25 us a call faster at bs 1-64 and 256-4096
+# tokens (benchmarks/probe_mla_rows.py), V2-Lite bs 64 at 4096 tokens 12.66 -> 12.15 ms of graph replay, equal
+# within the spread at 256 tokens (benchmarks/results/mla-short-h200.md).
 CONFIGS: dict[int, MLADecodeConfig] = {
     16: MLADecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2),
     32: MLADecodeConfig(block_h=32, block_n=128, num_warps=8, num_stages=2),
     64: MLADecodeConfig(block_h=64, block_n=64, num_warps=8, num_stages=3),
 }
-# A decode of at most FEW_PROGRAMS (request, head block) programs a split (bs 1 at H <= 16) spreads its tokens over
-# 32-token splits instead: at bs 1 on an H200 6.9 against 7.6 us a call at 256 tokens, 10.5 against 10.7 at 4096
-# (probe_mla_rows.py; at bs 4 it lost at 4096 tokens). Same block_h as CONFIGS: the split count does not change.
-FEW_PROGRAMS = 1
-FEW_CONFIGS: dict[int, MLADecodeConfig] = {
-    16: MLADecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2),
-}
 
 
-def pick_config(rows: int, batch: int | None = None) -> MLADecodeConfig:
-    """The config of `batch` requests of `rows` query rows each (batch None: the CONFIGS entry alone)."""
-    cfg = next((CONFIGS[k] for k in sorted(CONFIGS) if rows <= k), CONFIGS[max(CONFIGS)])
-    key = next((k for k in sorted(FEW_CONFIGS) if rows <= k), None)
-    if batch is not None and key is not None and batch * triton.cdiv(rows, cfg.block_h) <= FEW_PROGRAMS:
-        few = FEW_CONFIGS[key]
-        assert few.block_h == cfg.block_h, "FEW_CONFIGS keeps CONFIGS' block_h (the graphs' split counts use it)"
-        return few
-    return cfg
+def pick_config(rows: int) -> MLADecodeConfig:
+    for key in sorted(CONFIGS):
+        if rows <= key:
+            return CONFIGS[key]
+    return CONFIGS[max(CONFIGS)]
 
 
 def decode_programs(batch: int, rows: int) -> int:
@@ -303,7 +299,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tens
     if t == 0:
         return out
     b = seq_lens.shape[0]
-    cfg = pick_config(num_q * h, b)
+    cfg = pick_config(num_q * h)
     head_blocks = triton.cdiv(num_q * h, cfg.block_h)
     splits = num_kv_splits or choose_num_kv_splits(decode_programs(b, num_q * h), int(seq_lens.max()))
     mid_o = mid_lse = None

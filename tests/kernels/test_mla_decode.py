@@ -9,7 +9,7 @@ import torch
 import mlaserve.kernels.mla_decode as md
 from mlaserve.bench.kernel_cases import mla_decode as bench_case
 from mlaserve.kernels.mla_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, NUM_SMS, choose_num_kv_splits, decode_programs,
-                                         FEW_CONFIGS, mla_decode, mla_decode_ref, pick_config)
+                                         mla_decode, mla_decode_ref, pick_config)
 
 # Tolerances (max abs error; outputs are averages of N(0, 1) values, so |out| <= ~3):
 #   fp32 q: dots are exact fp32 in the interpreter, only summation order differs -> 1e-4.
@@ -62,15 +62,6 @@ def test_ragged_lengths_auto_splits(device: str, dtype: torch.dtype) -> None:
 def test_splits_that_do_not_divide_the_length(device: str, splits: int) -> None:
     # Length 1 with 7 splits leaves most splits empty; 7 does not divide 131 or the tile size.
     lens = [1, 131, random.randint(40, 200)]
-    check(make_case(device, lens, heads=16, big_l=64, rope=16, num_q=1, dtype=torch.float32,
-                    kv_dtype=torch.float32), TOL[torch.float32], num_kv_splits=splits)
-
-
-@pytest.mark.parametrize("splits", [None, 1, 5, 128])
-def test_one_request_takes_the_few_programs_tiles(device: str, splits: int | None) -> None:
-    # batch 1 of 16 heads: FEW_CONFIGS' 32-token tiles; 128 splits as a decode graph captures them (most empty)
-    assert pick_config(16, 1).block_n != pick_config(16).block_n
-    lens = [random.randint(33, 150)]
     check(make_case(device, lens, heads=16, big_l=64, rope=16, num_q=1, dtype=torch.float32,
                     kv_dtype=torch.float32), TOL[torch.float32], num_kv_splits=splits)
 
@@ -145,10 +136,6 @@ def test_split_choice_fills_the_gpu_without_tiny_splits() -> None:
     assert s >= 2 and 32 * s <= NUM_SMS < 32 * (s + 1)                  # one full wave, no ragged second one
     assert pick_config(16).block_h == 16 and pick_config(128).block_h == 64 and pick_config(4).block_h == 16
     assert decode_programs(32, 128) == 64 and decode_programs(3, 16) == 3           # requests x head blocks
-    # one request of <= 16 rows takes the few-programs tiles, more requests (or more rows) the rows' entry
-    assert pick_config(16, 1) == FEW_CONFIGS[16] and pick_config(8, 1) == FEW_CONFIGS[16]
-    assert pick_config(16, 2) == pick_config(16) and pick_config(128, 1) == pick_config(128)
-    assert all(FEW_CONFIGS[k].block_h == pick_config(k).block_h for k in FEW_CONFIGS)   # same split counts
 
 
 def test_bench_arithmetic() -> None:

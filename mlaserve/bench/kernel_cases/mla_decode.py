@@ -59,7 +59,7 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def one_case(ceil: Ceilings, heads: int, batch: int, ctx: int, bound: str, target: float | None) -> dict:
     args = make_inputs(heads, batch, ctx)
-    cfg = pick_config(heads, batch)
+    cfg = pick_config(heads)
     splits = choose_num_kv_splits(decode_programs(batch, heads), ctx)
     out = torch.empty(batch, heads, KV_LORA_RANK, device="cuda", dtype=torch.bfloat16)
     ms = time_cuda(lambda: mla_decode(**args, num_kv_splits=splits, out=out))
