@@ -29,14 +29,8 @@ def _rows_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Out, qk_s
                  BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     # one (request, head, split); scores and the weighted sum on CUDA cores: [BLOCK_N, L] tiles summed along L / N
     pdl_enter(PDL)
-    b = tl.program_id(0)
     h = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b)
-    pool_row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    b, split, seq_len, pool_row, start, end = md.split_bounds(SeqLens, ReqPoolIdx, num_splits, BLOCK_N)
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
     q = tl.load(Q + b * stride_qt + h * stride_qh + offs_l).to(tl.float32)

@@ -106,6 +106,20 @@ def _store_cols(ptrs, x, rows_ok, offs, D: tl.constexpr, BLOCK_D: tl.constexpr):
         tl.store(ptrs, x, mask=rows_ok[:, None] & (offs < D)[None, :])
 
 
+@triton.jit
+def split_bounds(SeqLens, ReqPoolIdx, num_splits, BLOCK_N: tl.constexpr):
+    """This program's request b (grid axis 0) and split (axis 2) -> (b, split, seq_len, the request's pool row, the
+    split's first and end cache positions): num_splits equal runs of whole BLOCK_N tiles, the last ones empty
+    (start >= seq_len) when they do not divide."""
+    b = tl.program_id(0)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    pool_row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    return b, split, seq_len, pool_row, start, tl.minimum(start + split_len, seq_len)
+
+
 # NOTE: ReqPoolIdx / SeqLens are not specialized on 16-byte alignment: a mixed batch passes its decodes' part as a
 # slice at any offset, and each alignment would be one more compile on first use (a 1.5 s serving stall)
 @triton.jit(do_not_specialize=["num_splits", "ReqPoolIdx", "SeqLens"])
@@ -122,11 +136,8 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
         MidO given             | partials to MidO / MidLse, merged by _mla_decode_reduce_kernel
     """
     pdl_enter(PDL)
-    b = tl.program_id(0)
     hb = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b)
-    pool_row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    b, split, seq_len, pool_row, start, end = split_bounds(SeqLens, ReqPoolIdx, num_splits, BLOCK_N)
 
     # rows = (query token j, head h) pairs of request b, j-major: one cache tile is read once for all of them.
     rows = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -137,10 +148,6 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
     limit = seq_len - num_q + j + 1                  # [BLOCK_H] row sees cache positions < limit (causal)
     if TreeMask is not None:                         # bit i: row sees position seq_len - num_q + i (i <= j)
         tree_bits = tl.load(TreeMask + t, mask=row_ok, other=0).to(tl.int64)
-
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
 
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
