@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session of 2026-12-02, one H200 (carry .whl): the compiled decode paths behind core.compile_opaque on a GPU, the
+# Session of 2026-12-02, one H200 (carry .whl: ../shared/device/wheels.sh, then benchmarks/xgrammar_wheels.sh): the compiled decode paths behind core.compile_opaque on a GPU, the
 # one-batch table at this tree, and where the V2-Lite bs-1 step goes now.
 #   tests:    the model's fast path against the reference (graphs, torch.compile with and without graphs), the
 #             speculative compile rows, the single-GPU rows of the combination matrix, tests/test_core.py

@@ -11,6 +11,8 @@ M=/tmp/v2l; mkdir -p $M; cp mlaserve/tools/configs/deepseek-v2-lite.json $M/conf
 python3 -m mlaserve.tools.tokenizer $M > /dev/null
 export MLASERVE_CACHE=${MLASERVE_CACHE:-/tmp/mlaserve-cache}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/env.txt" 2>&1
+python3 -c "import xgrammar" > /dev/null 2>&1 || echo "no xgrammar on this machine (carry its wheel and apache-tvm-ffi's" \
+  "in .whl): structured-output requests and tests abort" | tee -a "$OUT/env.txt"
 V2L=mlaserve/tools/configs/deepseek-v2-lite.json
 V3_4L=/tmp/v3_4l.json
 python3 -c "import json; d=json.load(open('mlaserve/tools/configs/deepseek-v3.json')); d['num_hidden_layers']=4; json.dump(d, open('$V3_4L','w'))"
