@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session of 2026-12-02, one H200 (carry .whl: ../shared/device/wheels.sh, then benchmarks/xgrammar_wheels.sh): the compiled decode paths behind core.compile_opaque on a GPU, the
-# one-batch table at this tree, and where the V2-Lite bs-1 step goes now.
+# Session of 2026-12-02, one H200 (carry .whl: ../shared/device/wheels.sh, then benchmarks/xgrammar_wheels.sh): the
+# compiled decode paths behind core.compile_opaque on a GPU, the one-batch table at this tree, where the V2-Lite bs-1
+# step goes now, and the MLA decode's tiles (results in benchmarks/results/mla-short-h200.md).
 #   tests:    the model's fast path against the reference (graphs, torch.compile with and without graphs), the
 #             speculative compile rows, the single-GPU rows of the combination matrix, tests/test_core.py
 #   kernels:  the kernel tests (tests/kernels, the Triton attention backend)
