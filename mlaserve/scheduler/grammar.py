@@ -7,6 +7,7 @@ Legend: `B` requests of a batch, `V` the model's vocabulary, `W` = ceil(V / 32) 
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 from collections import OrderedDict
@@ -27,6 +28,15 @@ logger = logging.getLogger(__name__)
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 CACHE_SIZE = 512           # compiled grammars kept (least recently used dropped first)
 COMPILE_THREADS = 2
+
+
+NO_XGRAMMAR = ("structured output needs xgrammar, which is not installed here (pip install xgrammar, or serve with "
+               "--grammar-backend none)")
+
+
+def xgrammar_installed() -> bool:
+    """Whether xgrammar can be imported, without importing it (the import takes seconds: see GrammarManager)."""
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 def grammar_error(e: Exception) -> str:
@@ -114,6 +124,9 @@ class GrammarManager:
         self.off_reason = "structured output is off (the server runs with --grammar-backend none)"
         if backend == "xgrammar" and tokenizer is None:
             self.off_reason = "structured output needs the tokenizer (no tokenizer.json with the checkpoint)"
+        elif backend == "xgrammar" and not xgrammar_installed():
+            self.off_reason = NO_XGRAMMAR
+            logger.warning("%s: requests with a grammar are refused", NO_XGRAMMAR)
         elif backend == "xgrammar":
             self.off_reason = None
             self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="mlaserve-grammar")

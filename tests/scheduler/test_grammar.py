@@ -14,7 +14,8 @@ from mlaserve.config import ServerConfig
 from mlaserve.core import SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.layers.sampler import apply_token_bitmask
-from mlaserve.scheduler.grammar import grammar_error
+import mlaserve.scheduler.grammar as grammar_mod
+from mlaserve.scheduler.grammar import NO_XGRAMMAR, grammar_error
 from mlaserve.scheduler.scheduler import Scheduler
 from mlaserve.tokenizer import load_tokenizer
 from seq_runner import drive_scheduler as run
@@ -99,6 +100,17 @@ def test_invalid_grammar_ends_the_request_with_400(demo, tok):
     assert text_of(tok, out["ok"]) == "aaa"
     assert "not closed" in sched.grammar.check("regex", "(ab")
     assert sched.grammar.check("json_schema", json.dumps(PERSON)) is None
+
+
+def test_without_xgrammar_a_grammar_is_a_400_naming_it(demo, tok, monkeypatch):
+    # a machine without xgrammar (the GPU image): each constrained request is refused with one line saying what to
+    # install, free requests are served
+    assert grammar_mod.xgrammar_installed()                  # this machine has it (a test dependency)
+    monkeypatch.setattr(grammar_mod, "xgrammar_installed", lambda: False)
+    out = run(make(demo), [msg("re", tok.encode("x"), seed=1, regex="a{3}"),
+                           msg("free", tok.encode("x"), seed=1, max_new=4)])
+    assert out["re"]["finished"].status_code == 400 and out["re"]["finished"].message == NO_XGRAMMAR
+    assert len(out["free"]["ids"]) == 4
 
 
 def test_abort_frees_the_grammar_state(demo, tok):
