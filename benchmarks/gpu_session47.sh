@@ -10,8 +10,8 @@
 #   spec:     the speculative GPU rows (graphs, torch.compile inside the draft + verify graphs; carry xgrammar)
 #   mlarows:  benchmarks/probe_mla_rows.py (MLA decode variants at short contexts)
 #   profile:  benchmarks/profile_decode.py V2-Lite bs 1 (kernels of one step, the host ops of one step)
-#   ab:       bench one-batch V2-Lite bs 1 / 16 / 64, the MLA decode configs before this session and this tree's,
-#             alternated twice
+#   ab:       bench one-batch V2-Lite bs 1 / 16 / 64, the H=16 MLA decode at 4 warps and at this tree's 8,
+#             alternated twice (AB_IN, AB_BS, AB_TAGS: input length, batch sizes, order)
 #   mlatests: the MLA decode kernel tests, the Triton backend's, the fast path against the reference
 #   bash benchmarks/gpu_session47.sh PART...
 source benchmarks/gpu_v2l_env.sh
@@ -50,14 +50,15 @@ for PART in "$@"; do
     profile)
       timeout 150 python3 benchmarks/profile_decode.py --bs 1 > "$OUT/prof_v2l_bs1.txt" 2>&1
       grep -v "loading weights" "$OUT/prof_v2l_bs1.txt" | head -40 ;;
-    ab)   # the MLA decode configs before this session (4 warps, no few-programs tiles) against this tree's, alternated
-      old="import sys, mlaserve.kernels.mla_decode as m; m.CONFIGS[16] = m.MLADecodeConfig(16, 64, 4, 2); m.FEW_PROGRAMS = 0"
+    ab)   # the H=16 MLA decode at 4 warps (before this session) against this tree's 8, alternated; AB_IN input tokens
+      # (default 256), AB_BS batch sizes (default 1 16 64), AB_TAGS the order (default old new old new)
+      old="import sys, mlaserve.kernels.mla_decode as m; m.CONFIGS[16] = m.MLADecodeConfig(16, 64, 4, 2)"
       for tag in ${AB_TAGS:-old new old new}; do
         patch="import sys"; [ $tag = old ] && patch="$old"
         echo "### $tag"
         timeout 150 python3 -c "$patch; from mlaserve.cli import main; sys.exit(main())" bench one-batch \
-          --load-format dummy --input-len 256 --output-len 32 --model-config "$V2L" --batch-size 1 16 64 \
-          --output-file "$OUT/one_batch_ab_$tag.md" 2>&1 | grep "^| mlaserve" | tail -3
+          --load-format dummy --input-len ${AB_IN:-256} --output-len 32 --model-config "$V2L" \
+          --batch-size ${AB_BS:-1 16 64} --output-file "$OUT/one_batch_ab_$tag.md" 2>&1 | grep "^| mlaserve" | tail -3
       done ;;
     mlatests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_decode.py \
