@@ -16,7 +16,6 @@
 #   bash benchmarks/gpu_session47.sh PART...
 source benchmarks/gpu_v2l_env.sh
 cat "$OUT/env.txt"
-git log -1 --format=%h 2>/dev/null | tee -a "$OUT/env.txt"
 ob() {  # ob TAG CONFIG FLAGS... -- BATCH_SIZES...
   local tag=$1 cfg=$2; shift 2
   echo "### $tag"
