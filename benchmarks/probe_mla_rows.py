@@ -1,5 +1,6 @@
-"""The bs-1 / short-context MLA decode at decode-graph conditions: the shipped kernel's configs beside a one-head-a-
-program variant (CUDA-core dot products, no tensor cores), with and without splits.
+"""The bs-1 / short-context MLA decode at decode-graph conditions: the shipped kernel's configs (and its H=16 entry
+before 2026-12-02: 4 warps) beside a one-head-a-program variant (CUDA-core dot products, no tensor cores), with and
+without splits.
 
 Each variant runs 27 times back to back in one CUDA graph (one per layer, each on its own cache and query, as the
 decode graph does), launched with PDL where the kernels take it; us per layer, the split reduce included.
@@ -8,18 +9,17 @@ Usage: PYTHONPATH=$PWD python3 benchmarks/probe_mla_rows.py [--ctx 256 1024 4096
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 import mlaserve.kernels.mla_decode as md
+from mlaserve.bench.kernel_cases.mla_decode import KV_LORA_RANK, ROPE_DIM, SM_SCALE, make_inputs, rel_error
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from chain_timer import chain_us
 
-L, R, H = 512, 64, 16
-SCALE = 1.0 / math.sqrt(192)
+L, R, H = KV_LORA_RANK, ROPE_DIM, 16
 LAYERS = 27
 
 
@@ -64,33 +64,22 @@ def _rows_kernel(Q, KV, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Out, qk_s
         tl.store(MidLse + mid, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")))
 
 
+_scratch: dict = {}          # (query tensor id, splits) -> the split partials' buffers
+
+
 def rows_decode(inp: dict, out: torch.Tensor, splits: int, block_n: int, warps: int) -> None:
     q, kv = inp["q"], inp["kv_cache"]
     b = q.shape[0]
     mid_o = mid_lse = None
     if splits > 1:
-        mid_o = inp.setdefault(f"mid_o{splits}", torch.empty(b, H, splits, L, device=q.device))
-        mid_lse = inp.setdefault(f"mid_lse{splits}", torch.empty(b, H, splits, device=q.device))
+        mid_o, mid_lse = _scratch.setdefault((id(q), splits), (torch.empty(b, H, splits, L, device=q.device),
+                                                               torch.empty(b, H, splits, device=q.device)))
     _rows_kernel[(b, H, splits)](q, kv, inp["req_to_token"], inp["req_pool_idx"], inp["seq_lens"], mid_o, mid_lse, out,
-                                 SCALE * md.LOG2E, q.stride(0), q.stride(1), kv.stride(0),
+                                 SM_SCALE * md.LOG2E, q.stride(0), q.stride(1), kv.stride(0),
                                  inp["req_to_token"].stride(0), out.stride(0), out.stride(1), H, splits, L=L, R=R,
                                  BLOCK_N=block_n, **pdl_meta(q.device), num_warps=warps)
     if splits > 1:
         md._reduce(mid_o, mid_lse, out, splits)
-
-
-def inputs(batch: int, ctx: int, pool_ctx: int) -> dict:
-    slots = torch.randperm(batch * pool_ctx, device="cuda", dtype=torch.int64).to(torch.int32)
-    return dict(q=torch.randn(batch, H, L + R, device="cuda", dtype=torch.bfloat16),
-                kv_cache=torch.randn(batch * pool_ctx, L + R, device="cuda", dtype=torch.bfloat16),
-                req_to_token=slots.view(batch, pool_ctx), req_pool_idx=torch.arange(batch, device="cuda",
-                                                                                  dtype=torch.int32),
-                seq_lens=torch.full((batch,), ctx, device="cuda", dtype=torch.int32))
-
-
-def shipped(inp: dict, out: torch.Tensor, splits: int) -> None:
-    md.mla_decode(inp["q"], inp["kv_cache"], inp["req_to_token"], inp["req_pool_idx"], inp["seq_lens"], SCALE,
-                  kv_lora_rank=L, num_kv_splits=splits, out=out)
 
 
 def main() -> None:
@@ -103,24 +92,23 @@ def main() -> None:
     print(f"MLA decode, H={H}, {LAYERS} calls a graph, us a call (split reduce included); {torch.cuda.get_device_name()}")
     for batch in args.batch:
         for ctx in args.ctx:
-            pool_ctx = max(args.ctx)
-            layers = [inputs(batch, ctx, pool_ctx) for _ in range(LAYERS)]
+            layers = [make_inputs(H, batch, ctx) for _ in range(LAYERS)]
             outs = [torch.empty(batch, H, L, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
-            want = md.mla_decode_ref(layers[0]["q"], layers[0]["kv_cache"], layers[0]["req_to_token"],
-                                     layers[0]["req_pool_idx"], layers[0]["seq_lens"], SCALE, kv_lora_rank=L)
+            want = md.mla_decode_ref(**layers[0])
             graph_splits = md.choose_num_kv_splits(md.decode_programs(batch, H), 1 << 20)
             cells = []
 
             def run(name, fn):
                 fn(layers[0], outs[0])
-                err = ((outs[0].float() - want.float()).abs().max() / want.float().abs().max()).item()
+                err = rel_error(outs[0], want)
                 us = chain_us([lambda i=i: fn(layers[i], outs[i]) for i in range(LAYERS)])
                 cells.append(f"{name} {us:.2f}{'' if err < 2e-2 else f' ERR {err:.3f}'}")
 
-            run(f"shipped S={graph_splits}", lambda i, o: shipped(i, o, graph_splits))
-            for bh, bn, w, st in ((16, 64, 8, 2), (16, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3)):
+            decode = lambda i, o: md.mla_decode(**i, num_kv_splits=graph_splits, out=o)    # noqa: E731
+            run(f"shipped S={graph_splits}", decode)
+            for bh, bn, w, st in ((16, 64, 4, 2), (16, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3)):
                 md.CONFIGS = {**base, 16: md.MLADecodeConfig(bh, bn, w, st)}
-                run(f"cfg({bh},{bn},{w},{st})", lambda i, o: shipped(i, o, graph_splits))
+                run(f"cfg({bh},{bn},{w},{st})", decode)
             md.CONFIGS = base
             for splits in (1, 2, 4, graph_splits):
                 for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8)):
