@@ -8,7 +8,7 @@
 #   ab:      bench one-batch V2-Lite bs 1 / 16 / 64 in 256 out 32 (AB_CFG: v2l or v3; AB_BS, AB_IN), prefetch off
 #            (MLASERVE_L2_PREFETCH_MB=0) and on (AB_MB, default 32; AB_MAXT largest prefetching batch, default 16),
 #            alternated (AB_TAGS, default off on off on)
-#   profile: benchmarks/profile_decode.py V2-Lite bs 1 (PROF_BS), prefetch off then on
+#   profile: benchmarks/profile_decode.py V2-Lite bs 1 (PROF_BS), prefetch budgets PROF_MBS (default 0 32)
 #   warps:   last session's repeat: the H=16 MLA decode at 4 warps against 8, bs 64 at 4096 tokens, alternated
 #   bash benchmarks/gpu_session48.sh PART...
 source benchmarks/gpu_v2l_env.sh
@@ -32,7 +32,7 @@ for PART in "$@"; do
           --batch-size ${AB_BS:-1 16 64} --output-file "$OUT/ab_${AB_CFG:-v2l}_$tag.md" 2>&1 | grep "^| mlaserve" | tail -3
       done ;;
     profile)
-      for mb in 0 ${AB_MB:-32}; do
+      for mb in ${PROF_MBS:-0 32}; do
         MLASERVE_L2_PREFETCH_MB=$mb timeout 150 python3 benchmarks/profile_decode.py --bs ${PROF_BS:-1} \
           > "$OUT/prof_bs${PROF_BS:-1}_mb$mb.txt" 2>&1
         grep -v "loading weights" "$OUT/prof_bs${PROF_BS:-1}_mb$mb.txt" | head -16

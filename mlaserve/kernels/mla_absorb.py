@@ -15,7 +15,7 @@ import triton.language as tl
 
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
-from mlaserve.kernels.prefetch import CHUNK, LANES, L2Prefetch, l2_prefetch_program
+from mlaserve.kernels.prefetch import L2Prefetch, l2_prefetch_program
 from mlaserve.kernels.rope import mla_rope_kv_store_ref, rope_kv_store_program, rope_launch_args
 
 TARGET_PROGRAMS = 264      # ~2 per SM of an H100: one wave of programs streaming the weight
@@ -90,7 +90,7 @@ def _rope_head_gemm_kernel(A, W, Out, T, stride_at, stride_ah, stride_wh, stride
                               NORM, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
     else:
         if Prefetch is not None:                     # (without a table the grid ends at work_programs)
-            l2_prefetch_program(pid - work_programs, Prefetch, LANES, CHUNK)
+            l2_prefetch_program(pid - work_programs, Prefetch)
 
 
 def _blocks(t: int, h: int, n: int) -> tuple[int, int]:

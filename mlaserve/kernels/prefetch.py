@@ -27,6 +27,7 @@ CHUNK = 4096               # bytes per prefetch instruction
 ALIGN = 16                 # the bulk prefetch's address and size granularity
 DEFAULT_MB = 32            # of the H100 / H200's 50 MB L2
 DEFAULT_MAX_TOKENS = 16
+_LANES, _CHUNK = tl.constexpr(LANES), tl.constexpr(CHUNK)      # the same, seen from the kernels
 
 
 class L2Prefetch(NamedTuple):
@@ -86,13 +87,13 @@ def for_tokens(prefetch: L2Prefetch | None, num_tokens: int) -> L2Prefetch | Non
 
 
 @triton.jit
-def l2_prefetch_program(p, Table, LANES: tl.constexpr, CHUNK: tl.constexpr):
+def l2_prefetch_program(p, Table):
     """Program p of a prefetch job: its table row's bytes, CHUNK at a time, one prefetch per lane (lanes past the
     row's end repeat its first 16 bytes: a prefetch is a hint, a repeated one costs nothing)."""
     base = tl.load(Table + 2 * p)
     nbytes = tl.load(Table + 2 * p + 1)
-    off = tl.arange(0, LANES).to(tl.int64) * CHUNK
-    size = tl.minimum(nbytes - off, CHUNK)
+    off = tl.arange(0, _LANES).to(tl.int64) * _CHUNK
+    size = tl.minimum(nbytes - off, _CHUNK)
     ok = size > 0
     addr = tl.where(ok, base + off, base)
     size = tl.where(ok, size, 16).to(tl.int32)
@@ -101,10 +102,10 @@ def l2_prefetch_program(p, Table, LANES: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch_kernel(Table, LANES: tl.constexpr, CHUNK: tl.constexpr):
-    l2_prefetch_program(tl.program_id(0), Table, LANES, CHUNK)
+def _l2_prefetch_kernel(Table):
+    l2_prefetch_program(tl.program_id(0), Table)
 
 
 def l2_prefetch(prefetch: L2Prefetch) -> None:
     """The prefetch job as a launch of its own (benchmarks and tests; the decode step runs it inside W_UK's)."""
-    _l2_prefetch_kernel[(prefetch.programs,)](prefetch.table, LANES=LANES, CHUNK=CHUNK, num_warps=LANES // 32)
+    _l2_prefetch_kernel[(prefetch.programs,)](prefetch.table, num_warps=LANES // 32)
