@@ -15,7 +15,6 @@ import triton.language as tl
 
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
-from mlaserve.kernels.prefetch import L2Prefetch, l2_prefetch_program
 from mlaserve.kernels.rope import mla_rope_kv_store_ref, rope_kv_store_program, rope_launch_args
 
 TARGET_PROGRAMS = 264      # ~2 per SM of an H100: one wave of programs streaming the weight
@@ -61,36 +60,30 @@ def _head_gemm_program(h, nb, tb, A, W, Out, T, stride_at, stride_ah, stride_wh,
     tl.store(out, acc.to(Out.dtype.element_ty), mask=t_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "gemm_nb", "gemm_tb", "gemm_programs", "rope_hb", "work_programs"])
+@triton.jit(do_not_specialize=["T", "gemm_nb", "gemm_tb", "gemm_programs", "rope_hb"])
 def _rope_head_gemm_kernel(A, W, Out, T, stride_at, stride_ah, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh,
                            q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr, slot_ptr, scale_ptr, nw_ptr, eps, H, L,
                            stride_qt, stride_qh, stride_kt, stride_ct, stride_pos, stride_cache, stride_slot,
-                           gemm_nb, gemm_tb, gemm_programs, rope_hb, work_programs, Prefetch,
-                           K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr,
+                           gemm_nb, gemm_tb, gemm_programs, rope_hb, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                            DOT_PREC: tl.constexpr, R_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
                            IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
                            MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
-    # The first gemm_programs programs are head_gemm's (h, N block, T block), the next ones up to work_programs
-    # rope_kv_store's (t, head block): two independent launches' work in one (the GEMM reads q's nope part, the rope
-    # rewrites its rope part). With a Prefetch table, the programs past work_programs are its L2 prefetch job: they
-    # read no activation and write nothing, so they neither wait for the previous kernel nor hold the next one.
+    # The first gemm_programs programs are head_gemm's (h, N block, T block), the rest rope_kv_store's (t, head
+    # block): two independent launches' work in one (the GEMM reads q's nope part, the rope rewrites its rope part).
     pid = tl.program_id(0)
     if pid < gemm_programs:
         _head_gemm_program((pid // (gemm_nb * gemm_tb)).to(tl.int64), (pid // gemm_tb) % gemm_nb, pid % gemm_tb, A, W,
                            Out, T, stride_at, stride_ah, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, K, N,
                            BLOCK_T, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PREC, PDL)
-    elif pid < work_programs:
+    else:
         pdl_enter(PDL)
         r = pid - gemm_programs
         rope_kv_store_program((r // rope_hb).to(tl.int64), r % rope_hb, q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr,
                               cache_ptr, slot_ptr, scale_ptr, nw_ptr, eps, H, L, stride_qt, stride_qh, stride_kt,
                               stride_ct, stride_pos, stride_cache, stride_slot, R_HALF, BLOCK_RH, BLOCK_H, BLOCK_L,
                               NORM, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
-    else:
-        if Prefetch is not None:                     # (without a table the grid ends at work_programs)
-            l2_prefetch_program(pid - work_programs, Prefetch)
 
 
 def _blocks(t: int, h: int, n: int) -> tuple[int, int]:
@@ -137,12 +130,10 @@ def _gemm_launch_args(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, trans
 
 def rope_head_gemm(q_nope: torch.Tensor, w_kc: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
                    kv_c: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
-                   out_slots: torch.Tensor, *, prefetch: L2Prefetch | None = None, **rope_kw) -> torch.Tensor:
+                   out_slots: torch.Tensor, **rope_kw) -> torch.Tensor:
     """`head_gemm(q_nope, w_kc)` and `rope.mla_rope_kv_store(q_pe, ..., **rope_kw)` (same arguments, same in-place
     effects) in one launch: absorbed decode's W_UK GEMM beside the rope and cache write it does not depend on.
-    q_nope and q_pe are the two parts of one q (disjoint columns). Returns q_lat [T, H, L].
-    `prefetch`: an L2 prefetch job (kernels/prefetch.py) run by extra programs of the same launch (a hint: the
-    results do not depend on it)."""
+    q_nope and q_pe are the two parts of one q (disjoint columns). Returns q_lat [T, H, L]."""
     out = head_gemm_out(q_nope, w_kc)
     t = q_nope.shape[0]
     rope_args, rope_meta, (_, rope_hb) = rope_launch_args(q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache,
@@ -151,11 +142,9 @@ def rope_head_gemm(q_nope: torch.Tensor, w_kc: torch.Tensor, q_pe: torch.Tensor,
         return out
     args, meta, (gh, gnb, gtb) = _gemm_launch_args(q_nope, w_kc, out, False)
     gemm_programs = gh * gnb * gtb
-    work = gemm_programs + t * rope_hb
-    extra = 0 if prefetch is None else prefetch.programs
-    _rope_head_gemm_kernel[(work + extra,)](
-        *args, *rope_args, gnb, gtb, gemm_programs, rope_hb, work, None if prefetch is None else prefetch.table,
-        **meta, **rope_meta, **pdl_meta(q_nope.device), num_warps=4)
+    _rope_head_gemm_kernel[(gemm_programs + t * rope_hb,)](
+        *args, *rope_args, gnb, gtb, gemm_programs, rope_hb, **meta, **rope_meta, **pdl_meta(q_nope.device),
+        num_warps=4)
     return out
 
 
@@ -176,9 +165,7 @@ def head_gemm_ref(a: torch.Tensor, w: torch.Tensor, *, trans: bool = False, out:
     return res if out is None else out.copy_(res)
 
 
-def rope_head_gemm_ref(q_nope: torch.Tensor, w_kc: torch.Tensor, *rope_args, prefetch: L2Prefetch | None = None,
-                       **rope_kw) -> torch.Tensor:
-    """Reference for `rope_head_gemm`: the rope's reference (its in-place effects), then `head_gemm_ref`
-    (`prefetch`, a hint that changes no result, is the Triton launch's alone)."""
+def rope_head_gemm_ref(q_nope: torch.Tensor, w_kc: torch.Tensor, *rope_args, **rope_kw) -> torch.Tensor:
+    """Reference for `rope_head_gemm`: the rope's reference (its in-place effects), then `head_gemm_ref`."""
     mla_rope_kv_store_ref(*rope_args, **rope_kw)
     return head_gemm_ref(q_nope, w_kc)

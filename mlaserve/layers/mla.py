@@ -15,7 +15,6 @@ from mlaserve.attention.base import KVNew
 from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext, ForwardMode, compile_opaque
 from mlaserve.distributed import TensorParallel
-from mlaserve.kernels import prefetch
 from mlaserve.kernels.quant import block_dequant_ref
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear
 from mlaserve.layers.ops import Ops
@@ -60,8 +59,6 @@ class MLAAttention(torch.nn.Module):
         # Absorbed weights, derived from kv_b_proj after loading (models/weights.py).
         self.register_buffer("w_kc", torch.empty(self.h, self.dn, self.l, dtype=dtype, device=device), persistent=False)
         self.register_buffer("w_vc", torch.empty(self.h, self.dv, self.l, dtype=dtype, device=device), persistent=False)
-        # weights read after this attention, prefetched into L2 by absorbed decode's W_UK launch (set by the layer)
-        self.l2_prefetch: prefetch.L2Prefetch | None = None
 
     def post_load(self) -> None:
         """Derive w_kc / w_vc from kv_b_proj (dequantised first when FP8)."""
@@ -99,8 +96,7 @@ class MLAAttention(torch.nn.Module):
         rope_kw = dict(kv_scale=pool.kv_scale, norm_weight=norm.weight, eps=norm.eps)
         if ctx.mode is ForwardMode.DECODE and self.absorb and ctx.parts is None:
             # absorbed decode: W_UK's per-head GEMM rides in the rope's launch (it reads q's other columns)
-            q_lat = self.ops.rope_head_gemm(q[..., : self.dn], self.w_kc, *rope, **rope_kw,   # [T, H, L]
-                                            prefetch=prefetch.for_tokens(self.l2_prefetch, t))
+            q_lat = self.ops.rope_head_gemm(q[..., : self.dn], self.w_kc, *rope, **rope_kw)     # [T, H, L]
             return self.o_proj(self._decode_absorbed(q_lat, q, ctx).reshape(t, self.h * self.dv))
         self.ops.mla_rope_kv_store(*rope, **rope_kw)
         k_pe = latent[:, self.l:]                                             # [T, R] (roped)

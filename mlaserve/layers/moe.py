@@ -50,10 +50,6 @@ class DenseMLP(torch.nn.Module):
         self.down_proj = Linear(intermediate, hidden, tp_dim=1, **kw)               # partial sums
         self.ops = ops
 
-    def decode_weights(self) -> list[torch.Tensor]:
-        """The weights a decode step reads here, in order (the L2 prefetch's regions)."""
-        return [self.gate_up_proj.weight, self.down_proj.weight]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)                                                 # [T, 2I]
         return self.down_proj(self.ops.silu_and_mul(gu))
@@ -264,16 +260,6 @@ class MoE(torch.nn.Module):
         ex = self.experts
         self.dispatcher = AllToAllDispatcher(ex.ep, ex.n_total) if all_to_all else None
         self.all_to_all_on = all_to_all
-
-    def decode_weights(self) -> list[torch.Tensor]:
-        """The weights every decode step reads here whatever the routing, in order (the L2 prefetch's regions): the
-        gate, then the shared experts' gate / up and down rows (their slots of the fused stack, or their own)."""
-        ex = self.experts
-        if not ex.n_shared:
-            return [self.gate.weight]
-        if ex.shared is not None:
-            return [self.gate.weight, ex.shared.w13, ex.shared.w2]
-        return [self.gate.weight, ex.w13[ex.n_routed:], ex.w2[ex.n_routed:]]
 
     def takes_norm(self, num_tokens: int) -> bool:
         """Whether `forward_normed` folds the post-attention norm into the router's launch (decode sizes)."""

@@ -17,7 +17,6 @@ from mlaserve.config import ModelConfig
 from mlaserve.core import ForwardContext
 from mlaserve.distributed import DPAttention, TensorParallel
 from mlaserve.distributed.expert import ExpertParallel
-from mlaserve.kernels import prefetch
 from mlaserve.layers.embedding import LMHead, VocabEmbedding
 from mlaserve.layers.linear import Linear
 from mlaserve.layers.mla import MLAAttention
@@ -90,11 +89,6 @@ class DecoderLayer(torch.nn.Module):
             return self.dp_moe(h, ctx.global_num_tokens, ctx.moe_row_mask), residual, False
         mlp = self.mlp(h, ctx.moe_row_mask) if isinstance(self.mlp, MoE) else self.mlp(h)
         return self.reduce_out(mlp, residual, next_norm)                    # sum of the intermediate shares
-
-    def post_load(self) -> None:
-        """Plan the L2 prefetch of the weights after the attention (o_proj, then the MLP's or the MoE's gate and
-        shared experts), run inside the absorbed decode's W_UK launch: at small batches HBM idles meanwhile."""
-        self.self_attn.l2_prefetch = prefetch.plan([self.self_attn.o_proj.weight, *self.mlp.decode_weights()])
 
     def reduce_norm(self, h: torch.Tensor, residual: torch.Tensor,
                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
