@@ -5,6 +5,7 @@
 #   split:  benchmarks/probe_step_split.py, V2-Lite bs 1 / 64 and V3 4L bs 1 / 64 (the synchronous step beside its graph)
 #   warps:  last session's repeat: the H=16 MLA decode at 4 warps against 8, bs 64 at 4096 tokens, alternated
 #   mlatests: the MLA decode kernel tests (split_bounds), the Triton backend's, the fast path against the reference
+#   gputests: the kernel, attention, layer and model tests on the GPU, the speculative GPU rows
 #   bash benchmarks/gpu_session48.sh PART...
 source benchmarks/gpu_v2l_env.sh
 cat "$OUT/env.txt"
@@ -29,5 +30,9 @@ for PART in "$@"; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_decode.py \
         tests/attention/test_triton_backend.py tests/models/test_gpu_fastpath.py -k "not logprobs_through_the_runner" \
         > "$OUT/tests_mla.txt" 2>&1; tail -3 "$OUT/tests_mla.txt" ;;
+    gputests)
+      timeout 520 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels tests/attention tests/layers tests/models \
+        "tests/engine/test_spec.py" -k "not test_spec.py or cuda or gpu" > "$OUT/gpu_tests.txt" 2>&1
+      tail -15 "$OUT/gpu_tests.txt" ;;
   esac
 done
