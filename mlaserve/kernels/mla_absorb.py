@@ -19,6 +19,11 @@ from mlaserve.kernels.rope import mla_rope_kv_store_ref, rope_kv_store_program, 
 
 TARGET_PROGRAMS = 264      # ~2 per SM of an H100: one wave of programs streaming the weight
 BLOCK_K = 64
+# NOTE: extra programs in the W_UK launch issuing L2 prefetches (cp.async.bulk.prefetch.L2) of the weights after the
+# attention (o_proj, the gate, the shared experts: up to 32 MB a layer) gained nothing in the V2-Lite bs-1 step on an
+# H200: graph replay 2.25-2.33 against 2.16-2.19 ms, alternated. The launch took 0.7 us longer at 8 MB and 4.7 us at
+# 32 MB, the o_proj (its weights already loaded before the PDL wait) 0.4 us shorter, the fused MoE no shorter with a
+# third of its bytes in L2 (benchmarks/results/l2-prefetch-h200.md). Tried at cae3d2b and removed.
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

@@ -58,8 +58,9 @@ class MLADecodeConfig(NamedTuple):
 # equal at 16k, 7% slower at 64 x 2048). Their 8 warps: on an H100 1.2-5.4 us a call faster alone
 # (benchmarks/sweep_mla_batch.py, tuning/h100-mla-decode-batch-sweep.txt), V2-Lite decode graph equal within the
 # spread at 256 tokens (results/decode-host-h100.md); on an H200 1-25 us a call faster at bs 1-64 and 256-4096
-# tokens (benchmarks/probe_mla_rows.py), V2-Lite bs 64 at 4096 tokens 12.66 -> 12.15 ms of graph replay, equal
-# within the spread at 256 tokens (benchmarks/results/mla-short-h200.md).
+# tokens (benchmarks/probe_mla_rows.py), in the V2-Lite decode graph equal within the spread at 256 tokens and at
+# bs 64 x 4096 tokens (12.22-12.51 against 12.36-12.51 ms alternated; benchmarks/results/mla-short-h200.md,
+# l2-prefetch-h200.md).
 CONFIGS: dict[int, MLADecodeConfig] = {
     16: MLADecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=2),
     32: MLADecodeConfig(block_h=32, block_n=128, num_warps=8, num_stages=2),
