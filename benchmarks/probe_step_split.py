@@ -71,7 +71,8 @@ graphs = runner.graphs
 
 
 def replay_host(positions, out_slots, req_pool_idx, pad_to=None):
-    """graph.DecodeGraphRunner.replay_host (captured graphs, no padding) with time marks."""
+    """graph.DecodeGraphRunner.replay_host (captured graphs, no DP attention) with time marks: keep it in step with
+    that method (a stale copy once left the row count unwritten, and the bs-64 graphs routed almost no rows)."""
     marks.append(time.perf_counter())
     bs = len(positions)
     cbs = graphs._capture_size(bs)
@@ -85,6 +86,7 @@ def replay_host(positions, out_slots, req_pool_idx, pad_to=None):
     host[2, :bs] = req_pool_idx
     host[:2, bs:cbs] = 0
     host[2, bs:cbs] = graphs.dummy_req
+    host[3, 0] = bs                              # the MoE's row mask: rows past bs are padding (no DP attention here)
     marks.append(time.perf_counter())
     graphs.inputs.copy_(graphs.staging[i], non_blocking=True)
     graphs.staged[i] = torch.cuda.Event()
