@@ -2,10 +2,10 @@
 # Session of 2026-12-02 (second), one H200 (carry .whl: ../shared/device/wheels.sh, then benchmarks/xgrammar_wheels.sh).
 # The L2 prefetch parts (tests, probe, ab, profile) ran at b516118 / cae3d2b and went with the code
 # (benchmarks/results/l2-prefetch-h200.md). Left:
-#   split:  benchmarks/probe_step_split.py, V2-Lite bs 1 / 64 and V3 4L bs 1 / 64 (the synchronous step beside its graph)
+#   split:  benchmarks/probe_step_split.py, V2-Lite and V3 4L at bs 1 / 64 (the synchronous step beside its graph)
 #   warps:  last session's repeat: the H=16 MLA decode at 4 warps against 8, bs 64 at 4096 tokens, alternated
-#   mlatests: the MLA decode kernel tests (split_bounds), the Triton backend's, the fast path against the reference
-#   gputests: the kernel, attention, layer and model tests on the GPU, the speculative GPU rows
+#   gputests: the kernel, attention, layer and model tests on the GPU, the speculative GPU rows (the MLA decode tests
+#             alone: gpu_session47.sh mlatests)
 #   bash benchmarks/gpu_session48.sh PART...
 source benchmarks/gpu_v2l_env.sh
 cat "$OUT/env.txt"
@@ -26,10 +26,6 @@ for PART in "$@"; do
           --load-format dummy --input-len 4096 --output-len 16 --model-config "$V2L" --batch-size 64 \
           --output-file "$OUT/warps_$tag.md" 2>&1 | grep "^| mlaserve" | tail -1
       done ;;
-    mlatests)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_decode.py \
-        tests/attention/test_triton_backend.py tests/models/test_gpu_fastpath.py -k "not logprobs_through_the_runner" \
-        > "$OUT/tests_mla.txt" 2>&1; tail -3 "$OUT/tests_mla.txt" ;;
     gputests)
       timeout 520 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels tests/attention tests/layers tests/models \
         "tests/engine/test_spec.py" -k "not test_spec.py or cuda or gpu" > "$OUT/gpu_tests.txt" 2>&1

@@ -853,8 +853,9 @@ def get_moe_config(E: int, N: int, dtype: str | None, M: int, device_name: str |
 
     Read from CONFIG_DIR/`config_file_name(...)` (JSON {"M": config}, nearest M key wins), else
     `default_moe_config` and one WARNING per shape; without a GPU `interpreter_moe_config`. Keys: BLOCK_SIZE_M/N/K,
-    GROUP_SIZE_M, num_warps, num_stages; BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate, half up columns), unless
-    an optional "down" entry gives the second GEMM its own BLOCK_SIZE_N / BLOCK_SIZE_K / num_warps / num_stages.
+    GROUP_SIZE_M, num_warps, num_stages; BLOCK_SIZE_N is the output tile width of both GEMMs (gate_up: half gate,
+    half up columns), unless an optional "down" entry gives the second GEMM its own BLOCK_SIZE_N / BLOCK_SIZE_K /
+    num_warps / num_stages.
     `device_name` defaults to this process's GPU (`gpu_name()`).
     """
     gpu = device_name or gpu_name()

@@ -15,7 +15,7 @@ from mlaserve.core import SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
 from mlaserve.layers.sampler import apply_token_bitmask
 import mlaserve.scheduler.grammar as grammar_mod
-from mlaserve.scheduler.grammar import NO_XGRAMMAR, grammar_error
+from mlaserve.scheduler.grammar import grammar_error
 from mlaserve.scheduler.scheduler import Scheduler
 from mlaserve.tokenizer import load_tokenizer
 from seq_runner import drive_scheduler as run
@@ -109,7 +109,7 @@ def test_without_xgrammar_a_grammar_is_a_400_naming_it(demo, tok, monkeypatch):
     monkeypatch.setattr(grammar_mod, "xgrammar_installed", lambda: False)
     out = run(make(demo), [msg("re", tok.encode("x"), seed=1, regex="a{3}"),
                            msg("free", tok.encode("x"), seed=1, max_new=4)])
-    assert out["re"]["finished"].status_code == 400 and out["re"]["finished"].message == NO_XGRAMMAR
+    assert out["re"]["finished"].status_code == 400 and out["re"]["finished"].message == grammar_mod.NO_XGRAMMAR
     assert len(out["free"]["ids"]) == 4
 
 
