@@ -309,12 +309,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
 # ------------------------------------------------------------------------------------------ grouped GEMM
 @triton.jit
 def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr,
-         DOT_PREC: tl.constexpr):
-    # acc [BM, TN] += a [BM, BK] @ b [BK, TN] (times a_s [BM] * b_s [TN] in fp8 mode)
-    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+         DOT_PREC: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    # acc [BM, TN] += a [BM, BK] @ b [BK, TN] (times a_s [BM] * b_s [TN] in fp8 mode; SCALAR_BS: the tile lies in
+    # one 128-row scale block, bs_ptrs is one pointer and the two scales fold into one [BM] factor: one FMA per element)
+    if EVEN_K and EVEN_N:
+        b = tl.load(b_ptrs)
+    else:
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     if FP8:
-        b_s = tl.load(bs_ptrs, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if SCALAR_BS:
+            acc += tl.dot(a, b) * (a_s * tl.load(bs_ptrs))[:, None]
+        else:
+            b_s = tl.load(bs_ptrs, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     elif INTERPRET:
         # NOTE: the interpreter multiplies bf16 dot operands as raw bits; fp32 is exact there.
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
@@ -406,7 +413,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                       GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                      AR_WORLD: tl.constexpr):
+                      AR_WORLD: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
@@ -441,10 +448,10 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                             (pid_m - first) * BLOCK_SIZE_M, tl.sum(tl.where(here, counts, 0), axis=0), num_slots,
                             BLOCK_SIZE_M)
         _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, slots,
-                     tl.where(e == num_experts, -1, e).to(tl.int64), offs_n, n_ok, N, K, num_slots, stride_am,
-                     stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED, MUL_WEIGHT, FP8,
-                     QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M, BLOCK_SIZE_K,
-                     PDL)
+                     tl.where(e == num_experts, -1, e).to(tl.int64), pid_n * TILE_N, offs_n, n_ok, N, K, num_slots,
+                     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED,
+                     MUL_WEIGHT, FP8, QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M,
+                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N)
     else:
         if ROUTING == SLOT_BLOCKS:        # the grid has exactly num_slots row blocks: every one is used
             used = num_slots * BLOCK_SIZE_M
@@ -455,10 +462,10 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                 return
             slots = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
         _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, slots,
-                     tl.load(expert_ids_ptr + pid_m).to(tl.int64), offs_n, n_ok, N, K, num_slots, stride_am,
-                     stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED, MUL_WEIGHT, FP8,
-                     QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M, BLOCK_SIZE_K,
-                     PDL)
+                     tl.load(expert_ids_ptr + pid_m).to(tl.int64), pid_n * TILE_N, offs_n, n_ok, N, K, num_slots,
+                     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED,
+                     MUL_WEIGHT, FP8, QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M,
+                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N)
     if COMBINE:
         _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
                       stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank,
@@ -476,13 +483,64 @@ def _scan_slots(mine, rank, offs_s, r0, count, num_slots, BLOCK_SIZE_M: tl.const
 
 
 @triton.jit
-def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, slots, expert, offs_n, n_ok, N, K,
-                 num_slots, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+def _a_tile(a_ptrs, a_scale_ptr, rows, valid, k0, k_ok, stride_asm, FP8: tl.constexpr, QUANT_A: tl.constexpr,
+            INTERPRET: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr):
+    # the row block's K-step k0 of a (and its fp8 scales [BM]; quantised here with QUANT_A); padding rows load nothing
+    # NOTE: masked, not pointed at a real row: on an H200 that costs 15-30% of the V3 GEMMs at 4096-8192 tokens
+    # (benchmarks/results/moe-prefill-h200.md)
+    if EVEN_K:
+        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+    else:
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+    a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
+    if QUANT_A:
+        a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
+    elif FP8:
+        a_s = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
+    return a, a_s
+
+
+@triton.jit
+def _rows_times_tile(a_ptrs, a_scale_ptr, b_ptr, b_scale_ptr, rows, valid, expert, n0, offs_n, n_ok, N, K, stride_be,
+                     stride_bn, stride_asm, stride_bse, stride_bsn, GATED: tl.constexpr, FP8: tl.constexpr,
+                     QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_N: tl.constexpr,
+                     GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
+                     BLOCK_SIZE_K: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    # a rows @ w[expert, offs_n]^T [BM, TN] in fp32; GATED: silu(gate) * up, the up rows at N + offs_n, one dot each
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
+    if SCALAR_BS:                     # the tile's (and its up rows') one scale row
+        bs_ptrs = b_scale_ptr + expert * stride_bse + (n0 // GROUP_N) * stride_bsn
+        up_bs = b_scale_ptr + expert * stride_bse + ((N + n0) // GROUP_N) * stride_bsn
+    else:
+        bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+        up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
+    acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_SIZE_K):
+        k_ok = offs_k < K - k0
+        a, a_s = _a_tile(a_ptrs, a_scale_ptr, rows, valid, k0, k_ok, stride_asm, FP8, QUANT_A, INTERPRET, GROUP_K,
+                         BLOCK_SIZE_M, EVEN_K)
+        k_blk = k0 // GROUP_K
+        acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS,
+                   EVEN_K, EVEN_N)
+        if GATED:
+            acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8,
+                          INTERPRET, DOT_PREC, SCALAR_BS, EVEN_K, EVEN_N)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up                              # silu(gate) * up
+    return acc
+
+
+@triton.jit
+def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, slots, expert, n0, offs_n, n_ok,
+                 N, K, num_slots, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
                  A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
                  QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
-                 BLOCK_SIZE_K: tl.constexpr, PDL: tl.constexpr):
-    # One row block's output tile: c[slots, offs_n] (rows of slots >= num_slots are padding and not stored).
+                 BLOCK_SIZE_K: tl.constexpr, PDL: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr,
+                 EVEN_N: tl.constexpr):
+    # One row block's output tile: c[slots, n0 + offs_n] (rows of slots >= num_slots are padding and not stored).
     valid = slots < num_slots
     c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
     if expert < 0:                        # slots of id -1 (another rank's expert): they contribute zero
@@ -491,28 +549,13 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
                      mask=valid[:, None] & n_ok[None, :])
     else:
         offs_k = tl.arange(0, BLOCK_SIZE_K)
-        a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
-        bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
-        up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
-        acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_SIZE_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
-            if QUANT_A:
-                a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
-            elif FP8:
-                a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
-            k_blk = k0 // GROUP_K
-            acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC)
-            if GATED:
-                acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8,
-                              INTERPRET, DOT_PREC)
+        rows = slots // A_DIV
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        acc = _rows_times_tile(a_ptrs, a_scale_ptr, b_ptr, b_scale_ptr, rows, valid, expert, n0, offs_n, n_ok, N, K,
+                               stride_be, stride_bn, stride_asm, stride_bse, stride_bsn, GATED, FP8, QUANT_A,
+                               INTERPRET, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M, BLOCK_SIZE_K, SCALAR_BS,
+                               EVEN_K, EVEN_N)
         pdl_release(PDL)
-        if GATED:
-            acc = acc * tl.sigmoid(acc) * acc_up                              # silu(gate) * up
         if MUL_WEIGHT:
             acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
         if ROUND_BF16:
@@ -599,7 +642,10 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         GROUP_N=block_shape[0], GROUP_K=block_shape[1], TILE_N=tile_n,
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
-        AR_WORLD=all_reduce.world if all_reduce else 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        AR_WORLD=all_reduce.world if all_reduce else 1,
+        SCALAR_BS=fp8 and block_shape[0] % tile_n == 0 and n_out % tile_n == 0,
+        EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0, EVEN_N=n_out % tile_n == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 # One token: its k slots name distinct experts (moe_topk / moe_route pick each routed expert at most once while the

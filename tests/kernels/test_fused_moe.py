@@ -126,6 +126,19 @@ def test_fused_moe_matches_ref(dtype: torch.dtype, tokens: int, config: dict | N
     assert rel_err(got, fused_moe_ref(x, **w, topk_weights=topk_weights, topk_ids=topk_ids)) < tol
 
 
+def test_fused_moe_fp8_scale_per_column_matches_per_tile(device: str) -> None:
+    """An output tile wider than the 128-row weight-scale block (the down GEMM at BLOCK_SIZE_N 256: a scale per
+    column) against tiles within one block (one scale per tile, folded into the activation's): the same sums up to
+    fp32 order, and within the reference's tolerance."""
+    shape, w, topk_weights, topk_ids, x, base = seeded_case(41, True, torch.float16, device)
+    base = dict(base, FUSE_QUANT=True)
+    wide = dict(base, down=dict(BLOCK_SIZE_N=256))
+    got = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=wide)
+    want = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=base)
+    assert rel_err(got, want) < FP8_TOL[torch.float16] / 4
+    assert rel_err(got, spec_ref(x, w, topk_weights, topk_ids)) < 4 * FP8_TOL[torch.float16]
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 41])                   # one block per slot; expert scan; sorted
 def test_fused_moe_down_config_is_the_second_gemms(tokens: int, device: str) -> None:
     """A config's "down" entry tiles the second GEMM apart from the first: same sums (fp32: only the order of the
