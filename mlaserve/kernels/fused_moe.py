@@ -721,8 +721,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             w13_scale [E, ceil(2I/bn), ceil(K/bk)] and w2_scale [E, ceil(K/bn), ceil(I/bk)] (`weight_scale_inv`).
         topk_weights / topk_ids: [T, k] from `moe_topk`; ids in [0, E), or -1 for an expert this rank does not
             hold (expert parallelism): such a slot adds nothing to out.
-        config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM;
-            optional key "down": a dict of DOWN_KEYS that the second GEMM takes instead).
+        config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM,
+            default off; optional key "down": a dict of DOWN_KEYS that the second GEMM takes instead).
         num_routed_experts: the E the tuned tables are keyed by (default: all E stacked experts). A model that
             stacks its shared experts after its routed ones passes its routed count (see `get_moe_config`).
         sync: int32 zeros [>= ceil(K / 32)], owned by the caller and left zero (one launch at a time per buffer).
@@ -778,8 +778,10 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     if config is None:
         config = get_moe_config(num_routed_experts or e, i, table_dtype(w13.dtype, x.dtype), t)
     cfg, cfg2 = split_config(config)
-    # quantising activations inside the GEMM pays while few rows share each weight tile (decode)
-    fuse_quant = bool(cfg.pop("FUSE_QUANT", t <= 128 and cfg["BLOCK_SIZE_K"] == block_shape[1]))
+    # NOTE: quantising the activations inside the GEMM (FUSE_QUANT) was the default up to 128 tokens; every tuned
+    # table (H100, H200) picked the separate pass at every size, and on an H200 the fused one took 3-4x as long at
+    # V3's shape, 1-64 tokens (benchmarks/results/moe-prefill-h200.md): a config without the key now runs separate
+    fuse_quant = bool(cfg.pop("FUSE_QUANT", False))
     cfg2.pop("FUSE_QUANT", None)
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
     _check_config(cfg2, fp8, fuse_quant, block_shape[1])
