@@ -15,12 +15,13 @@ import torch
 
 from mlaserve.bench.kernel_cases.fused_moe import TOL as bench_tol
 from mlaserve.bench.kernel_cases.fused_moe import MoeShape, make_weights, route
-from mlaserve.kernels.fused_moe import CONFIG_DIR, config_file_name, fused_moe, fused_moe_ref
+from mlaserve.kernels.fused_moe import DOWN_KEYS, CONFIG_DIR, config_file_name, fused_moe, fused_moe_ref
 from mlaserve.tools.tuning import best_config, graph_timer, precompile
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SMEM_BYTES = 200 * 1024          # leave headroom under the H100/H200 227 KiB per block
 PRECOMPILE_EXPERTS = 16          # workers compile with this many experts: same kernels, little memory
+DOWN_MARGIN = 0.03               # a "down" entry is kept only when it is this much faster (the timer's spread)
 
 
 def shape_from_hf_config(path: Path, tp_size: int, dtype: str, ep_size: int = 1) -> MoeShape:
@@ -61,6 +62,21 @@ def search_space(tokens: int, s: MoeShape) -> Iterator[dict]:
             yield cfg if fuse is None else {**cfg, "FUSE_QUANT": fuse}
 
 
+def down_space(cfg: dict, tokens: int, s: MoeShape) -> Iterator[dict]:
+    """The second GEMM's own tiles for a chosen config: each candidate of `search_space` that shares cfg's
+    BLOCK_SIZE_M, GROUP_SIZE_M and FUSE_QUANT (both GEMMs walk the same row blocks) and differs in a DOWN_KEYS
+    value, as cfg plus a "down" entry of those keys."""
+    seen = set()
+    for c in search_space(tokens, s):
+        if any(c.get(k) != cfg.get(k) for k in ("BLOCK_SIZE_M", "GROUP_SIZE_M", "FUSE_QUANT")):
+            continue
+        down = {k: c[k] for k in sorted(DOWN_KEYS)}
+        key = tuple(down.values())
+        if key not in seen and any(down[k] != cfg[k] for k in DOWN_KEYS):
+            seen.add(key)
+            yield {**cfg, "down": down}
+
+
 _WORKER_WEIGHTS: dict[MoeShape, dict[str, torch.Tensor]] = {}
 
 
@@ -87,11 +103,24 @@ def benchmark(s: MoeShape, tokens: int, weights: dict[str, torch.Tensor]) -> Cal
     return run
 
 
-def tune(s: MoeShape, batch_sizes: list[int], bench: Callable[[int], Callable[[dict], float]]) -> dict[str, dict]:
-    """Best config per batch size; `bench(tokens)` returns a timer `cfg -> ms` (raises if cfg cannot run)."""
+def tune(s: MoeShape, batch_sizes: list[int], bench: Callable[[int], Callable[[dict], float]],
+         down_pass: bool = True) -> dict[str, dict]:
+    """Best config per batch size; `bench(tokens)` returns a timer `cfg -> ms` (raises if cfg cannot run).
+
+    down_pass: then, the best config's BLOCK_SIZE_M kept, the second GEMM's own tiles (`down_space`); its "down"
+    entry is kept when the call gets DOWN_MARGIN faster."""
     best: dict[str, dict] = {}
     for tokens in batch_sizes:
-        cfg, ms = best_config(search_space(tokens, s), bench(tokens), f"T={tokens}")
+        timer = bench(tokens)
+        cfg, ms = best_config(search_space(tokens, s), timer, f"T={tokens}")
+        down = list(down_space(cfg, tokens, s)) if down_pass else []
+        if down:
+            try:
+                cand, cand_ms = best_config(down, timer, f"T={tokens} down")
+            except AssertionError:                        # none of them ran: keep the shared tiles
+                cand, cand_ms = cfg, ms
+            if cand_ms < ms * (1 - DOWN_MARGIN):
+                cfg, ms = cand, cand_ms
         print(f"T={tokens}: {ms * 1e3:.1f} us {cfg}", flush=True)
         best[str(tokens)] = cfg
     return best
@@ -124,6 +153,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=list(DEFAULT_BATCH_SIZES))
     p.add_argument("--out-dir", type=Path, default=CONFIG_DIR)
     p.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPUs - 1, at most 16)")
+    p.add_argument("--no-down-pass", action="store_true",
+                   help="one set of tiles for both GEMMs (default: then tune the second GEMM's apart)")
     return p.parse_args(argv)
 
 
@@ -145,7 +176,7 @@ def main(argv: list[str]) -> int:
     failed = precompile(_compile_job, jobs, args.jobs)
     print(f"  {failed} candidates did not run", flush=True)
     weights = make_weights(s)
-    best = tune(s, args.batch_sizes, lambda tokens: benchmark(s, tokens, weights))
+    best = tune(s, args.batch_sizes, lambda tokens: benchmark(s, tokens, weights), down_pass=not args.no_down_pass)
     tol = bench_tol["fp8" if s.fp8 else "bf16"]
     for tokens, cfg in best.items():
         err = check_config(s, int(tokens), weights, cfg)

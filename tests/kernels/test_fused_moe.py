@@ -228,6 +228,28 @@ def test_tuner_shape_space_and_output(tmp_path: Path, monkeypatch: pytest.Monkey
     assert path.is_file() and got == best["4096"] and got["BLOCK_SIZE_N"] == 256
 
 
+def test_tuner_down_pass_tiles_the_second_gemm_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake timer: the first GEMM prefers wide N tiles, the second narrow ones. The shared pass picks a compromise;
+    the down pass keeps its BLOCK_SIZE_M and gives the second GEMM its own tile, which fused_moe's config reads."""
+    s = bench_case.MoeShape("v3", 256, 8, 7168, 256, True, 8, 4)
+    gate, down = {64: 5.0, 128: 2.0, 256: 1.0}, {64: 1.0, 128: 2.0, 256: 3.5}
+
+    def timer(c: dict) -> float:
+        first, second = fm.split_config(c)
+        return gate[first["BLOCK_SIZE_N"]] + down[second["BLOCK_SIZE_N"]] + c["num_stages"] * 1e-3
+    shared = tuner.tune(s, [4096], lambda tokens: timer, down_pass=False)["4096"]
+    assert shared["BLOCK_SIZE_N"] == 128 and "down" not in shared
+    best = tuner.tune(s, [4096], lambda tokens: timer)["4096"]
+    assert best["BLOCK_SIZE_N"] == 128 and best["down"]["BLOCK_SIZE_N"] == 64
+    assert best["BLOCK_SIZE_M"] == shared["BLOCK_SIZE_M"] and set(best["down"]) <= fm.DOWN_KEYS
+    path = tuner.write_configs({"4096": best}, s, "fp8_w8a8", tmp_path, device_name="Test_GPU")
+    monkeypatch.setattr(fm, "CONFIG_DIR", tmp_path)
+    assert path.is_file() and fm.split_config(get_moe_config(256, 256, "fp8_w8a8", 4096, device_name="Test_GPU"))[1][
+        "BLOCK_SIZE_N"] == 64
+    # a down tile no faster than the shared one by DOWN_MARGIN is not kept
+    assert "down" not in tuner.tune(s, [4096], lambda tokens: lambda c: 1.0 + c["num_stages"] * 1e-3)["4096"]
+
+
 def test_tuner_ep_shape_and_routing(tmp_path: Path) -> None:
     """--ep-size 8: a rank's 32 whole experts (the table key the EP model reads), routed as rank 0 sees them."""
     cfg_json = tmp_path / "config.json"
