@@ -1,4 +1,4 @@
-"""The fused MoE's two grouped GEMMs at prefill sizes, timed apart, per kernel variant and tile (GPU).
+"""The fused MoE's two grouped GEMMs at prefill sizes, timed apart, per tile (GPU).
 
 DeepSeek-V3's routed experts (block FP8, E=256, top-8, K=7168, I=2048) and V2-Lite's (bf16, E=64, top-6): for each
 token count, the first GEMM (gate + up, silu) and the second (down, weighted) in a CUDA graph, L2 flushed, beside the
@@ -12,8 +12,8 @@ Usage: PYTHONPATH=$PWD python3 benchmarks/sweep_moe_prefill.py [--tokens 4096 81
 from __future__ import annotations
 
 import argparse
-import json
 import importlib.util
+import json
 import sys
 
 import torch
@@ -27,6 +27,7 @@ TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 3), (64
          (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4)]
 DOWN_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 4), (64, 256, 4, 3), (64, 256, 8, 3), (64, 256, 8, 4),
               (128, 128, 8, 3), (128, 256, 8, 3)]
+
 
 def load_module(path: str):
     spec = importlib.util.spec_from_file_location("fused_moe_baseline", path)
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--baseline", default=None, help="an older fused_moe.py to time beside this one")
     p.add_argument("--models", nargs="+", default=[m.name for m in MODELS])
-    p.add_argument("--quick", action="store_true", help="the tuned tile and its variants only")
+    p.add_argument("--quick", action="store_true", help="the tuned tiles only")
     args = p.parse_args(argv)
     old = load_module(args.baseline) if args.baseline else None
     if old is not None:

@@ -483,56 +483,6 @@ def _scan_slots(mine, rank, offs_s, r0, count, num_slots, BLOCK_SIZE_M: tl.const
 
 
 @triton.jit
-def _a_tile(a_ptrs, a_scale_ptr, rows, valid, k0, k_ok, stride_asm, FP8: tl.constexpr, QUANT_A: tl.constexpr,
-            INTERPRET: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr):
-    # the row block's K-step k0 of a (and its fp8 scales [BM]; quantised here with QUANT_A); padding rows load nothing
-    # NOTE: masked, not pointed at a real row: on an H200 that costs 15-30% of the V3 GEMMs at 4096-8192 tokens
-    # (benchmarks/results/moe-prefill-h200.md)
-    if EVEN_K:
-        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-    else:
-        a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-    a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
-    if QUANT_A:
-        a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
-    elif FP8:
-        a_s = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
-    return a, a_s
-
-
-@triton.jit
-def _rows_times_tile(a_ptrs, a_scale_ptr, b_ptr, b_scale_ptr, rows, valid, expert, n0, offs_n, n_ok, N, K, stride_be,
-                     stride_bn, stride_asm, stride_bse, stride_bsn, GATED: tl.constexpr, FP8: tl.constexpr,
-                     QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, GROUP_N: tl.constexpr,
-                     GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
-                     BLOCK_SIZE_K: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    # a rows @ w[expert, offs_n]^T [BM, TN] in fp32; GATED: silu(gate) * up, the up rows at N + offs_n, one dot each
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
-    if SCALAR_BS:                     # the tile's (and its up rows') one scale row
-        bs_ptrs = b_scale_ptr + expert * stride_bse + (n0 // GROUP_N) * stride_bsn
-        up_bs = b_scale_ptr + expert * stride_bse + ((N + n0) // GROUP_N) * stride_bsn
-    else:
-        bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
-        up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
-    acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_SIZE_K):
-        k_ok = offs_k < K - k0
-        a, a_s = _a_tile(a_ptrs, a_scale_ptr, rows, valid, k0, k_ok, stride_asm, FP8, QUANT_A, INTERPRET, GROUP_K,
-                         BLOCK_SIZE_M, EVEN_K)
-        k_blk = k0 // GROUP_K
-        acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS,
-                   EVEN_K, EVEN_N)
-        if GATED:
-            acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8,
-                          INTERPRET, DOT_PREC, SCALAR_BS, EVEN_K, EVEN_N)
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up                              # silu(gate) * up
-    return acc
-
-
-@triton.jit
 def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, slots, expert, n0, offs_n, n_ok,
                  N, K, num_slots, stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
                  A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
@@ -549,13 +499,38 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
                      mask=valid[:, None] & n_ok[None, :])
     else:
         offs_k = tl.arange(0, BLOCK_SIZE_K)
-        rows = slots // A_DIV
-        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        acc = _rows_times_tile(a_ptrs, a_scale_ptr, b_ptr, b_scale_ptr, rows, valid, expert, n0, offs_n, n_ok, N, K,
-                               stride_be, stride_bn, stride_asm, stride_bse, stride_bsn, GATED, FP8, QUANT_A,
-                               INTERPRET, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M, BLOCK_SIZE_K, SCALAR_BS,
-                               EVEN_K, EVEN_N)
+        a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
+        if SCALAR_BS:                     # the tile's (and its up rows') one scale row
+            bs_ptrs = b_scale_ptr + expert * stride_bse + (n0 // GROUP_N) * stride_bsn
+            up_bs = b_scale_ptr + expert * stride_bse + ((N + n0) // GROUP_N) * stride_bsn
+        else:
+            bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+            up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
+        acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_SIZE_K):
+            k_ok = offs_k < K - k0
+            # NOTE: padding rows stay masked: pointed at a real row instead, their loads cost 15-30% of the V3
+            # GEMMs at 4096-8192 tokens on an H200 (benchmarks/results/moe-prefill-h200.md)
+            if EVEN_K:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
+            if QUANT_A:
+                a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
+            elif FP8:
+                a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
+            k_blk = k0 // GROUP_K
+            acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS,
+                       EVEN_K, EVEN_N)
+            if GATED:
+                acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8,
+                              INTERPRET, DOT_PREC, SCALAR_BS, EVEN_K, EVEN_N)
         pdl_release(PDL)
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up                              # silu(gate) * up
         if MUL_WEIGHT:
             acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
         if ROUND_BF16:
@@ -616,6 +591,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         assert a_scale.stride(1) == 1, "activation scales need a contiguous last dim"
     n_out, k = c.shape[1], a.shape[1]
     tile_n = cfg["BLOCK_SIZE_N"] // 2 if gated else cfg["BLOCK_SIZE_N"]
+    even_n = n_out % tile_n == 0                                              # (the up rows' tiles too: N + n)
     grid = (num_blocks * triton.cdiv(n_out, tile_n),)
     bs = w_scale if fp8 else w
     out, sync = combine or (c, sorted_ids)
@@ -643,8 +619,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         BLOCK_SIZE_M=cfg["BLOCK_SIZE_M"], BLOCK_SIZE_K=cfg["BLOCK_SIZE_K"], GROUP_SIZE_M=cfg["GROUP_SIZE_M"],
         NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
         AR_WORLD=all_reduce.world if all_reduce else 1,
-        SCALAR_BS=fp8 and block_shape[0] % tile_n == 0 and n_out % tile_n == 0,
-        EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0, EVEN_N=n_out % tile_n == 0,
+        SCALAR_BS=fp8 and block_shape[0] % tile_n == 0 and even_n, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0, EVEN_N=even_n,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

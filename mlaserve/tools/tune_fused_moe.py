@@ -15,7 +15,7 @@ import torch
 
 from mlaserve.bench.kernel_cases.fused_moe import TOL as bench_tol
 from mlaserve.bench.kernel_cases.fused_moe import MoeShape, make_weights, route
-from mlaserve.kernels.fused_moe import DOWN_KEYS, CONFIG_DIR, config_file_name, fused_moe, fused_moe_ref
+from mlaserve.kernels.fused_moe import CONFIG_DIR, DOWN_KEYS, config_file_name, fused_moe, fused_moe_ref
 from mlaserve.tools.tuning import best_config, graph_timer, precompile
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
