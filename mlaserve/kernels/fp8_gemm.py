@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -260,9 +261,12 @@ def cublas_block_fp8_ok(x2: torch.Tensor, w_q: torch.Tensor) -> bool:
     """Whether fp8_linear's [M, K] x [N, K]^T may go to cuBLAS: a CUDA tensor of at least CUBLAS_BLOCK_FP8_MIN_M rows,
     K a multiple of 512 (whole 128-channel groups, their count a multiple of 4 as cuBLAS's scale layout wants), N a
     multiple of 16, both operands K-contiguous, on a GPU with the feature."""
-    m, k = x2.shape
-    return (x2.is_cuda and m >= CUBLAS_BLOCK_FP8_MIN_M and k % 512 == 0 and w_q.shape[0] % 16 == 0
-            and x2.stride(1) == 1 and w_q.stride(1) == 1 and cublas_block_fp8_available(x2.device.index or 0))
+    return _cublas_ok(*x2.shape, w_q, x2.is_cuda, x2.stride(1) == 1)
+
+
+def _cublas_ok(m: int, k: int, w_q: torch.Tensor, on_gpu: bool, contiguous: bool) -> bool:
+    return (on_gpu and m >= CUBLAS_BLOCK_FP8_MIN_M and k % 512 == 0 and w_q.shape[0] % 16 == 0 and contiguous
+            and w_q.stride(1) == 1 and cublas_block_fp8_available(w_q.device.index or 0))
 
 
 def cublas_rows(m: int) -> int:
@@ -285,6 +289,42 @@ def cublas_block_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
                        f.ScalingType.BlockWise128x128, output_dtype=out_dtype)
 
 
+class QuantPlan(NamedTuple):
+    """The activation layout of fp8_linear's separate quantisation pass, which a producer that quantises its own
+    output for the linear (`norm.rmsnorm_quant_fp8`, `activation.silu_and_mul_quant_fp8`) must write."""
+    scale_m_major: bool    # cuBLAS's block-scaled matmul (M-major scales) rather than the Triton GEMM (row-major)
+    rows: int              # rows of codes and scales: cublas_rows(M) for cuBLAS, else M
+
+
+def _dispatch(m: int, k: int, w_q: torch.Tensor, on_gpu: bool, contiguous: bool, gemv: bool | None,
+              fuse_quant: bool | None, cublas: bool | None) -> tuple[str, dict | None]:
+    # fp8_linear's path for an [M, K] input: "gemv", "cublas", "fused" (the GEMM quantises x) or "separate" (the
+    # quantisation pass, then the GEMM), with the GEMM's tile config
+    if gemv is None:
+        gemv = m <= FP8_GEMV_MAX_M and k % 128 == 0 and k > 0 and contiguous
+    if gemv:
+        return "gemv", None
+    if cublas is None:
+        cublas = _cublas_ok(m, k, w_q, on_gpu, contiguous)
+    if cublas:
+        return "cublas", None
+    cfg = get_fp8_gemm_config(w_q.shape[0], k, m)
+    if fuse_quant is None:
+        fuse_quant = m <= FUSE_QUANT_MAX_M
+    return ("fused" if fuse_quant and cfg["BLOCK_K"] == 128 and contiguous else "separate"), cfg
+
+
+def quant_plan(m: int, x: torch.Tensor, w_q: torch.Tensor) -> QuantPlan | None:
+    """How `fp8_linear` would quantise a contiguous [m, K] input on x's device for w_q in a pass of its own, or None
+    where it runs none (the gemv and the small GEMM quantise inside; plain CPU runs the reference)."""
+    if not _use_triton(x):
+        return None
+    path, _ = _dispatch(m, w_q.shape[1], w_q, x.is_cuda, True, None, None, None)
+    if path == "cublas":
+        return QuantPlan(True, cublas_rows(m))
+    return QuantPlan(False, m) if path == "separate" else None
+
+
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, fuse_quant: bool | None = None,
                gemv: bool | None = None, cublas: bool | None = None) -> torch.Tensor:
@@ -303,32 +343,41 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)                                                # [M, K]
     m, n = x2.shape[0], w_q.shape[0]
-    if gemv is None:
-        gemv = m <= FP8_GEMV_MAX_M and k % 128 == 0 and k > 0 and x2.stride(1) == 1
-    if gemv:
+    path, cfg = _dispatch(m, k, w_q, x2.is_cuda, x2.stride(1) == 1, gemv, fuse_quant, cublas)
+    if path == "gemv":
         block_m = max(FP8_GEMV_MAX_M, triton.next_power_of_2(m))
         return fp8_gemv(x2, w_q, w_scale_inv, bias, out_dtype or x.dtype, block_m=block_m).view(*lead, n)
-    if cublas is None:
-        cublas = cublas_block_fp8_ok(x2, w_q)
-    if cublas:
-        _check_weight(w_q, w_scale_inv, k, (128, 128))
-        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=True, out_rows=cublas_rows(m))
-        y = cublas_block_fp8(x_q, x_scale, w_q, w_scale_inv, out_dtype or x.dtype)[:m]
-        if bias is not None:
-            y += bias
-        return y.view(*lead, n)
-    cfg = get_fp8_gemm_config(n, k, m)
-    if fuse_quant is None:
-        fuse_quant = m <= FUSE_QUANT_MAX_M
-    if fuse_quant and cfg["BLOCK_K"] == 128 and x2.stride(1) == 1:
-        _check_weight(w_q, w_scale_inv, k, (128, 128))
+    _check_weight(w_q, w_scale_inv, k, (128, 128))
+    if path == "fused":
         y = _launch(x2, x2, w_q, w_scale_inv, out_dtype or x.dtype, (128, 128), cfg, quant_a=True)
     else:
-        x_q, x_scale = per_token_group_quant_fp8(x2, 128)                # [M, K], [M, ceil(K/128)]
-        y = fp8_gemm(x_q, x_scale, w_q, w_scale_inv, out_dtype=out_dtype or x.dtype, config=cfg)
+        plan = QuantPlan(True, cublas_rows(m)) if path == "cublas" else QuantPlan(False, m)
+        x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=plan.scale_m_major, out_rows=plan.rows)
+        return fp8_linear_quantized(x_q, x_scale, m, plan, w_q, w_scale_inv, bias, out_dtype or x.dtype,
+                                    cfg).view(*lead, n)
     if bias is not None:
         y += bias
     return y.view(*lead, n)
+
+
+def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, m: int, plan: QuantPlan, w_q: torch.Tensor,
+                         w_scale_inv: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                         config: dict | None = None) -> torch.Tensor:
+    """y [m, N] of `fp8_linear` from an input already quantised as `plan` (`quant_plan`) says: x_q [plan.rows, K]
+    e4m3 with x_scale [plan.rows, K/128], M-major for cuBLAS's matmul (rows past m dropped), row-major for the
+    Triton GEMM."""
+    k = w_q.shape[1]
+    assert x_q.shape == (plan.rows, k) and x_scale.shape[0] == plan.rows and plan.rows >= m, \
+        f"x_q {tuple(x_q.shape)} / x_scale {tuple(x_scale.shape)} do not fit {plan} for {m} rows of K = {k}"
+    _check_weight(w_q, w_scale_inv, k, (128, 128))
+    if plan.scale_m_major:
+        y = cublas_block_fp8(x_q, x_scale, w_q, w_scale_inv, out_dtype)[:m]
+    else:
+        y = fp8_gemm(x_q, x_scale, w_q, w_scale_inv, out_dtype=out_dtype,
+                     config=config or get_fp8_gemm_config(w_q.shape[0], k, m))
+    if bias is not None:
+        y += bias
+    return y
 
 
 def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,

@@ -36,22 +36,27 @@ def fp8_saturate(v, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.
 @triton.jit
 def fp8_quant_groups(y, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
                      SOFT_ROUND: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """Per-group fp8 quantisation of an fp32 tile y [BG, GROUP] (padding must be 0): returns (q fp32, scale [BG])."""
+    """Per-group fp8 quantisation of an fp32 tile y [BG, GROUP] (padding must be 0): returns (q fp32, scale [BG]).
+
+    NOTE: correctly rounded divisions, as `per_token_group_quant_fp8` (GPU `/` is approximate): the codes and
+    scales of a fused producer are those of its unfused output quantised by that pass."""
     amax = tl.max(tl.abs(y), axis=1)                                 # [BG]
-    scale = tl.maximum(amax, MIN_SCALE) / FP8_MAX
-    q = fp8_saturate(y / scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+    scale = tl.math.div_rn(tl.maximum(amax, MIN_SCALE), tl.full(amax.shape, FP8_MAX, tl.float32))
+    q = fp8_saturate(tl.math.div_rn(y, tl.broadcast_to(scale[:, None], y.shape)), FP8_MAX, MANT_BITS, MIN_EXP,
+                     SOFT_ROUND)
     return q, scale
 
 
 @triton.jit
 def store_row_maybe_fp8(y, out_row, scale_row, offs, mask, g, n, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
                         MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                        MIN_SCALE: tl.constexpr, GROUP: tl.constexpr):
-    """Epilogue of a row kernel: store y [BG, GROUP] as is, or fp8-quantised per group with its scales."""
+                        MIN_SCALE: tl.constexpr, GROUP: tl.constexpr, stride_scale_g=1):
+    """Epilogue of a row kernel: store y [BG, GROUP] as is, or fp8-quantised per group with its scales (group g's
+    at scale_row + g * stride_scale_g)."""
     if QUANT:
         q, scale = fp8_quant_groups(y.to(tl.float32), FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, MIN_SCALE)
         tl.store(out_row + offs, q.to(out_row.dtype.element_ty), mask=mask)
-        tl.store(scale_row + g, scale, mask=g * GROUP < n)
+        tl.store(scale_row + g * stride_scale_g, scale, mask=g * GROUP < n)
     else:
         tl.store(out_row + offs, y, mask=mask)
 

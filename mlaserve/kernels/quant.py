@@ -133,6 +133,20 @@ def _quant_launch_shape(m: int, g: int, block_g: int) -> tuple[int, int]:
     return block_m, min(g, 8)
 
 
+def quant_outputs(x: torch.Tensor, group: int, scale_m_major: bool, out_rows: int | None,
+                  dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (codes [Mp, D] `dtype`, scale [Mp, G] float32, contiguous or M-major) for x [T, D] quantised per
+    `group` channels: the layouts of `per_token_group_quant_fp8` (Mp = out_rows, default T)."""
+    t, d = x.shape
+    m = t if out_rows is None else out_rows
+    assert m >= t, f"out_rows must be at least the {t} rows of x, got {out_rows}"
+    g = -(-d // group)
+    x_q = torch.empty((m, d), dtype=dtype, device=x.device)
+    if scale_m_major:
+        return x_q, torch.empty((g, m), dtype=torch.float32, device=x.device).t()
+    return x_q, torch.empty((m, g), dtype=torch.float32, device=x.device)
+
+
 def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, dtype: torch.dtype = torch.float8_e4m3fn,
                               scale_m_major: bool = False,
                               out_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,14 +165,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, dtype: torch.dt
     assert dtype in _FP8_GRID, f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}"
     assert group >= 1, f"group must be >= 1, got {group}"
     m_in, k = x.shape
-    m = m_in if out_rows is None else out_rows
-    assert m >= m_in, f"out_rows must be at least the {m_in} rows of x, got {out_rows}"
-    g = -(-k // group)
-    x_q = torch.empty((m, k), dtype=dtype, device=x.device)
-    if scale_m_major:
-        scale = torch.empty((g, m), dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    x_q, scale = quant_outputs(x, group, scale_m_major, out_rows, dtype)
+    m, g = scale.shape
     if m == 0 or k == 0:
         return x_q, scale
     block_g = triton.next_power_of_2(group)

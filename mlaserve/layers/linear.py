@@ -10,6 +10,7 @@ import torch
 
 from mlaserve.config import QuantConfig
 from mlaserve.distributed import TensorParallel
+from mlaserve.kernels.fp8_gemm import QuantPlan
 from mlaserve.layers.ops import Ops
 
 SINGLE = TensorParallel()
@@ -54,7 +55,7 @@ class Linear(torch.nn.Module):
         out_local = tp.split(out_features, "output features") if tp_dim == 0 else out_features
         in_local = tp.split(in_features, "input features") if tp_dim == 1 else in_features
         self.in_features, self.out_features = in_local, out_local
-        self.quant = quant
+        self.quant, self.dtype = quant, dtype
         wdtype = torch.float8_e4m3fn if quant else dtype
         self.weight = torch.nn.Parameter(torch.empty(out_local, in_local, dtype=wdtype, device=device),
                                          requires_grad=False)
@@ -85,6 +86,17 @@ class Linear(torch.nn.Module):
             return self.ops.linear(x, self.weight, self.bias)
         y = self.ops.fp8_linear(x, self.weight, self.weight_scale_inv)
         return y if self.bias is None else y + self.bias
+
+    def prequant(self, x: torch.Tensor) -> QuantPlan | None:
+        """The layout in which a producer of this linear's input x [T, K] (or a tensor of its shape and device:
+        its unnormed input) may quantise it in its own kernel, for `forward_quantized`; None where the linear
+        quantises inside its kernel or has 16-bit weights (call it on the 16-bit input instead)."""
+        return None if self.quant is None else self.ops.fp8_quant_plan(x.shape[0], x, self.weight)
+
+    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, m: int, plan: QuantPlan) -> torch.Tensor:
+        """forward() of the m rows that x_q / x_scale hold quantised as `plan` (`prequant`) says."""
+        return self.ops.fp8_linear_quantized(x_q, x_scale, m, plan, self.weight, self.weight_scale_inv, self.bias,
+                                             self.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.quant is not None}"

@@ -78,13 +78,28 @@ class MLAAttention(torch.nn.Module):
         kv = self.kv_b_proj(latent).view(-1, self.h, self.dn + self.dv)
         return kv[..., : self.dn], kv[..., self.dn:]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        if self.qkv_a_proj is not None:
-            q, latent = self.qkv_a_proj(x).split([self.q_out, self.l + self.r], dim=-1)   # views of one GEMM
+    def qkv_a_from_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(qkv_a_proj(norm(x [+ residual])), the residual stream: x, or x + residual), the norm's kernel
+        quantising for the FP8 GEMM; None where that GEMM takes no input quantised ahead (`Linear.prequant`)."""
+        plan = None if self.qkv_a_proj is None else self.qkv_a_proj.prequant(x)
+        if plan is None:
+            return None
+        qkv_a, res = norm.quantized_into(self.qkv_a_proj, x, residual, plan)
+        return qkv_a, x if residual is None else res
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | None, ctx: ForwardContext,
+                qkv_a: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, h] normed -> this rank's share of the attention output [T, h]; or qkv_a, qkv_a_proj's output
+        [T, q_out + L + R] (`qkv_a_from_norm`), in x's place."""
+        if qkv_a is None and self.qkv_a_proj is not None:
+            qkv_a = self.qkv_a_proj(x)
+        if qkv_a is not None:
+            q, latent = qkv_a.split([self.q_out, self.l + self.r], dim=-1)   # views of one GEMM
         else:
             q, latent = (self.q_a_proj if self.q_lora else self.q_proj)(x), self.kv_a_proj_with_mqa(x)
-        q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q
+        t = q.shape[0]
+        q = self.q_a_layernorm.into(self.q_b_proj, q)[0] if self.q_lora else q
         q = q.view(t, self.h, self.dn + self.r)                               # [T, H, Dn + R]
         # latent: [T, L + R]
         kv_c = latent[:, : self.l]                                            # [T, L], normalised in place below

@@ -51,8 +51,21 @@ class DenseMLP(torch.nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)                                                 # [T, 2I]
-        return self.down_proj(self.ops.silu_and_mul(gu))
+        return self._down(self.gate_up_proj(x))
+
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x + residual)), x + residual), the norm quantising for an FP8 gate_up_proj (`RMSNorm.into`)."""
+        gu, residual = norm.into(self.gate_up_proj, x, residual)
+        return self._down(gu), residual
+
+    def _down(self, gu: torch.Tensor) -> torch.Tensor:
+        # gu: [T, 2I] -> down_proj(silu(gate) * up) [T, h], the activation's kernel quantising for an FP8 down_proj
+        plan = self.down_proj.prequant(gu)
+        if plan is None:
+            return self.down_proj(self.ops.silu_and_mul(gu))
+        y_q, y_scale = self.ops.silu_and_mul_quant(gu, plan)
+        return self.down_proj.forward_quantized(y_q, y_scale, gu.shape[0], plan)
 
 
 class Router(torch.nn.Module):

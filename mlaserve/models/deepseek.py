@@ -62,13 +62,17 @@ class DecoderLayer(torch.nn.Module):
         block's input norm or the final one), a one-token MoE block may run it inside its experts' combine, and a
         tensor-parallel block inside its all-reduce (peer buffers), and return (next_norm(output + residual),
         output + residual, True)."""
-        if normed:
-            h = x
-        elif residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, ctx)                              # this rank's share of the heads' sum
+        h, qkv_a = x, None
+        if not normed:
+            # the norm's kernel quantises for an FP8 qkv_a_proj where that GEMM would quantise in a pass of its own
+            fused = self.self_attn.qkv_a_from_norm(x, residual, self.input_layernorm)
+            if fused is not None:
+                (qkv_a, residual), h = fused, None
+            elif residual is None:
+                residual, h = x, self.input_layernorm(x)
+            else:
+                h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, ctx, qkv_a)                       # this rank's share of the heads' sum
         t = x.shape[0]
         if self.dp is None and isinstance(self.mlp, MoE) and self.mlp.takes_norm(t):
             # under tensor parallelism the router sums the attention output over the ranks itself, and a one-token
@@ -84,6 +88,10 @@ class DecoderLayer(torch.nn.Module):
             h, residual = self.mlp.forward_normed(h, residual, self.post_attention_layernorm,  # norm in the router
                                                   sum_in=group, row_mask=ctx.moe_row_mask)
             return self.reduce_out(h, residual, next_norm)
+        if isinstance(self.mlp, DenseMLP) and not self.tp.fuses_norm(h):
+            # the norm's kernel quantises for an FP8 gate_up_proj (where it would be quantised in a pass of its own)
+            mlp, residual = self.mlp.forward_norm(self.tp.all_reduce(h), residual, self.post_attention_layernorm)
+            return self.reduce_out(mlp, residual, next_norm)
         h, residual = self.reduce_norm(h, residual, self.post_attention_layernorm)
         if self.dp is not None:
             return self.dp_moe(h, ctx.global_num_tokens, ctx.moe_row_mask), residual, False

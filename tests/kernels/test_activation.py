@@ -76,3 +76,21 @@ def test_bench_byte_counts() -> None:
     assert small_ops.silu_bytes(4096, 2048) == 4096 * 3 * 2048 * 2
     assert small_ops.silu_bytes(1, 200, quant=True) == 800 + 200 + 2 * 4
     assert small_ops.silu_flops(2, 10) == 100
+
+
+@pytest.mark.parametrize("m_major,pad", [(False, 0), (True, 3)])
+def test_silu_and_mul_quant_fp8_is_the_quant_pass_of_the_activation(m_major: bool, pad: int, device: str) -> None:
+    # The codes and scales per_token_group_quant_fp8 gives silu_and_mul's output, in its layout (M-major scales over
+    # rows padded with quantised zeros, for cuBLAS): what an FP8 down_proj reads.
+    from mlaserve.kernels.quant import per_token_group_quant_fp8
+    seed = torch.seed()
+    print(f"seed {seed}")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    t, i = 21, 512
+    x = _inputs(t, i, dtype, device)
+    rows = t + pad
+    ref_q, ref_s = per_token_group_quant_fp8(silu_and_mul(x), 128, scale_m_major=m_major, out_rows=rows)
+    y_q, scale = silu_and_mul_quant_fp8(x, 128, scale_m_major=m_major, out_rows=rows)
+    assert y_q.shape == (rows, i) and scale.stride() == ref_s.stride()
+    assert torch.equal(y_q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scale, ref_s)

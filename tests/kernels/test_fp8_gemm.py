@@ -165,7 +165,7 @@ def test_fp8_linear_fused_quant_is_bit_identical(m: int, n: int, k: int, dtype: 
 def test_fp8_linear_fuses_quant_for_small_m(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
     calls = []
     monkeypatch.setattr(fp8_gemm_mod, "per_token_group_quant_fp8",
-                        lambda x, g: calls.append(x.shape[0]) or per_token_group_quant_fp8_ref(x, g))
+                        lambda x, g, **kw: calls.append(x.shape[0]) or per_token_group_quant_fp8_ref(x, g))
     w_q, w_s = block_quant_fp8_ref(torch.randn(64, 256, device=device))
     for m in (1, fp8_gemm_mod.FUSE_QUANT_MAX_M, fp8_gemm_mod.FUSE_QUANT_MAX_M + 1):
         fp8_linear(torch.randn(m, 256, device=device), w_q, w_s, gemv=False)
@@ -210,3 +210,38 @@ def test_fp8_linear_cublas_matches_triton(m: int, n: int, k: int, out_dtype: tor
     assert y.dtype == out_dtype and y.shape == (m, n)
     assert _rel_max(y, ref) <= _tol(out_dtype, "cuda")
     assert _rel_max(y, fp8_linear(x, w_q, w_s, bias, out_dtype=out_dtype, cublas=False)) <= _tol(out_dtype, "cuda")
+
+
+def test_quant_plan_follows_fp8_linear_dispatch(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer quantises ahead exactly where fp8_linear would run its own quantisation pass: not for the gemv's
+    rows nor the GEMM that quantises inside (up to FUSE_QUANT_MAX_M), row-major scales for the Triton GEMM, M-major
+    over cuBLAS's padded rows where that path is taken."""
+    w_q, _ = block_quant_fp8_ref(torch.randn(64, 512, device=device))
+    x = torch.empty(0, device=device)
+    small = fp8_gemm_mod.FUSE_QUANT_MAX_M
+    assert fp8_gemm_mod.quant_plan(1, x, w_q) is None and fp8_gemm_mod.quant_plan(small, x, w_q) is None
+    assert fp8_gemm_mod.quant_plan(small + 1, x, w_q) == fp8_gemm_mod.QuantPlan(False, small + 1)
+    m = fp8_gemm_mod.CUBLAS_BLOCK_FP8_MIN_M + 1
+    want = fp8_gemm_mod.QuantPlan(True, fp8_gemm_mod.cublas_rows(m)) \
+        if fp8_gemm_mod.cublas_block_fp8_ok(torch.empty(m, 512, device=device), w_q) else fp8_gemm_mod.QuantPlan(False, m)
+    assert fp8_gemm_mod.quant_plan(m, x, w_q) == want
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert fp8_gemm_mod.quant_plan(m, torch.empty(0), w_q.cpu()) is None       # plain CPU runs the reference
+
+
+@pytest.mark.parametrize("m", [fp8_gemm_mod.FUSE_QUANT_MAX_M + 1, fp8_gemm_mod.CUBLAS_BLOCK_FP8_MIN_M + 3])
+def test_fp8_linear_quantized_is_fp8_linear(m: int, device: str) -> None:
+    """The GEMM of an input quantised ahead in quant_plan's layout is fp8_linear's, bit for bit (bias included)."""
+    from mlaserve.kernels.quant import per_token_group_quant_fp8
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(m, 512, device=device, dtype=dtype)
+    w_q, w_s = block_quant_fp8_ref(torch.randn(96, 512, device=device) * 0.05)
+    bias = torch.randn(96, device=device, dtype=dtype)
+    plan = fp8_gemm_mod.quant_plan(m, x, w_q)
+    assert plan is not None
+    x_q, x_s = per_token_group_quant_fp8(x, 128, scale_m_major=plan.scale_m_major, out_rows=plan.rows)
+    y = fp8_gemm_mod.fp8_linear_quantized(x_q, x_s, m, plan, w_q, w_s, bias, dtype)
+    assert y.shape == (m, 96) and torch.equal(y, fp8_linear(x, w_q, w_s, bias))

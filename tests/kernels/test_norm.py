@@ -102,3 +102,31 @@ def test_bench_byte_counts() -> None:
     assert small_ops.norm_bytes(1, 7168, residual=True) == 5 * 14336
     assert small_ops.norm_bytes(2, 200, quant=True) == 2 * 200 * 2 + 400 + 2 * 200 + 2 * 2 * 4
     assert small_ops.norm_flops(3, 10) == 120
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("m_major,pad", [(False, 0), (True, 3)])
+def test_rmsnorm_quant_fp8_is_the_quant_pass_of_the_norm(residual: bool, m_major: bool, pad: int,
+                                                         device: str) -> None:
+    # What an FP8 linear reads: the same codes and scales as per_token_group_quant_fp8 over the norm's output, in
+    # its layout (cuBLAS's M-major scales over rows padded with quantised zeros), the residual updated as the norm's.
+    from mlaserve.kernels.quant import per_token_group_quant_fp8
+    seed = torch.seed()
+    print(f"seed {seed}")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    t, d = 37, 512
+    x, w = _inputs(t, d, dtype, device)
+    res = torch.randn(t, d, dtype=dtype, device=device) if residual else None
+    rows = t + pad
+    if residual:
+        res_ref = res.clone()
+        y, _ = fused_add_rmsnorm(x, res_ref, w, EPS)
+    else:
+        y = rmsnorm(x, w, EPS)
+    ref_q, ref_s = per_token_group_quant_fp8(y, 128, scale_m_major=m_major, out_rows=rows)
+    x_q, scale = rmsnorm_quant_fp8(x, w, EPS, 128, res, scale_m_major=m_major, out_rows=rows)
+    assert x_q.shape == (rows, d) and scale.shape == (rows, d // 128) and scale.stride() == ref_s.stride()
+    assert torch.equal(x_q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(scale, ref_s)
+    if residual:
+        assert torch.equal(res, res_ref)

@@ -22,11 +22,13 @@ VARIANTS = {
     # V3: q_lora, sigmoid + noaux_tc, norm_topk_prob, 3 dense-first layers, MTP layer
     "v3": ("deepseek-v3.json", {"first_k_dense_replace": 1}, 3, False),
     "v3-fp8": ("deepseek-v3.json", {"first_k_dense_replace": 1}, 3, True),
+    # V3 FP8 with q_lora_rank a whole 128-block: q_a_proj and kv_a_proj_with_mqa one GEMM, as in the real V3
+    "v3-fp8-q128": ("deepseek-v3.json", {"first_k_dense_replace": 1}, 3, True),
     # V3 with MLA widths the Triton tiles must pad (kv_lora_rank 32, rope dim 8: not powers of two >= 16)
     "v3-odd-dims": ("deepseek-v3.json", {"first_k_dense_replace": 1}, 2, False),
 }
 # widths set after shrinking (shrink_config sets every width)
-AFTER_SHRINK = {"v3-odd-dims": {"kv_lora_rank": 32, "qk_rope_head_dim": 8}}
+AFTER_SHRINK = {"v3-odd-dims": {"kv_lora_rank": 32, "qk_rope_head_dim": 8}, "v3-fp8-q128": {"q_lora_rank": 128}}
 
 
 def build(tmp_root: Path, name: str, seed: int = 0) -> Path:

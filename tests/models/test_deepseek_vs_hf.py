@@ -253,3 +253,30 @@ def test_mtp_draft_logits_match_definition(checkpoints):
         x = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=rotary(x[None], pos))[0]
     want = rms(x, w[f"{p}shared_head.norm.weight"]) @ w[f"{p}shared_head.head.weight"].t()
     assert (draft - want).abs().max() <= 1e-3 * want.abs().max()
+
+
+def test_fp8_quantising_norms_change_no_bit(checkpoints, device, monkeypatch):
+    """The FP8 checkpoint on the Triton kernels: the norms and the SwiGLU activation that quantise their outputs
+    for the next FP8 GEMM (where it would run a quantisation pass of its own) give the logits of the unfused
+    kernels bit for bit, through a prompt of more rows than the GEMM quantises inside."""
+    from mlaserve.layers import ops as ops_mod
+    from mlaserve.models import deepseek
+    path = checkpoints("v3-fp8-q128")
+    cfg = ModelConfig.from_hf(path)
+    ids = random_prompt(cfg, 24)
+    calls = []
+    base = ops_mod.get_ops("triton")
+    counted = base._replace(
+        rmsnorm_quant=lambda *a: calls.append("norm") or base.rmsnorm_quant(*a),
+        silu_and_mul_quant=lambda *a: calls.append("act") or base.silu_and_mul_quant(*a))
+    logits = {}
+    for name, ops in (("fused", counted), ("unfused", base._replace(fp8_quant_plan=lambda m, x, w_q: None))):
+        monkeypatch.setattr(deepseek, "get_ops", lambda kernels, ops=ops: ops)
+        model, _ = ours(path, torch.float32, device=device, kernels="triton")
+        logits[name] = SeqRunner(model, cfg, backend="triton", device=device).extend(
+            {0: ids.tolist()}, all_logits=True).logits.cpu()
+    # every layer: the input norm for qkv_a and q_a's norm for q_b; the dense layer: its post-attention norm for
+    # gate_up and the activation for down_proj (and the shared experts' where they run apart from the routed ones)
+    assert all(layer.self_attn.qkv_a_proj is not None for layer in model.model.layers)
+    assert calls.count("norm") == 2 * cfg.num_hidden_layers + cfg.first_k_dense_replace and "act" in calls
+    assert torch.equal(logits["fused"], logits["unfused"])

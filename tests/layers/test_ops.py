@@ -1,0 +1,46 @@
+"""The kernel switch's entries for inputs quantised ahead (`QuantPlan`): the PyTorch references against the Triton
+launchers (the interpreter on the CPU), in both layouts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlaserve.kernels.fp8_gemm import QuantPlan
+from mlaserve.kernels.quant import block_quant_fp8_ref
+from mlaserve.layers.ops import get_ops
+
+
+def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s.repeat_interleave(128, dim=1)
+
+
+@pytest.mark.parametrize("plan", [QuantPlan(False, 20), QuantPlan(True, 24)])
+def test_quantised_entries_match_their_references(plan: QuantPlan, device: str) -> None:
+    seed = torch.seed()
+    print(f"seed {seed}")
+    tri, ref = get_ops("triton"), get_ops("torch")
+    t, d = 20, 256
+    x = torch.randn(t, d, device=device)
+    w = torch.rand(d, device=device) + 0.5
+    res_t = torch.randn(t, d, device=device)
+    res_r = res_t.clone()
+    q_t, s_t = tri.rmsnorm_quant(x, w, 1e-6, res_t, plan)
+    q_r, s_r = ref.rmsnorm_quant(x, w, 1e-6, res_r, plan)
+    assert q_t.shape == q_r.shape == (plan.rows, d) and s_t.stride() == s_r.stride()
+    torch.testing.assert_close(res_t, res_r, atol=1e-5, rtol=1e-5)                 # both update it in place
+    torch.testing.assert_close(s_t, s_r, atol=0, rtol=1e-5)
+    # codes at most one e4m3 step apart (fp32 sums in another order can move a value across a rounding edge)
+    deq_t, deq_r = _dequant(q_t, s_t), _dequant(q_r, s_r)
+    assert ((deq_t - deq_r).abs() <= deq_r.abs() * 2**-3 * 1.01 + 2**-9 * s_r.max()).all()
+    assert (deq_t[t:] == 0).all() and (deq_r[t:] == 0).all()
+    gu = torch.randn(t, 2 * d, device=device)
+    a_t, a_r = tri.silu_and_mul_quant(gu, plan), ref.silu_and_mul_quant(gu, plan)
+    torch.testing.assert_close(a_t[1], a_r[1], atol=0, rtol=1e-5)
+    w_q, w_s = block_quant_fp8_ref(torch.randn(64, d, device=device) * 0.05)
+    assert ref.fp8_quant_plan(t, x, w_q) is None          # the reference kernels quantise nothing ahead
+    if plan.scale_m_major and device != "cuda":
+        return                                              # cuBLAS's layout: its GEMM runs on the GPU only
+    y_t = tri.fp8_linear_quantized(q_r, s_r, t, plan, w_q, w_s, None, torch.float32)
+    y_r = ref.fp8_linear_quantized(q_r, s_r, t, plan, w_q, w_s, None, torch.float32)
+    assert y_t.shape == (t, 64)
+    torch.testing.assert_close(y_t, y_r, atol=2e-3 * y_r.abs().max().item(), rtol=0)
