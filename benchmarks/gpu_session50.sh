@@ -8,6 +8,7 @@
 #            then V3 4L decode at bs 1 / 16 / 64 once each
 #   profile: benchmarks/profile_prefill.py, V3 4L 1 x 4096 (kernel list, GPU idle)
 #   tune:    tune fused-moe, V3 FP8 at TUNE_SIZES (default 1024 2048 4096 8192) with the down pass -> $OUT/tuned
+#   tuneab:  benchmarks/ab_moe_tables.py: the shipped V3 FP8 table against $OUT/tuned's, alternated
 #   flash:   benchmarks/sweep_mla_prefill.py (the flash prefill kernel's tiles at the bench shapes)
 #   bash benchmarks/gpu_session50.sh PART...
 source benchmarks/gpu_v2l_env.sh
@@ -46,6 +47,10 @@ for PART in "$@"; do
         --dtype fp8_w8a8 --batch-sizes ${TUNE_SIZES:-1024 2048 4096 8192} --out-dir "$OUT/tuned" \
         > "$OUT/tune_v3.txt" 2>"$OUT/tune_v3_err.txt"
       grep -E "^T=|wrote" "$OUT/tune_v3.txt"; tail -3 "$OUT/tune_v3_err.txt" ;;
+    tuneab)
+      timeout 300 python3 benchmarks/ab_moe_tables.py --model-config mlaserve/tools/configs/deepseek-v3.json \
+        --dtype fp8_w8a8 --new "$OUT"/tuned/E=256,N=2048*.json > "$OUT/tuneab.md" 2>&1
+      grep -v Warn "$OUT/tuneab.md" | tail -14 ;;
     flash)
       timeout 400 python3 benchmarks/sweep_mla_prefill.py --out "$OUT/flash_sweep.txt" > "$OUT/flash_sweep.log" 2>&1
       tail -30 "$OUT/flash_sweep.log" ;;
