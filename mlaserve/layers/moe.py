@@ -60,12 +60,23 @@ class DenseMLP(torch.nn.Module):
         return self._down(gu), residual
 
     def _down(self, gu: torch.Tensor) -> torch.Tensor:
-        # gu: [T, 2I] -> down_proj(silu(gate) * up) [T, h], the activation's kernel quantising for an FP8 down_proj
-        plan = self.down_proj.prequant(gu)
-        if plan is None:
-            return self.down_proj(self.ops.silu_and_mul(gu))
-        y_q, y_scale = self.ops.silu_and_mul_quant(gu, plan)
-        return self.down_proj.forward_quantized(y_q, y_scale, gu.shape[0], plan)
+        # gu: [T, 2I] -> down_proj(silu(gate) * up) [T, h]
+        d = self.down_proj
+        if d.quant is None:
+            return d(self.ops.silu_and_mul(gu))
+        return swiglu_fp8(self.ops, gu, d.weight, d.weight_scale_inv, d.bias)
+
+
+def swiglu_fp8(ops: Ops, gu: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear(silu_and_mul(gu), w_q, w_scale_inv) + bias for gu [T, 2I]: the activation's kernel quantises its
+    output where the linear would run a quantisation pass of its own (`fp8_gemm.quant_plan`)."""
+    plan = ops.fp8_quant_plan(gu.shape[0], gu, w_q)
+    if plan is None:
+        y = ops.fp8_linear(ops.silu_and_mul(gu), w_q, w_scale_inv)
+        return y if bias is None else y + bias
+    y_q, y_scale = ops.silu_and_mul_quant(gu, plan)
+    return ops.fp8_linear_quantized(y_q, y_scale, gu.shape[0], plan, w_q, w_scale_inv, bias, gu.dtype)
 
 
 class Router(torch.nn.Module):
@@ -167,8 +178,10 @@ class ExpertStack(torch.nn.Module):
         out = None
         for s in slots:
             gu = self._linear(x, self.w13[s], None if self.w13_scale is None else self.w13_scale[s])    # [T, 2I]
-            h = self.ops.silu_and_mul(gu)                                                                # [T, I]
-            y = self._linear(h, self.w2[s], None if self.w2_scale is None else self.w2_scale[s])         # [T, h]
+            if self.w2_scale is None:
+                y = cublas_linear(self.ops.silu_and_mul(gu), self.w2[s])                                 # [T, h]
+            else:
+                y = swiglu_fp8(self.ops, gu, self.w2[s], self.w2_scale[s])
             out = y if out is None else out + y
         return out
 

@@ -338,7 +338,7 @@ def test_tuned_tables_are_looked_up_by_the_local_expert_count(monkeypatch) -> No
                                          logits.new_empty(logits.shape[0], k, dtype=torch.int32)),
         moe_route=lambda x, w, k, **_: (x.new_empty(x.shape[0], k, dtype=torch.float32),
                                         x.new_empty(x.shape[0], k, dtype=torch.int32)),
-        fp8_linear=lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
+        fp8_linear=lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]), fp8_quant_plan=lambda m, x, w: None)
     layer = moe_layer.MoE(cfg, quant=cfg.quant, dtype=torch.bfloat16, device="meta", ops=ops,
                           tp=TensorParallel(1, 2), ep=ExpertParallel(1, 2))
     for t in (1, 64, 1024):

@@ -44,3 +44,21 @@ def test_quantised_entries_match_their_references(plan: QuantPlan, device: str) 
     y_r = ref.fp8_linear_quantized(q_r, s_r, t, plan, w_q, w_s, None, torch.float32)
     assert y_t.shape == (t, 64)
     torch.testing.assert_close(y_t, y_r, atol=2e-3 * y_r.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("t", [3, 20, 130])
+def test_swiglu_fp8_is_the_unfused_composition(t: int, device: str) -> None:
+    """The dense MLP's and the dense shared experts' down GEMM: with the activation quantising ahead (20 and 130
+    rows: the Triton GEMM's layout on the CPU, cuBLAS's from 128 rows on an H100 / H200) or not (3 rows: the
+    gemv), the output of silu_and_mul then fp8_linear, bit for bit."""
+    from mlaserve.layers.moe import swiglu_fp8
+    seed = torch.seed()
+    print(f"seed {seed}")
+    ops = get_ops("triton")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gu = torch.randn(t, 2 * 512, device=device, dtype=dtype)
+    w_q, w_s = block_quant_fp8_ref(torch.randn(256, 512, device=device) * 0.05)
+    bias = torch.randn(256, device=device, dtype=dtype)
+    y = swiglu_fp8(ops, gu, w_q, w_s, bias)
+    assert (ops.fp8_quant_plan(t, gu, w_q) is None) == (t == 3)
+    assert y.shape == (t, 256) and torch.equal(y, ops.fp8_linear(ops.silu_and_mul(gu), w_q, w_s) + bias)
