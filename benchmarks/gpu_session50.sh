@@ -25,6 +25,9 @@ import sys; from mlaserve.cli import main; sys.exit(main())" bench one-batch --l
 for PART in "$@"; do
   echo "=== $PART $(date +%T)"
   case $PART in
+    retest)   # the two tests fixed after the first call
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/layers/test_ops.py \
+        "tests/models/test_deepseek_vs_hf.py::test_fp8_quantising_norms_change_no_bit" 2>&1 | tail -3 ;;
     tests)
       timeout 400 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_norm.py tests/kernels/test_activation.py \
         tests/kernels/test_fp8_gemm.py tests/kernels/test_quant.py tests/layers/test_ops.py tests/models/test_gpu_fastpath.py \

@@ -19,7 +19,7 @@ def test_quantised_entries_match_their_references(plan: QuantPlan, device: str) 
     seed = torch.seed()
     print(f"seed {seed}")
     tri, ref = get_ops("triton"), get_ops("torch")
-    t, d = 20, 256
+    t, d = 20, 512                                       # K: whole 4 x 128 groups, as cuBLAS's layout wants
     x = torch.randn(t, d, device=device)
     w = torch.rand(d, device=device) + 0.5
     res_t = torch.randn(t, d, device=device)
