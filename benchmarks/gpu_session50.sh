@@ -46,7 +46,7 @@ for PART in "$@"; do
       timeout 200 python3 benchmarks/profile_prefill.py --model-config $V3_4L --len 4096 > "$OUT/prefill_v3_4096.txt" 2>&1
       grep -v "loading\|Warn\|warn\|no tuned" "$OUT/prefill_v3_4096.txt" | head -40 ;;
     tune)
-      timeout 560 python3 -m mlaserve.cli tune fused-moe --model-config mlaserve/tools/configs/deepseek-v3.json \
+      timeout ${TUNE_TIMEOUT:-560} python3 -m mlaserve.cli tune fused-moe --model-config mlaserve/tools/configs/deepseek-v3.json \
         --dtype fp8_w8a8 --batch-sizes ${TUNE_SIZES:-1024 2048 4096 8192} --out-dir "$OUT/tuned" \
         > "$OUT/tune_v3.txt" 2>"$OUT/tune_v3_err.txt"
       grep -E "^T=|wrote" "$OUT/tune_v3.txt"; tail -3 "$OUT/tune_v3_err.txt" ;;
