@@ -116,6 +116,10 @@ def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group: 
     Returns (x_q [Mp, D] e4m3, scale [Mp, ceil(D / group)] float32), x_q * scale ~= rmsnorm(x) per group: the
     codes and scales `per_token_group_quant_fp8` gives the norm's output, with its `scale_m_major` and `out_rows`
     (Mp, rows past T quantised zeros) for a GEMM that reads them (`fp8_gemm.fp8_linear_quantized`).
+
+    NOTE: bit for bit where the norm's output is `rmsnorm`'s. On the GPU this kernel may sum a row's squares in
+    another order than `rmsnorm`'s compilation: bf16 outputs hide that, fp32 ones can differ by an ulp
+    (benchmarks/results/prequant-h200.md).
     """
     _check(x, weight)
     assert group > 0 and group & (group - 1) == 0, f"group must be a power of two, got {group}"
