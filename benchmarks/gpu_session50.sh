@@ -34,14 +34,7 @@ for PART in "$@"; do
         "tests/models/test_deepseek_vs_hf.py::test_fp8_quantising_norms_change_no_bit" > "$OUT/tests.txt" 2>&1
       tail -8 "$OUT/tests.txt" ;;
     ab)
-      i=0
-      for tag in off on off on; do
-        i=$((i + 1))
-        one $tag prefill_v3_$i --model-config $V3_4L --batch-size 1 --input-len 4096 --output-len 4
-      done
-      for tag in off on; do
-        one $tag decode_v3 --model-config $V3_4L --batch-size 1 16 64 --input-len 256 --output-len 32
-      done ;;
+      ab_v3_4l one off on ;;
     profile)
       timeout 200 python3 benchmarks/profile_prefill.py --model-config $V3_4L --len 4096 > "$OUT/prefill_v3_4096.txt" 2>&1
       grep -v "loading\|Warn\|warn\|no tuned" "$OUT/prefill_v3_4096.txt" | head -40 ;;

@@ -37,3 +37,15 @@ serving_run() {  # serving_run NAME: bench serving's closed-loop load (conc 64) 
   python3 benchmarks/serving_summary.py --last "$OUT/serving_$1.jsonl" "bench serving $1"
   python3 benchmarks/probe_stream_client.py --metrics-diff /tmp/m0 /tmp/m1
 }
+
+ab_v3_4l() {  # ab_v3_4l FN A B: FN TAG NAME ARGS... (a bench one-batch run under TAG) for V3 4L 1 x 4096 prefill as
+  # A, B, A, B, then V3 4L decode (256 / 32, bs 1 16 64) under A and B once each
+  local fn=$1 a=$2 b=$3 i=0 tag
+  for tag in $a $b $a $b; do
+    i=$((i + 1))
+    $fn $tag prefill_v3_$i --model-config $V3_4L --batch-size 1 --input-len 4096 --output-len 4
+  done
+  for tag in $a $b; do
+    $fn $tag decode_v3 --model-config $V3_4L --batch-size 1 16 64 --input-len 256 --output-len 32
+  done
+}
