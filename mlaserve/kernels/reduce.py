@@ -34,20 +34,52 @@ def _sum_dim1_kernel(x_ptr, out_ptr, B, C, stride_xa, stride_xb, stride_oa, ROUN
     tl.store(out_ptr + a * stride_oa + offs_c, acc.to(out_ptr.dtype.element_ty), mask=offs_c < C)
 
 
-def sum_dim1(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+@triton.jit(do_not_specialize=["A"])
+def _sum_rows_kernel(x_ptr, out_ptr, A, B, C, stride_xa, stride_xb, stride_oa, ROUND_BF16: tl.constexpr,
+                     BLOCK_A: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    # Grid (A / BLOCK_A, C / BLOCK_C): a [BLOCK_A, BLOCK_C] tile of out, the B rows of each added one at a time (each
+    # load BLOCK_A runs of BLOCK_C contiguous values: many rows, long runs, for prefill sizes).
+    pdl_enter(PDL)
+    offs_a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_a < A)[:, None] & (offs_c < C)[None, :]
+    ptrs = x_ptr + offs_a.to(tl.int64)[:, None] * stride_xa + offs_c[None, :]
+    acc = tl.zeros((BLOCK_A, BLOCK_C), dtype=tl.float32)
+    for _ in range(B):
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        ptrs += stride_xb
+    if ROUND_BF16:
+        acc = bf16_rne(acc)
+    tl.store(out_ptr + offs_a.to(tl.int64)[:, None] * stride_oa + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+# (BLOCK_A, BLOCK_C, warps) of `sum_dim1`'s row-blocked kernel (rows=True)
+SUM_ROWS_CONFIG = (16, 256, 4)
+
+
+def sum_dim1(x: torch.Tensor, out: torch.Tensor | None = None, rows: bool = False) -> torch.Tensor:
     """out [A, C] = x [A, B, C].sum(1), accumulated in fp32, rounded once to out's dtype (default x.dtype).
 
-    x's last dim and out's rows must be contiguous; B up to 64.
+    x's last dim and out's rows must be contiguous; B up to 64. rows: a program sums a block of SUM_ROWS_CONFIG rows
+    of A (each of the B rows added in turn) rather than all B rows of one A (prefill sizes; any B).
     """
     assert x.dim() == 3 and x.stride(2) == 1, f"x must be [A, B, C] with contiguous rows, got {tuple(x.shape)}"
     a, b, c = x.shape
-    assert b <= 64, f"sum_dim1 sums up to 64 rows, got B={b}"
+    assert rows or b <= 64, f"sum_dim1 sums up to 64 rows, got B={b}"
     out = torch.empty(a, c, dtype=x.dtype, device=x.device) if out is None else out
     assert out.shape == (a, c) and out.stride(1) == 1, f"out must be [{a}, {c}] with contiguous rows"
     if a == 0 or c == 0:
         return out
     if b == 0:
         return out.zero_()
+    if rows:
+        block_a, block_c, warps = SUM_ROWS_CONFIG
+        _sum_rows_kernel[(triton.cdiv(a, block_a), triton.cdiv(c, block_c))](
+            x, out, a, b, c, x.stride(0), x.stride(1), out.stride(0),
+            ROUND_BF16=not x.is_cuda and out.dtype == torch.bfloat16, BLOCK_A=block_a, BLOCK_C=block_c,
+            **pdl_meta(x.device), num_warps=warps)
+        return out
     block_b = triton.next_power_of_2(b)
     block_c = max(64, min(1024, 4096 // block_b, triton.next_power_of_2(c)))
     _sum_dim1_kernel[(a, triton.cdiv(c, block_c))](
