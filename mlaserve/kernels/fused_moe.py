@@ -39,6 +39,11 @@ COMBINE_MAX_TOKENS = 1
 SUM_DIM1_MAX_TOKENS = 64
 SUM_DIM1_MAX_TOKENS_WIDE = 4            # hidden above SUM_DIM1_NARROW_HIDDEN
 SUM_DIM1_NARROW_HIDDEN = 2048
+# From this many tokens sum_dim1's row-blocked kernel does it (rows=True), between the two torch.sum.
+# benchmarks/bench_combine.py on an H200 (benchmarks/results/prequant-h200.md), against torch.sum at 1024-8192 tokens:
+# 22-36% faster on [T, 6, 2048] (V2-Lite's routed rows at prefill), 5-16% on [T, 8, 2048], 9-24% on V3's [T, 8 or 9,
+# 7168]; at 256 tokens equal (V3) or 2 us slower (V2-Lite), at 64 slower.
+SUM_ROWS_MIN_TOKENS = 1024
 # How the S = T * k slots are aligned (`align_launches`), from benchmarks/bench_moe_align.py on an H100
 # (benchmarks/results/decode-host-h100.md, prefill-v3-h100.md): one program (`_moe_align_kernel`) while S x BE (BE:
 # the expert bins, a power of two above E) is at most ALIGN_ONE_PROGRAM_MAX_WORK, as its per-chunk work grows with
@@ -770,8 +775,9 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
                   block_shape, 1, False, combine, norm, all_reduce)
     if combine:
         return out
-    if t <= (SUM_DIM1_MAX_TOKENS if k <= SUM_DIM1_NARROW_HIDDEN else SUM_DIM1_MAX_TOKENS_WIDE):
-        return sum_dim1(y.view(t, top_k, k), out=out)                         # [T, k, K] -> [T, K]
+    if t <= (SUM_DIM1_MAX_TOKENS if k <= SUM_DIM1_NARROW_HIDDEN else SUM_DIM1_MAX_TOKENS_WIDE) or \
+            t >= SUM_ROWS_MIN_TOKENS:
+        return sum_dim1(y.view(t, top_k, k), out=out, rows=t >= SUM_ROWS_MIN_TOKENS)   # [T, k, K] -> [T, K]
     return torch.sum(y.view(t, top_k, k), dim=1, out=out)
 
 

@@ -54,8 +54,10 @@ def _sum_rows_kernel(x_ptr, out_ptr, A, B, C, stride_xa, stride_xb, stride_oa, R
              mask=mask)
 
 
-# (BLOCK_A, BLOCK_C, warps) of `sum_dim1`'s row-blocked kernel (rows=True)
-SUM_ROWS_CONFIG = (16, 256, 4)
+# (BLOCK_A, BLOCK_C, warps) of `sum_dim1`'s row-blocked kernel (rows=True). benchmarks/bench_combine.py on an H200
+# (benchmarks/results/prequant-h200.md), 7 tiles: (8, 256, 4) the fastest or within 1 us of it at every shape from
+# 1024 tokens; against torch.sum at 4096 tokens, [T, 6, 2048] 57.6 -> 38.6 us, [T, 8, 7168] 169.4 -> 140.4 us.
+SUM_ROWS_CONFIG = (8, 256, 4)
 
 
 def sum_dim1(x: torch.Tensor, out: torch.Tensor | None = None, rows: bool = False) -> torch.Tensor:

@@ -330,7 +330,7 @@ def test_tuned_tables_are_looked_up_by_the_local_expert_count(monkeypatch) -> No
     monkeypatch.setattr(fm, "_load_configs", lambda path: looked_up.append(path.name))
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
-    monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
+    monkeypatch.setattr(fm, "sum_dim1", lambda y, out, rows=False: out)
     monkeypatch.setattr(fm, "gpu_name", lambda: "NVIDIA_H200")
     ops = get_ops("triton")._replace(
         fused_moe=fm.fused_moe, silu_and_mul=lambda gu: gu[:, : gu.shape[1] // 2],

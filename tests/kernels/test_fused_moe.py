@@ -562,7 +562,7 @@ def test_fused_moe_routing_by_token_count(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
     monkeypatch.setattr(fm, "_grouped_gemm", lambda a, w, ws, c, routing, *rest: modes.append((c.shape[0],
                                                                                               routing.mode)))
-    monkeypatch.setattr(fm, "sum_dim1", lambda y, out: out)
+    monkeypatch.setattr(fm, "sum_dim1", lambda y, out, rows=False: out)
     for e, tokens in ((V2_LITE.num_experts, (1, 2, 42, 43)), (126, (2,)), (127, (2,)), (8, (2,))):
         w = dense_weights(V2_LITE._replace(num_experts=e), torch.float16, "meta")
         if e == 8:                                               # block-FP8 experts: the sort (EXPERT_SCAN_FP8)
@@ -622,19 +622,23 @@ def test_fused_moe_expert_scan(dtype: torch.dtype, fp8: bool, tokens: int, varia
 
 def test_fused_moe_combine_launch_by_hidden_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """The separate combine is sum_dim1 up to 64 tokens at hidden 2048 (V2-Lite's decode batch of 64 runs no torch
-    reduction) and up to 4 at 7168 (V3), torch.sum above, as measured (meta tensors, launches stubbed)."""
-    summed: list[tuple[int, int]] = []
+    reduction) and up to 4 at 7168 (V3), torch.sum above, and sum_dim1's row-blocked kernel again from
+    SUM_ROWS_MIN_TOKENS, as measured (meta tensors, launches stubbed)."""
+    summed: list[tuple[int, int, bool]] = []
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
-    monkeypatch.setattr(fm, "sum_dim1", lambda y, out: summed.append((y.shape[0], y.shape[2])) or out)
-    for hidden, tokens in ((2048, (2, 64, 65, 256)), (7168, (2, 4, 5, 64))):
+    monkeypatch.setattr(fm, "sum_dim1",
+                        lambda y, out, rows=False: summed.append((y.shape[0], y.shape[2], rows)) or out)
+    big = fm.SUM_ROWS_MIN_TOKENS
+    for hidden, tokens in ((2048, (2, 64, 65, 256, big - 1, big)), (7168, (2, 4, 5, 64, big))):
         s = Shape(8, 8, hidden, 128)
         w = dense_weights(s, torch.bfloat16, "meta")
         for t in tokens:
             x = torch.empty(t, hidden, dtype=torch.bfloat16, device="meta")
             ids = torch.empty(t, s.top_k, dtype=torch.int32, device="meta")
             fused_moe(x, **w, topk_weights=ids.float(), topk_ids=ids, config=CFG)
-    assert summed == [(2, 2048), (64, 2048), (2, 7168), (4, 7168)]
+    assert summed == [(2, 2048, False), (64, 2048, False), (big, 2048, True), (2, 7168, False), (4, 7168, False),
+                      (big, 7168, True)]
 
 
 @pytest.mark.parametrize("fp8,dtype", [(False, torch.float32), (False, torch.float16), (True, torch.float16)])
