@@ -9,6 +9,8 @@
 #   profile: benchmarks/profile_prefill.py, V3 4L 1 x 4096 (kernel list, GPU idle)
 #   tune:    tune fused-moe, V3 FP8 at TUNE_SIZES (default 1024 2048 4096 8192) with the down pass -> $OUT/tuned
 #   tuneab:  benchmarks/ab_moe_tables.py: the shipped V3 FP8 table against $OUT/tuned's, alternated
+#   combine: bench one-batch 1 x 4096 prefill with the MoE combine's row kernel off (SUM_ROWS_MIN_TOKENS patched past
+#            any T: torch.sum) and on, alternated twice: V2-Lite, then V3 4L (not run yet: the next session's)
 #   flash:   benchmarks/sweep_mla_prefill.py (the flash prefill kernel's tiles at the bench shapes)
 #   bash benchmarks/gpu_session50.sh PART...
 source benchmarks/gpu_v2l_env.sh
@@ -47,6 +49,16 @@ for PART in "$@"; do
       timeout 300 python3 benchmarks/ab_moe_tables.py --model-config mlaserve/tools/configs/deepseek-v3.json \
         --dtype fp8_w8a8 --new "$OUT"/tuned/E=256,N=2048*.json > "$OUT/tuneab.md" 2>&1
       grep -v Warn "$OUT/tuneab.md" | tail -14 ;;
+    combine)
+      nosum="import mlaserve.kernels.fused_moe as fm; fm.SUM_ROWS_MIN_TOKENS = 1 << 40"
+      for model in $V2L $V3_4L; do
+        for tag in off on off on; do
+          p="import sys"; [ $tag = off ] && p="$nosum"
+          timeout 170 python3 -c "$p
+import sys; from mlaserve.cli import main; sys.exit(main())" bench one-batch --load-format dummy --model-config $model \
+            --batch-size 1 --input-len 4096 --output-len 4 2>&1 | grep "^| mlaserve" | sed "s|^|$(basename $model) $tag |"
+        done
+      done ;;
     flash)
       timeout 400 python3 benchmarks/sweep_mla_prefill.py --out "$OUT/flash_sweep.txt" > "$OUT/flash_sweep.log" 2>&1
       tail -30 "$OUT/flash_sweep.log" ;;
