@@ -62,3 +62,49 @@ def test_swiglu_fp8_is_the_unfused_composition(t: int, device: str) -> None:
     y = swiglu_fp8(ops, gu, w_q, w_s, bias)
     assert (ops.fp8_quant_plan(t, gu, w_q) is None) == (t == 3)
     assert y.shape == (t, 256) and torch.equal(y, ops.fp8_linear(ops.silu_and_mul(gu), w_q, w_s) + bias)
+
+
+_COMPILED_PREQUANT = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from mlaserve.core import make_compile_opaque
+from mlaserve.config import QuantConfig
+from mlaserve.kernels.quant import block_quant_fp8_ref
+from mlaserve.layers.moe import DenseMLP
+from mlaserve.layers.ops import get_ops
+from mlaserve.layers.rmsnorm import RMSNorm
+make_compile_opaque()
+torch.manual_seed(int(os.environ["SEED"]))
+ops = get_ops("triton")
+quant = QuantConfig(method="fp8", fmt="e4m3", block=(128, 128), activation_scheme="dynamic")
+mlp = DenseMLP(256, 512, quant=quant, dtype=torch.float32, device="cpu", ops=ops)
+for lin in (mlp.gate_up_proj, mlp.down_proj):
+    w, s = block_quant_fp8_ref(torch.randn(lin.weight.shape) * 0.05)
+    lin.weight.data.copy_(w)
+    lin.weight_scale_inv.data.copy_(s)
+norm = RMSNorm(256, 1e-6, torch.float32, "cpu", ops=ops)
+plan = ops.fp8_quant_plan
+x, res = torch.randn(24, 256), torch.randn(24, 256)
+f = lambda x, res: mlp.forward_norm(x, res.clone(), norm)
+want = f(x, res)
+got = torch.compile(f, backend="eager", dynamic=False)(x, res)
+assert plan(24, x, mlp.gate_up_proj.weight) is not None            # 24 rows: the norm and activation quantise ahead
+assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+print("ok")
+"""
+
+
+def test_quantise_ahead_path_under_torch_compile() -> None:
+    """The dense MLP's norm -> gate_up -> SwiGLU -> down with the norm and activation quantising ahead (24 rows),
+    traced by torch.compile (the plan and every launcher opaque, as the runners that compile set them): the eager
+    output, bit for bit. A child process: make_compile_opaque is for the whole process."""
+    import os
+    import subprocess
+    import sys
+
+    seed = torch.seed() % 2**31
+    print(f"seed {seed}")
+    done = subprocess.run([sys.executable, "-c", _COMPILED_PREQUANT], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SEED": str(seed)})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
