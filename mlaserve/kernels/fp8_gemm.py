@@ -319,7 +319,11 @@ def quant_plan(m: int, x: torch.Tensor, w_q: torch.Tensor) -> QuantPlan | None:
     where it runs none (the gemv and the small GEMM quantise inside; plain CPU runs the reference)."""
     if not _use_triton(x):
         return None
-    path, _ = _dispatch(m, w_q.shape[1], w_q, x.is_cuda, True, None, None, None)
+    return _plan(_dispatch(m, w_q.shape[1], w_q, x.is_cuda, True, None, None, None)[0], m)
+
+
+def _plan(path: str, m: int) -> QuantPlan | None:
+    # the separate pass's layout on `_dispatch`'s path for m rows (None: no separate pass)
     if path == "cublas":
         return QuantPlan(True, cublas_rows(m))
     return QuantPlan(False, m) if path == "separate" else None
@@ -347,14 +351,13 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     if path == "gemv":
         block_m = max(FP8_GEMV_MAX_M, triton.next_power_of_2(m))
         return fp8_gemv(x2, w_q, w_scale_inv, bias, out_dtype or x.dtype, block_m=block_m).view(*lead, n)
-    _check_weight(w_q, w_scale_inv, k, (128, 128))
-    if path == "fused":
-        y = _launch(x2, x2, w_q, w_scale_inv, out_dtype or x.dtype, (128, 128), cfg, quant_a=True)
-    else:
-        plan = QuantPlan(True, cublas_rows(m)) if path == "cublas" else QuantPlan(False, m)
+    if path != "fused":                                   # fp8_linear_quantized checks the weight
+        plan = _plan(path, m)
         x_q, x_scale = per_token_group_quant_fp8(x2, 128, scale_m_major=plan.scale_m_major, out_rows=plan.rows)
         return fp8_linear_quantized(x_q, x_scale, m, plan, w_q, w_scale_inv, bias, out_dtype or x.dtype,
                                     cfg).view(*lead, n)
+    _check_weight(w_q, w_scale_inv, k, (128, 128))
+    y = _launch(x2, x2, w_q, w_scale_inv, out_dtype or x.dtype, (128, 128), cfg, quant_a=True)
     if bias is not None:
         y += bias
     return y.view(*lead, n)

@@ -504,7 +504,8 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
                      mask=valid[:, None] & n_ok[None, :])
     else:
         offs_k = tl.arange(0, BLOCK_SIZE_K)
-        a_ptrs = a_ptr + (slots // A_DIV)[:, None] * stride_am + offs_k[None, :]
+        rows = slots // A_DIV
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
         if SCALAR_BS:                     # the tile's (and its up rows') one scale row
             bs_ptrs = b_scale_ptr + expert * stride_bse + (n0 // GROUP_N) * stride_bsn
@@ -526,7 +527,7 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
             if QUANT_A:
                 a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
             elif FP8:
-                a_s = tl.load(a_scale_ptr + (slots // A_DIV) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
+                a_s = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
             k_blk = k0 // GROUP_K
             acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS,
                        EVEN_K, EVEN_N)
@@ -775,10 +776,12 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
                   block_shape, 1, False, combine, norm, all_reduce)
     if combine:
         return out
-    if t <= (SUM_DIM1_MAX_TOKENS if k <= SUM_DIM1_NARROW_HIDDEN else SUM_DIM1_MAX_TOKENS_WIDE) or \
-            t >= SUM_ROWS_MIN_TOKENS:
-        return sum_dim1(y.view(t, top_k, k), out=out, rows=t >= SUM_ROWS_MIN_TOKENS)   # [T, k, K] -> [T, K]
-    return torch.sum(y.view(t, top_k, k), dim=1, out=out)
+    y = y.view(t, top_k, k)                                                   # [T, k, K] -> [T, K]
+    if t >= SUM_ROWS_MIN_TOKENS:
+        return sum_dim1(y, out=out, rows=True)
+    if t <= (SUM_DIM1_MAX_TOKENS if k <= SUM_DIM1_NARROW_HIDDEN else SUM_DIM1_MAX_TOKENS_WIDE):
+        return sum_dim1(y, out=out)
+    return torch.sum(y, dim=1, out=out)
 
 
 # ------------------------------------------------------------------------------------------- reference
