@@ -13,6 +13,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
 ap.add_argument("--len", type=int, default=4096)
 ap.add_argument("--cprofile", action="store_true")
+ap.add_argument("--timeline", type=float, default=0.0, metavar="MS",
+                help="the host's ops and the GPU's kernels of the first MS ms of the profiled prefill, in time order")
 ap.add_argument("--syncs", action="store_true", help="the host's CUDA API calls over 20 us (syncs, copies, "
                 "allocations) with the Python frames that made them")
 cli = ap.parse_args()
@@ -59,6 +61,23 @@ for g, a, b in sorted(gaps, key=lambda x: -x[0])[:12]:
     host = sorted((c for c in cpu if c.time_range.start <= mid <= c.time_range.end),
                   key=lambda c: c.time_range.end - c.time_range.start)
     print(f"  {g:8.1f} us after {a.name[:40]!r} before {b.name[:40]!r}; host in: {[c.name[:40] for c in host[:4]]}")
+
+if cli.timeline:
+    # what the host did before the GPU had work: top-level host ops (not nested in another) and kernels by start
+    t0 = min(e.time_range.start for e in prof.events())
+    end = t0 + cli.timeline * 1000
+    host = sorted((c for c in cpu if c.time_range.start < end), key=lambda c: c.time_range.start)
+    top, last_end = [], -1.0
+    for c in host:
+        if c.time_range.start >= last_end:
+            top.append(c)
+            last_end = c.time_range.end
+    rows = [(c.time_range.start, "host", c.name, c.time_range.end - c.time_range.start) for c in top]
+    rows += [(k.time_range.start, "GPU ", k.name, k.time_range.end - k.time_range.start) for k in kern
+             if k.time_range.start < end]
+    print(f"--- timeline of the first {cli.timeline} ms (us from the first event; top-level host ops)")
+    for t, side, name, dur in sorted(rows, key=lambda r: r[0]):
+        print(f"  {(t - t0):8.1f} {side} {dur:8.1f} us  {name[:90]}")
 
 if cli.cprofile:
     import cProfile

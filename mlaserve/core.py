@@ -40,7 +40,7 @@ class ForwardContext:
     positions: torch.Tensor          # [T] int64
     out_slots: torch.Tensor          # [T] int64: slot each new token's latent KV is written to
     req_pool_idx: torch.Tensor       # [B] int64
-    seq_lens: torch.Tensor           # [B] int32 (device), prefix + new
+    seq_lens: torch.Tensor           # [B] int32 or int64 (device), prefix + new
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     req_to_token: torch.Tensor       # [max_reqs, max_context] int32
@@ -61,6 +61,7 @@ class ForwardContext:
     splitter: "Callable | None" = None
     # what the attention backend derives from this batch once and every layer reuses (e.g. its prefix slots)
     attn_cache: dict = field(default_factory=dict)
+    input_ids: torch.Tensor | None = None    # [T] int64 on the device, where `build_context` uploaded them
 
     @property
     def batch_size(self) -> int:
@@ -76,7 +77,7 @@ class ForwardContext:
         n, b = self.num_decode, self.batch_size - self.num_decode
         assert self.mode is ForwardMode.EXTEND and n > 0 and self.extend_lens_cpu[b:] == [1] * n, \
             "a mixed batch ends with its one-token decodes"
-        common = dict(logits_indices=None, num_decode=0, parts=None, attn_cache={})
+        common = dict(logits_indices=None, num_decode=0, parts=None, attn_cache={}, input_ids=None)
         ext = replace(self, positions=self.positions[:-n], out_slots=self.out_slots[:-n],
                       req_pool_idx=self.req_pool_idx[:b], seq_lens=self.seq_lens[:b],
                       seq_lens_cpu=self.seq_lens_cpu[:b], extend_lens_cpu=self.extend_lens_cpu[:b], **common)

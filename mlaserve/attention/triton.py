@@ -23,7 +23,7 @@ class TritonMLABackend(BaseAttnBackend):
         slots = ctx.attn_cache.get("prefix_slots")
         if slots is None and any(pre):
             slots = ctx.attn_cache["prefix_slots"] = prefix_chunk_slots(pre, ctx.req_to_token, ctx.req_pool_idx)
-        return mla_prefill(q, k_nope, v, torch.tensor(ctx.extend_lens_cpu), torch.tensor(pre),
+        return mla_prefill(q, k_nope, v, ctx.extend_lens_cpu, pre,
                            ctx.kv_pool.kv_buffer(layer), ctx.req_to_token, ctx.req_pool_idx, expand_kv,
                            self.sm_scale, kv_lora_rank=self.kv_lora_rank, kv_scale=ctx.kv_pool.kv_scale,
                            k_pe_new=k_pe, prefix_slots=slots)

@@ -19,7 +19,7 @@ from mlaserve.core import Batch, ForwardMode
 from mlaserve.distributed import ParallelInfo, RankGroup, TensorParallel
 from mlaserve.distributed.expert import expert_parallel
 from mlaserve.draft_checkpoint import draft_checkpoint
-from mlaserve.engine.forward_batch import build_context
+from mlaserve.engine.forward_batch import build_context, upload_ints
 from mlaserve.engine.spec import PendingSpec, SpecDecoder, SpecOutput, widen
 from mlaserve.kernels import pdl
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
@@ -300,17 +300,16 @@ class ModelRunner:
             # a fully cached prompt's last token, alone or with --enable-mixed-chunk's decodes. Its input token goes
             # to token_buf, where a decode step reads it. The batch stays an extend for sampling and results.
             ext = batch.size - batch.num_decode
-            rows_ids = to_device(torch.tensor([pool_rows[:ext], batch.input_ids[:ext]], dtype=torch.int64),
-                                 self.device)                                # [2, ext]: one upload
-            self.token_buf[rows_ids[0]] = rows_ids[1]
+            ext_rows, ext_ids = upload_ints([pool_rows[:ext], batch.input_ids[:ext]], self.device)  # one upload
+            self.token_buf[ext_rows] = ext_ids
             self.extends_as_decode += 1
             return self.launch_forward(replace(batch, mode=ForwardMode.DECODE, num_decode=0))._replace(batch=batch)
         if batch.graph_bs is not None:            # DP attention: every rank replays the agreed size (IDLE: padding)
             logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows, batch.graph_bs,
                                                        batch.global_num_tokens)
             return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
-        rows_dev = torch.tensor(pool_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return ForwardStep(batch, self._logits(batch, rows, rows_dev), rows_dev, prompt_rows, sample_row)
+        logits, rows_dev = self._logits(batch, rows)
+        return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
 
     def _decodes_alone(self, batch: Batch, prompt_rows: list[list[int]]) -> bool:
         """An extend batch of one new token per request, each sampled and none wanting prompt log-probs, that can
@@ -372,7 +371,9 @@ class ModelRunner:
                     next_top[i] = list(zip(tops[0][j][:k], tops[1][j][:k]))
         return StepOutput(next_ids, next_lp, next_top, *p.prompt)
 
-    def _logits(self, batch: Batch, rows: list[int], rows_dev: torch.Tensor) -> torch.Tensor:
+    def _logits(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits of the batch's token rows `rows` [len(rows), V] fp32, the requests' pool rows on the device)."""
+        pool_rows = [r.req_pool_idx for r in batch.reqs]
         if batch.mode is ForwardMode.IDLE:                                     # DP attention: no tokens here
             # the other groups extend through the pieces (agreed): this group's padding rows in their gathers
             target = self.model.forward_idle if batch.piece_tokens is None else \
@@ -381,26 +382,30 @@ class ModelRunner:
                 self.spec.idle(batch.slot_tokens, target)
             else:
                 target(batch.global_num_tokens)
-            return torch.empty(0, self.cfg.vocab_size, device=self.device)
-        if batch.mode is ForwardMode.DECODE:
+            return (torch.empty(0, self.cfg.vocab_size, device=self.device),
+                    torch.empty(0, dtype=torch.int64, device=self.device))
+        if batch.mode is not ForwardMode.DECODE and self.spec is not None:
+            return self._spec_extend_logits(batch, rows), upload_ints([pool_rows], self.device)[0]
+        extend = batch.mode is ForwardMode.EXTEND
+        # the token ids (an extend's), positions, slots, pool rows, lengths and logit rows: one upload
+        ctx = build_context(batch.mode, req_pool_idx=pool_rows, prefix_lens=batch.prefix_lens,
+                            extend_lens=batch.extend_lens, out_slots=batch.out_slots, req_to_token=self.req_to_token,
+                            kv_pool=self.pool, attn_backend=self.attn_backend, device=self.device,
+                            last_token_logits=False, num_decode=batch.num_decode, logits_rows=rows,
+                            input_ids=batch.input_ids if extend else None)
+        rows_dev = ctx.req_pool_idx
+        if not extend:
             ids = self.token_buf[rows_dev]                                     # [B] last sampled tokens
-        elif self.spec is not None:
-            return self._spec_extend_logits(batch, rows)
         else:
-            ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids = ctx.input_ids
             if batch.num_decode:                     # a mixed batch: its decodes' inputs are on the device
                 ids[-batch.num_decode:] = self.token_buf[rows_dev[-batch.num_decode:]]
-        ctx = build_context(batch.mode, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
-                            prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens, out_slots=batch.out_slots,
-                            req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
-                            device=self.device, last_token_logits=False, num_decode=batch.num_decode)
         if ctx.parts is not None:                    # NOTE: chosen on the host: the kernel's own choice syncs
             dec = ctx.parts[1]
             dec.num_kv_splits = choose_num_kv_splits(decode_programs(dec.batch_size, self.model.num_local_heads),
                                                      max(dec.seq_lens_cpu))
-        ctx.logits_indices = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         ctx.global_num_tokens = batch.global_num_tokens
-        return self._forward_model(ids, ctx, batch.piece_tokens).logits     # [len(rows), V] fp32
+        return self._forward_model(ids, ctx, batch.piece_tokens).logits, rows_dev
 
     def _forward_model(self, ids: torch.Tensor, ctx, piece_tokens: int | None = None):
         """The model's forward, through the piecewise extend graphs where they take the batch: under DP attention
@@ -418,9 +423,9 @@ class ModelRunner:
         ctx = build_context(ForwardMode.EXTEND, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
                             prefix_lens=wide.prefix_lens, extend_lens=wide.extend_lens, out_slots=wide.out_slots,
                             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
-                            device=self.device, last_token_logits=False)
-        ids = torch.tensor(wide.ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        ctx.logits_indices = to_device(wide.index[torch.tensor(rows, dtype=torch.int64)], self.device)
+                            device=self.device, last_token_logits=False,
+                            logits_rows=wide.index[torch.tensor(rows, dtype=torch.int64)], input_ids=wide.ids)
+        ids = ctx.input_ids
         slots = batch.slot_tokens                                              # DP attention: agreed counts
         if slots is not None:
             self.spec.idle(slots[: self.spec.steps])                            # other groups' drafts

@@ -380,8 +380,12 @@ def _check_mla(q: torch.Tensor, v_new: torch.Tensor, ext: list[int], pre: list[i
     assert req_to_token.dim() == 2 and max(pre, default=0) <= req_to_token.shape[1], "req_to_token too short"
 
 
-def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, extend_lens: torch.Tensor,
-                prefix_lens: torch.Tensor, kv_cache: torch.Tensor, req_to_token: torch.Tensor,
+def _ints(x: torch.Tensor | Sequence[int]) -> list[int]:
+    return [int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else x)]
+
+
+def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, extend_lens: torch.Tensor | Sequence[int],
+                prefix_lens: torch.Tensor | Sequence[int], kv_cache: torch.Tensor, req_to_token: torch.Tensor,
                 req_pool_idx: torch.Tensor, expand_kv: ExpandKV, sm_scale: float, *, kv_lora_rank: int = 512,
                 kv_scale: float | torch.Tensor | None = None, prefix_chunk: int = 4096,
                 k_pe_new: torch.Tensor | None = None,
@@ -392,8 +396,8 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
         q, k_new: [T, H, Dn + R] (new tokens, roped); v_new: [T, H, Dv]; T = sum(extend_lens). Or, with
             `k_pe_new` [T, H, R] (the shared rope key, e.g. a stride-0 view over heads), k_new is k_nope alone
             [T, H, Dn]: no concatenation.
-        extend_lens, prefix_lens: [B] ints (CPU tensors avoid a sync). New token i of request b sits at
-            position prefix_lens[b] + i and sees the request's prefix and new tokens 0..i.
+        extend_lens, prefix_lens: [B] ints, lists or tensors (CPU tensors avoid a sync). New token i of request b
+            sits at position prefix_lens[b] + i and sees the request's prefix and new tokens 0..i.
         kv_cache: [S, L + R] latent rows (normalised c_kv, roped k_pe); FP8 rows mean stored * kv_scale.
         req_to_token: [pool, max_ctx] slot of each position; req_pool_idx: [B] row of each request.
         expand_kv: latent [n, L] (q.dtype) -> (k_nope [n, H, Dn], v [n, H, Dv]), i.e. kv_b_proj.
@@ -403,7 +407,7 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
     Returns:
         out [T, H, Dv] in q.dtype.
     """
-    ext, pre = [int(x) for x in extend_lens.tolist()], [int(x) for x in prefix_lens.tolist()]
+    ext, pre = _ints(extend_lens), _ints(prefix_lens)
     d_nope = q.shape[2] - (kv_cache.shape[1] - kv_lora_rank)
     _check_mla(q, v_new, ext, pre, kv_cache, req_to_token, kv_lora_rank)
     if k_pe_new is None:

@@ -1,0 +1,50 @@
+"""One prompt's prefill, timed from the host: what the host does before and while the GPU runs (issue 15).
+
+Runs with whichever tree is on PYTHONPATH (the A/B of a host-side change: the same script from two trees), on the
+public runner API only. Per prefill of `--len` tokens (batch 1, dummy weights, eager): the wall time from an idle GPU
+to the result on the host, the host time until `launch_forward` returned (everything queued), and the GPU time
+between CUDA events around the forward. Prints the median and the minimum over `--repeats` prefills after warm-up."""
+import argparse
+import statistics
+import time
+
+import torch
+
+from mlaserve.bench.one_batch import build_parser, build_runner, model_dir
+from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
+ap.add_argument("--len", type=int, default=4096)
+ap.add_argument("--repeats", type=int, default=20)
+ap.add_argument("--tag", default="")
+a = ap.parse_args()
+args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size", "1",
+                                  "--input-len", str(a.len), "--output-len", "8", "--disable-cuda-graph"])
+runner, pool, alloc = build_runner(args, model_dir(args))
+req = Req("p", torch.randint(2, runner.cfg.vocab_size, (a.len,)).tolist(),
+          SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), seed=0)
+slots = alloc.alloc(a.len)
+req.req_pool_idx = pool.alloc()
+pool.write(req.req_pool_idx, 0, slots)
+batch = Batch(ForwardMode.EXTEND, [req], list(req.input_ids), slots, [0], [a.len], [True])
+for _ in range(3):
+    runner.forward(batch)
+walls, queued, gpu = [], [], []
+for _ in range(a.repeats):
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    fwd = runner.launch_forward(batch)
+    t1 = time.perf_counter()
+    out = runner.resolve(runner.launch_sample(fwd))
+    end.record()
+    end.synchronize()
+    walls.append(time.perf_counter() - t0)
+    queued.append(t1 - t0)
+    gpu.append(start.elapsed_time(end) / 1e3)
+    assert out.next_ids[0] is not None
+ms = lambda xs: f"{statistics.median(xs) * 1e3:7.2f} (min {min(xs) * 1e3:6.2f})"
+print(f"{a.tag:8s} {a.model_config.split('/')[-1]:24s} 1 x {a.len}: wall {ms(walls)} ms, host queued in {ms(queued)} ms, "
+      f"GPU events {ms(gpu)} ms, {a.repeats} prefills")

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Session of 2026-12-02 (fifth), one H200 (carry .whl: ../shared/device/wheels.sh). Issue 15's V3 prefill: the host.
+#   hostprof: benchmarks/profile_prefill.py, V3 4L and V2-Lite 1 x 4096, with --timeline 4 (the host's ops and the
+#             GPU's kernels of the first 4 ms) and --cprofile (the host's Python over 5 prefills)
+#   prefill:  bench one-batch 1 x 4096 prefill, V3 4L then V2-Lite, two runs each (PREFILL_TAG names the files)
+#   abhost:   benchmarks/ab_prefill_host.py 1 x 4096, the tree before this session's host change (_base/, carried:
+#             git archive b73805b mlaserve | tar -x -C _base) and this tree alternated: V3 4L, then V2-Lite, twice each
+#   tests:    the GPU tests of the changed host path (the one-copy upload, the Triton attention backend, the model's
+#             GPU path, the overlap / cached-prompt scheduler tests)
+#   bash benchmarks/gpu_session51.sh PART...
+source benchmarks/gpu_v2l_env.sh
+cat "$OUT/env.txt"
+for PART in "$@"; do
+  echo "=== $PART $(date +%T)"
+  case $PART in
+    hostprof)
+      for m in $V3_4L $V2L; do
+        f="$OUT/hostprof_$(basename $m .json).txt"
+        timeout 240 python3 benchmarks/profile_prefill.py --model-config $m --len 4096 --timeline 4 --cprofile > "$f" 2>&1
+        grep -v "loading\|Warn\|warn\|no tuned" "$f" | grep -A200 "GPU idle" | head -120
+      done ;;
+    prefill)
+      for m in $V3_4L $V2L $V3_4L $V2L; do
+        timeout 170 python3 -m mlaserve.cli bench one-batch --load-format dummy --model-config $m \
+          --batch-size 1 --input-len 4096 --output-len 4 2>&1 | grep "^| mlaserve" | sed "s|^|$(basename $m) ${PREFILL_TAG:-} |"
+      done ;;
+    abhost)
+      for m in $V3_4L $V2L; do
+        n=2
+        for i in $(seq $n); do
+          for tree in base new; do
+            pp=$PWD:/tmp/site; [ $tree = base ] && pp=$PWD/_base:/tmp/site
+            PYTHONPATH=$pp timeout 150 python3 benchmarks/ab_prefill_host.py --model-config $m --tag $tree 2>&1 | \
+              grep -E "^(base|new) |Error|error" | tail -2
+          done
+        done
+      done ;;
+    tests)
+      timeout 400 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_forward_batch.py \
+        tests/attention/test_triton_backend.py tests/models/test_gpu_fastpath.py tests/scheduler/test_overlap_sync.py \
+        tests/scheduler/test_cached_prompt.py tests/kernels/test_mla_prefill.py > "$OUT/tests.txt" 2>&1
+      tail -6 "$OUT/tests.txt" ;;
+  esac
+done
