@@ -155,6 +155,13 @@ def bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+def pads_rows(x: torch.Tensor) -> bool:
+    """Whether `cublas_linear` pads x's rows to `bucket_rows` by default: eager GPU code, not while a CUDA graph
+    captures (its shapes are fixed and replay skips the host) nor under torch.compile (no SymInt arithmetic)."""
+    return x.is_cuda and torch.cuda.is_available() and not torch.compiler.is_compiling() \
+        and not torch.cuda.is_current_stream_capturing()
+
+
 def cublas_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                   pad: bool | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear with a 2-D `x`'s rows padded to `bucket_rows` (zeros; the extra output rows are dropped) in eager
@@ -166,9 +173,8 @@ def cublas_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     16-bit operands are exact in fp32 and summed in fp32, so the result is the fp32 GEMM of the upcast operands up to
     summation order (the MoE router's logits), without its fp32-FMA kernel's time (0.3 ms for V3's router at 4096
     tokens, benchmarks/results/prefill-v3-h100.md)."""
-    if pad is None:      # NOTE: not inside torch.compile (decode graphs: fixed shapes; no SymInt arithmetic)
-        pad = x.is_cuda and torch.cuda.is_available() and not torch.compiler.is_compiling() \
-            and not torch.cuda.is_current_stream_capturing()
+    if pad is None:
+        pad = pads_rows(x)
     m = x.shape[0] if x.dim() == 2 else 0
     mp = bucket_rows(m) if pad else m
     if mp != m:

@@ -17,7 +17,7 @@ from mlaserve.distributed import TensorParallel
 from mlaserve.distributed.expert import AllToAllDispatcher, ExpertParallel
 from mlaserve.kernels.allreduce import LLGroup
 from mlaserve.kernels.fused_moe import COMBINE_MAX_TOKENS
-from mlaserve.kernels.gemv import cublas_linear
+from mlaserve.kernels.gemv import bucket_rows, cublas_linear, pads_rows
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
 from mlaserve.layers.ops import Ops
 from mlaserve.layers.rmsnorm import RMSNorm
@@ -175,6 +175,8 @@ class ExpertStack(torch.nn.Module):
 
     def dense_forward(self, x: torch.Tensor, slots: range) -> torch.Tensor:
         """Sum of the experts in `slots` over every token, as dense GEMMs (no routing)."""
+        if self.w2_scale is None and len(slots) > 1 and x.shape[0]:
+            return self._dense_side_by_side(x, slots)
         out = None
         for s in slots:
             gu = self._linear(x, self.w13[s], None if self.w13_scale is None else self.w13_scale[s])    # [T, 2I]
@@ -184,6 +186,23 @@ class ExpertStack(torch.nn.Module):
                 y = swiglu_fp8(self.ops, gu, self.w2[s], self.w2_scale[s])
             out = y if out is None else out + y
         return out
+
+    def _dense_side_by_side(self, x: torch.Tensor, slots: range) -> torch.Tensor:
+        # bf16 experts (V2 / V2-Lite's two shared ones): their stacked gate / up rows [n * 2I, h] are one GEMM's
+        # weight (a view); SwiGLU over its [T * n, 2I] view gives [T, n * I], each expert's I columns side by side;
+        # the first down GEMM writes the sum and the others add into it in cuBLAS (beta = 1). The rows go through at
+        # cublas_linear's bucket size once (not padded per GEMM). Six launches a layer fewer than a GEMM pair, a
+        # SwiGLU and an add per expert (benchmarks/results/extend-staging-h200.md).
+        assert slots.step == 1, f"expert slots must be consecutive, got {slots}"
+        m, n, i = x.shape[0], len(slots), self.w2.shape[2]
+        mp = bucket_rows(m) if pads_rows(x) else m
+        xp = torch.nn.functional.pad(x, (0, 0, 0, mp - m)) if mp != m else x
+        w13 = self.w13[slots.start:slots.stop].reshape(n * 2 * i, x.shape[1])               # a view
+        act = self.ops.silu_and_mul(cublas_linear(xp, w13, pad=False).view(mp * n, 2 * i)).view(mp, n * i)
+        y = cublas_linear(act[:, :i], self.w2[slots.start], pad=False)                      # [mp, h]
+        for j in range(1, n):
+            y.addmm_(act[:, j * i:(j + 1) * i], self.w2[slots.start + j].t())
+        return y[:m]
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         return cublas_linear(x, w) if scale is None else self.ops.fp8_linear(x, w, scale)

@@ -179,3 +179,32 @@ def test_masked_rows_route_to_no_expert(kernels: str, shared: str, one_thread, m
     shared_dense = tokens > moe_layer.FUSE_SHARED_MAX_TOKENS
     pad = layer.experts.shared_forward(x[~mask]) if shared_dense else torch.zeros_like(got[~mask])
     torch.testing.assert_close(got[~mask], pad)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_shared_experts_side_by_side_equal_one_pair_each(kernels: str, padded: bool, one_thread, monkeypatch) -> None:
+    """V2-Lite's two shared experts as dense GEMMs (prefill sizes): one gate / up GEMM over both, one SwiGLU, and
+    the second down GEMM adding into the first, equal the sum of one GEMM pair per expert (fp32 on the CPU, bf16
+    within rounding on a GPU); also with the rows padded to cublas_linear's bucket (`padded`: as on the GPU, forced
+    on the CPU)."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    cfg = dataclasses.replace(ModelConfig.from_hf(CONFIGS / "deepseek-v2-lite.json"), hidden_size=64,
+                              moe_intermediate_size=32, n_routed_experts=8)
+    assert cfg.n_shared_experts == 2
+    gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    monkeypatch.setattr(moe_layer, "pads_rows", lambda x: padded)
+    layer = moe_layer.MoE(cfg, quant=None, dtype=dtype, device=device, ops=get_ops(kernels))
+    for p in layer.parameters():
+        p.data.normal_(0, 0.2)
+    ex = layer.experts
+    x = torch.randn(70, cfg.hidden_size, device=device, dtype=dtype)     # 70 rows: bucket_rows pads them to 80
+    shared = range(ex.n_routed, ex.n_routed + ex.n_shared)
+    want = sum(ex.dense_forward(x, range(s, s + 1)) for s in shared)     # one expert at a time: the loop
+    got = ex.shared_forward(x)
+    assert got.shape == want.shape
+    tol = 2e-2 if gpu else 1e-5                 # bf16: the loop rounds each expert's sum before adding them
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
