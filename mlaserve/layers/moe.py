@@ -198,7 +198,7 @@ class ExpertStack(torch.nn.Module):
         mp = bucket_rows(m) if pads_rows(x) else m
         xp = torch.nn.functional.pad(x, (0, 0, 0, mp - m)) if mp != m else x
         w13 = self.w13[slots.start:slots.stop].reshape(n * 2 * i, x.shape[1])               # a view
-        act = self.ops.silu_and_mul(cublas_linear(xp, w13, pad=False).view(mp * n, 2 * i)).view(mp, n * i)
+        act = self.ops.silu_and_mul(cublas_linear(xp, w13, pad=False).view(mp * n, 2 * i)).reshape(mp, n * i)
         y = cublas_linear(act[:, :i], self.w2[slots.start], pad=False)                      # [mp, h]
         for j in range(1, n):
             y.addmm_(act[:, j * i:(j + 1) * i], self.w2[slots.start + j].t())
