@@ -1,7 +1,7 @@
 """One prompt's prefill, timed from the host: what the host does before and while the GPU runs (issue 15).
 
-Runs with whichever tree is on PYTHONPATH (the A/B of a host-side change: the same script from two trees), on the
-public runner API only. Per prefill of `--len` tokens (batch 1, dummy weights, eager): the wall time from an idle GPU
+Runs with whichever tree is on PYTHONPATH (the A/B of a host-side change: the same script from two trees; the tree
+needs `bench.one_batch.eager_prefill`, from this session's commits on). Per prefill of `--len` tokens (batch 1, dummy weights, eager): the wall time from an idle GPU
 to the result on the host, the host time until `launch_forward` returned (everything queued), and the GPU time
 between CUDA events around the forward. Prints the median and the minimum over `--repeats` prefills after warm-up."""
 import argparse
@@ -10,8 +10,7 @@ import time
 
 import torch
 
-from mlaserve.bench.one_batch import build_parser, build_runner, model_dir
-from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
+from mlaserve.bench.one_batch import eager_prefill
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
@@ -19,15 +18,7 @@ ap.add_argument("--len", type=int, default=4096)
 ap.add_argument("--repeats", type=int, default=20)
 ap.add_argument("--tag", default="")
 a = ap.parse_args()
-args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size", "1",
-                                  "--input-len", str(a.len), "--output-len", "8", "--disable-cuda-graph"])
-runner, pool, alloc = build_runner(args, model_dir(args))
-req = Req("p", torch.randint(2, runner.cfg.vocab_size, (a.len,)).tolist(),
-          SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), seed=0)
-slots = alloc.alloc(a.len)
-req.req_pool_idx = pool.alloc()
-pool.write(req.req_pool_idx, 0, slots)
-batch = Batch(ForwardMode.EXTEND, [req], list(req.input_ids), slots, [0], [a.len], [True])
+runner, batch = eager_prefill(a.model_config, a.len)
 for _ in range(3):
     runner.forward(batch)
 walls, queued, gpu = [], [], []

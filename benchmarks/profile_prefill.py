@@ -6,8 +6,7 @@ import argparse
 
 import torch
 
-from mlaserve.bench.one_batch import build_parser, build_runner, model_dir
-from mlaserve.core import Batch, ForwardMode, Req, SamplingParams
+from mlaserve.bench.one_batch import eager_prefill
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
@@ -19,15 +18,7 @@ ap.add_argument("--syncs", action="store_true", help="the host's CUDA API calls 
                 "allocations) with the Python frames that made them")
 cli = ap.parse_args()
 a = cli
-args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size", "1",
-                                  "--input-len", str(a.len), "--output-len", "8", "--disable-cuda-graph"])
-runner, pool, alloc = build_runner(args, model_dir(args))
-req = Req("p", torch.randint(2, runner.cfg.vocab_size, (a.len,)).tolist(),
-          SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), seed=0)
-slots = alloc.alloc(a.len)
-req.req_pool_idx = pool.alloc()
-pool.write(req.req_pool_idx, 0, slots)
-batch = Batch(ForwardMode.EXTEND, [req], list(req.input_ids), slots, [0], [a.len], [True])
+runner, batch = eager_prefill(a.model_config, a.len)
 for _ in range(2):
     runner.forward(batch)
 torch.cuda.synchronize()

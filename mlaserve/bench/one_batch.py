@@ -105,6 +105,21 @@ def build_runner(args: argparse.Namespace, path: str, group: RankGroup | None = 
     return runner, pool, TokenSlotAllocator(runner.num_slots)
 
 
+def eager_prefill(model_config: str, length: int) -> tuple[ModelRunner, Batch]:
+    """An eager runner (dummy weights of `model_config`, no CUDA graphs) and the extend batch of one random prompt of
+    `length` tokens, its slots written: what benchmarks/profile_prefill.py and ab_prefill_host.py run again and
+    again (the same batch rewrites the same KV rows)."""
+    args = build_parser().parse_args(["--load-format", "dummy", "--model-config", model_config, "--batch-size", "1",
+                                      "--input-len", str(length), "--output-len", "8", "--disable-cuda-graph"])
+    runner, pool, alloc = build_runner(args, model_dir(args))
+    req = Req("p", torch.randint(2, runner.cfg.vocab_size, (length,)).tolist(),
+              SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), seed=0)
+    slots = alloc.alloc(length)
+    req.req_pool_idx = pool.alloc()
+    pool.write(req.req_pool_idx, 0, slots)
+    return runner, Batch(ForwardMode.EXTEND, [req], list(req.input_ids), slots, [0], [length], [True])
+
+
 def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocator, bs: int, input_len: int,
               output_len: int, graph_stats: bool = True) -> dict:
     """One prefill of `bs` random prompts, then decode steps to `output_len` tokens: the timings as a row.
