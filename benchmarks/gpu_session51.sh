@@ -7,6 +7,9 @@
 #             git archive b73805b mlaserve | tar -x -C _base) and this tree alternated: V3 4L, then V2-Lite, twice each
 #   abshared: the same A/B against _base/ = 5b85190 (before the shared experts side by side): V2-Lite at 4096 and
 #             3000 tokens (a count cublas_linear pads to its bucket), twice each
+#   profshared: profile_prefill.py V2-Lite 1 x 4096 and 1 x 3000 with the shared experts one GEMM pair each (the loop
+#             before 5c886b9, patched in) and side by side, alternated: kernels, kernel time, GPU idle (not run yet:
+#             the next session's)
 #   tests:    the GPU tests of the changed host path (the one-copy upload, the Triton attention backend, the model's
 #             GPU path, the overlap / cached-prompt scheduler tests; not the constrained one: this image has no
 #             xgrammar, and that test ran past the part's 400 s in the first call)
@@ -49,6 +52,26 @@ for PART in "$@"; do
               --tag $tree > "$OUT/abshared.log" 2>&1
             grep -aoE "(base|new) .* prefills$" "$OUT/abshared.log" || tail -3 "$OUT/abshared.log"
           done
+        done
+      done ;;
+    profshared)
+      loop="import mlaserve.layers.moe as m
+def loop(self, x, slots):
+    out = None
+    for s in slots:
+        gu = self._linear(x, self.w13[s], None if self.w13_scale is None else self.w13_scale[s])
+        y = m.cublas_linear(self.ops.silu_and_mul(gu), self.w2[s]) if self.w2_scale is None else \\
+            m.swiglu_fp8(self.ops, gu, self.w2[s], self.w2_scale[s])
+        out = y if out is None else out + y
+    return out
+m.ExpertStack.dense_forward = loop"
+      for len in 4096 3000; do
+        for tag in pairs side pairs side; do
+          p="import sys"; [ $tag = pairs ] && p="$loop"
+          timeout 120 python3 -c "$p
+import runpy, sys; sys.argv = ['profile_prefill.py', '--model-config', '$V2L', '--len', '$len']
+runpy.run_path('benchmarks/profile_prefill.py', run_name='__main__')" > "$OUT/profshared.txt" 2>&1
+          echo "$tag $len: $(grep -aoE 'prefill 1 x.*kernels$' "$OUT/profshared.txt") $(grep -a 'GPU idle' "$OUT/profshared.txt")"
         done
       done ;;
     tests)
