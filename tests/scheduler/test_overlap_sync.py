@@ -20,6 +20,7 @@ import mlaserve
 from mlaserve.config import ServerConfig
 from mlaserve.core import ForwardMode, SamplingParams
 from mlaserve.ipc.messages import GenerateReqMsg
+from mlaserve.scheduler.grammar import xgrammar_installed
 from mlaserve.scheduler.scheduler import Scheduler
 from mlaserve.tools.make_checkpoint import make_config, write_checkpoint
 
@@ -50,12 +51,17 @@ def start(ckpt: str, params: list[SamplingParams], **kw) -> Scheduler:
     return sched
 
 
-def run_to_first_decode(sched: Scheduler) -> list:
-    """Steps until every prompt is prefilled and a decode step is in flight (prefill may sync: not checked)."""
+def run_to_first_decode(sched: Scheduler, max_steps: int = 200) -> list:
+    """Steps until every prompt is prefilled and a decode step is in flight (prefill may sync: not checked); fails
+    after `max_steps` (e.g. every request refused: no decode ever comes)."""
     outputs = []
-    while sched.waiting or sched.chunked or sched.pending is None or sched.pending.batch.mode is not ForwardMode.DECODE:
+    for _ in range(max_steps):
+        if not (sched.waiting or sched.chunked or sched.pending is None
+                or sched.pending.batch.mode is not ForwardMode.DECODE):
+            return outputs
         outputs += sched.step()
-    return outputs
+    raise AssertionError(f"no decode step in flight after {max_steps} steps; finished: "
+                         f"{[(o.rid, o.finished) for o in outputs if o.finished is not None][:4]}")
 
 
 def finished(outputs: list) -> set[str]:
@@ -97,6 +103,7 @@ def test_drain_never_syncs_with_sampling_penalties_and_eager_decode(ckpt, monkey
 
 
 def test_constrained_decode_fills_bitmasks_without_syncing(tmp_path_factory, monkeypatch) -> None:
+    assert xgrammar_installed(), "this test needs xgrammar (a test dependency: pip install xgrammar)"
     d = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"first_k_dense_replace": 1}
     cfg = make_config(d, num_layers=2, shrink=True, fp8=False)
     path = str(write_checkpoint(cfg, tmp_path_factory.mktemp("sync-grammar") / "m", progress=False))
