@@ -13,7 +13,8 @@ ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-li
 ap.add_argument("--len", type=int, default=4096)
 ap.add_argument("--cprofile", action="store_true")
 ap.add_argument("--timeline", type=float, default=0.0, metavar="MS",
-                help="the host's ops and the GPU's kernels of the first MS ms of the profiled prefill, in time order")
+                help="the host's ops (with the frames of ours that made them) and the GPU's kernels of the first MS ms "
+                "of the profiled prefill, in time order (the profiler then records stacks: its host times are inflated)")
 ap.add_argument("--syncs", action="store_true", help="the host's CUDA API calls over 20 us (syncs, copies, "
                 "allocations) with the Python frames that made them")
 cli = ap.parse_args()
@@ -28,7 +29,7 @@ runner.forward(batch)
 end.record()
 end.synchronize()
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-                            with_stack=a.syncs) as prof:
+                            with_stack=a.syncs or bool(a.timeline)) as prof:
     runner.forward(batch)
     torch.cuda.synchronize()
 rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
@@ -63,12 +64,15 @@ if cli.timeline:
         if c.time_range.start >= last_end:
             top.append(c)
             last_end = c.time_range.end
-    rows = [(c.time_range.start, "host", c.name, c.time_range.end - c.time_range.start) for c in top]
+    def where(c) -> str:                 # the innermost frames of ours that made the op (with_stack)
+        frames = [f.rsplit("/", 1)[-1] for f in (c.stack or []) if "mlaserve" in f]
+        return " <- ".join(frames[:2])
+    rows = [(c.time_range.start, "host", f"{c.name}  {where(c)}", c.time_range.end - c.time_range.start) for c in top]
     rows += [(k.time_range.start, "GPU ", k.name, k.time_range.end - k.time_range.start) for k in kern
              if k.time_range.start < end]
     print(f"--- timeline of the first {cli.timeline} ms (us from the first event; top-level host ops)")
     for t, side, name, dur in sorted(rows, key=lambda r: r[0]):
-        print(f"  {(t - t0):8.1f} {side} {dur:8.1f} us  {name[:90]}")
+        print(f"  {(t - t0):8.1f} {side} {dur:8.1f} us  {name[:160]}")
 
 if cli.cprofile:
     import cProfile
