@@ -308,7 +308,7 @@ class ModelRunner:
             logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows, batch.graph_bs,
                                                        batch.global_num_tokens)
             return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
-        logits, rows_dev = self._logits(batch, rows)
+        logits, rows_dev = self._logits(batch, rows, pool_rows)
         return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
 
     def _decodes_alone(self, batch: Batch, prompt_rows: list[list[int]]) -> bool:
@@ -371,9 +371,9 @@ class ModelRunner:
                     next_top[i] = list(zip(tops[0][j][:k], tops[1][j][:k]))
         return StepOutput(next_ids, next_lp, next_top, *p.prompt)
 
-    def _logits(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the logits of the batch's token rows `rows` [len(rows), V] fp32, the requests' pool rows on the device)."""
-        pool_rows = [r.req_pool_idx for r in batch.reqs]
+    def _logits(self, batch: Batch, rows: list[int], pool_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits of the batch's token rows `rows` [len(rows), V] fp32, the requests' pool rows `pool_rows` on
+        the device)."""
         if batch.mode is ForwardMode.IDLE:                                     # DP attention: no tokens here
             # the other groups extend through the pieces (agreed): this group's padding rows in their gathers
             target = self.model.forward_idle if batch.piece_tokens is None else \
@@ -385,7 +385,7 @@ class ModelRunner:
             return (torch.empty(0, self.cfg.vocab_size, device=self.device),
                     torch.empty(0, dtype=torch.int64, device=self.device))
         if batch.mode is not ForwardMode.DECODE and self.spec is not None:
-            return self._spec_extend_logits(batch, rows), upload_ints([pool_rows], self.device)[0]
+            return self._spec_extend_logits(batch, rows, pool_rows)
         extend = batch.mode is ForwardMode.EXTEND
         # the token ids (an extend's), positions, slots, pool rows, lengths and logit rows: one upload
         ctx = build_context(batch.mode, req_pool_idx=pool_rows, prefix_lens=batch.prefix_lens,
@@ -416,11 +416,12 @@ class ModelRunner:
             return self.pieces.run(ids, ctx)
         return self.model(ids, ctx.positions, ctx)
 
-    def _spec_extend_logits(self, batch: Batch, rows: list[int]) -> torch.Tensor:
+    def _spec_extend_logits(self, batch: Batch, rows: list[int],
+                            pool_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """An extend under speculative decoding: the target over the widened batch (`spec.widen`), then the
-        draft layer over the same tokens."""
+        draft layer over the same tokens. Returns what `_logits` does."""
         wide = widen(batch)
-        ctx = build_context(ForwardMode.EXTEND, req_pool_idx=[r.req_pool_idx for r in batch.reqs],
+        ctx = build_context(ForwardMode.EXTEND, req_pool_idx=pool_rows,
                             prefix_lens=wide.prefix_lens, extend_lens=wide.extend_lens, out_slots=wide.out_slots,
                             req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
                             device=self.device, last_token_logits=False,
@@ -432,7 +433,7 @@ class ModelRunner:
             ctx.global_num_tokens = slots[self.spec.steps]
         out = self._forward_model(ids, ctx, batch.piece_tokens)
         self.spec.after_extend(batch, wide, out.hidden, slots[-1] if slots is not None else None)
-        return out.logits
+        return out.logits, ctx.req_pool_idx
 
     @torch.no_grad()
     def spec_step(self, batch: Batch, draft_bitmask=None) -> SpecOutput:
