@@ -6,6 +6,8 @@
 #            the tuned tiles with and without TMA, a TMA tile list, the fastest TMA pair; PICK lines to $OUT/picks.txt
 #   abtable: benchmarks/ab_moe_table.py --picks $OUT/picks.txt: 1 x 4096 prefill, V3 4L then V2-Lite, shipped tables
 #            and the picks alternated in one process (AB_LENS: prompt lengths, default 4096)
+#   probe:   benchmarks/probe_moe_tma.py, one case a process (a fault ends only its own): the V3 GEMMs that faulted in
+#            the first call's sweep, by expert count, tile, GEMM and descriptor rank
 #   bash benchmarks/gpu_session52.sh PART...
 source benchmarks/gpu_v2l_env.sh
 cat "$OUT/env.txt"
@@ -32,5 +34,17 @@ for PART in "$@"; do
           grep -aoE "(picked .*|round .*)$" "$OUT/abtable.log" || tail -3 "$OUT/abtable.log"
         done
       done ;;
+    probe)
+      while read -r args; do
+        [ -z "$args" ] && continue
+        timeout 60 python3 benchmarks/probe_moe_tma.py $args > "$OUT/probe.log" 2>&1
+        grep -a "^OK" "$OUT/probe.log" || echo "FAIL $args: $(grep -aE "Error|error" "$OUT/probe.log" | tail -1)"
+      done <<< "${PROBES:-"--experts 256 --rank 2
+--experts 256 --rank 3
+--experts 128 --rank 2
+--experts 256 --gemm down --rank 2
+--experts 256 --gemm down --rank 3
+--experts 256 --tile 64,256,8,3 --rank 3
+--experts 64 --bf16 --tile 128,256,8,4 --rank 3"}" ;;
   esac
 done

@@ -71,6 +71,8 @@ ALIGN_ONE_PROGRAM_MAX_WORK = 16384
 EXPERT_SCAN_MAX_SLOTS = 256
 EXPERT_SCAN_MAX_BINS = 128
 EXPERT_SCAN_FP8 = False
+# The TMA path's weight descriptor (`_load_b`): 3 = over w [E, rows, K], 2 = over its stacked rows [E * rows, K]
+TMA_B_RANK = 3
 # How `_fused_moe_kernel` finds each row block's expert and slots (its ROUTING; `Routing`)
 SORTED, SLOT_BLOCKS, EXPERT_SCAN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # NOTE: at one token, the shared slots' programs launched first and asked for their weight rows in L2
@@ -314,11 +316,16 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
 
 # ------------------------------------------------------------------------------------------ grouped GEMM
 @triton.jit
-def _load_b(b_ptr, b_ptrs, brow, k0, k_ok, n_ok, B_DESC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    # One [BK, TN] weight tile. B_DESC: b_ptr is a TMA descriptor over the experts' stacked rows [E * rows, K] and
-    # the tile is rows brow .. brow + TN - 1 at column k0 (past K: zeros; past this expert's N rows: the next rows,
-    # whose output columns are never stored); else b_ptrs [BK, TN] with masks where the tile may overhang.
+def _load_b(b_ptr, b_ptrs, expert, brow, k0, k_ok, n_ok, B_DESC: tl.constexpr, B_RANK: tl.constexpr,
+            EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    # One [BK, TN] weight tile. B_DESC: b_ptr is a TMA descriptor, the tile rows brow .. brow + TN - 1 of this
+    # expert at column k0 (past K or past the expert's rows: zeros); B_RANK 3: over w [E, rows, K]; B_RANK 2: over
+    # the stacked rows [E * rows, K], brow counted from the first expert's first row (past this expert's rows: the
+    # next one's, whose output columns are never stored). Else b_ptrs [BK, TN], masked where the tile may overhang.
     if B_DESC:
+        if B_RANK == 3:
+            b = b_ptr.load([expert.to(tl.int32), brow, k0])
+            return tl.trans(tl.reshape(b, [b.shape[1], b.shape[2]]))
         return tl.trans(b_ptr.load([brow, k0]))
     elif EVEN_K and EVEN_N:
         return tl.load(b_ptrs)
@@ -429,7 +436,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                       GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
                       AR_WORLD: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      A_DESC: tl.constexpr, B_DESC: tl.constexpr, C_SORTED: tl.constexpr):
+                      A_DESC: tl.constexpr, B_DESC: tl.constexpr, C_SORTED: tl.constexpr, B_RANK: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
@@ -470,7 +477,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                      tl.where(e == num_experts, -1, e).to(tl.int64), pid_n * TILE_N, offs_n, n_ok, N, K, num_slots,
                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED,
                      MUL_WEIGHT, FP8, QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M,
-                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N, 0, False, False, False)
+                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N, 0, False, False, False, B_RANK)
     else:
         if ROUTING == SLOT_BLOCKS:        # the grid has exactly num_slots row blocks: every one is used
             used = num_slots * BLOCK_SIZE_M
@@ -484,7 +491,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                      tl.load(expert_ids_ptr + pid_m).to(tl.int64), pid_n * TILE_N, offs_n, n_ok, N, K, num_slots,
                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED,
                      MUL_WEIGHT, FP8, QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M,
-                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N, pid_m * BLOCK_SIZE_M, A_DESC, B_DESC, C_SORTED)
+                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N, pid_m * BLOCK_SIZE_M, A_DESC, B_DESC, C_SORTED, B_RANK)
     if COMBINE:
         _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
                       stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank,
@@ -508,7 +515,8 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
                  QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
                  BLOCK_SIZE_K: tl.constexpr, PDL: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr,
-                 EVEN_N: tl.constexpr, row0, A_DESC: tl.constexpr, B_DESC: tl.constexpr, C_SORTED: tl.constexpr):
+                 EVEN_N: tl.constexpr, row0, A_DESC: tl.constexpr, B_DESC: tl.constexpr, C_SORTED: tl.constexpr,
+                 B_RANK: tl.constexpr):
     # One row block's output tile: c[slots, n0 + offs_n] (rows of slots >= num_slots are padding and not stored);
     # C_SORTED: c[row0 .. row0 + BM - 1, n0 + offs_n], padding rows too (zeros). A_DESC: a's rows are row0 .. + BM.
     valid = slots < num_slots
@@ -529,8 +537,8 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
         else:
             rows = slots // A_DIV
             a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        if B_DESC:                        # the gate tile's first row in the stacked [E * rows, K] view
-            brow = (expert * (stride_be // stride_bn) + n0).to(tl.int32)
+        if B_DESC:                        # the gate tile's first row (B_RANK 2: in the stacked [E * rows, K] view)
+            brow = n0 if B_RANK == 3 else (expert * (stride_be // stride_bn) + n0).to(tl.int32)
             b_ptrs = b_scale_ptr          # (not read)
         else:
             brow = 0
@@ -559,10 +567,11 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
             elif FP8:
                 a_s = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
             k_blk = k0 // GROUP_K
-            b = _load_b(b_ptr, b_ptrs + k0, brow, k0, k_ok, n_ok, B_DESC, EVEN_K, EVEN_N)
+            b = _load_b(b_ptr, b_ptrs + k0, expert, brow, k0, k_ok, n_ok, B_DESC, B_RANK, EVEN_K, EVEN_N)
             acc = _mac(acc, a, a_s, b, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS)
             if GATED:
-                b = _load_b(b_ptr, b_ptrs + N * stride_bn + k0, brow + N, k0, k_ok, n_ok, B_DESC, EVEN_K, EVEN_N)
+                b = _load_b(b_ptr, b_ptrs + N * stride_bn + k0, expert, brow + N, k0, k_ok, n_ok, B_DESC, B_RANK,
+                            EVEN_K, EVEN_N)
                 acc_up = _mac(acc_up, a, a_s, b, n_ok, up_bs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS)
         pdl_release(PDL)
         if GATED:
@@ -638,7 +647,10 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         assert mode == SORTED.value and combine is None, "tma needs the sorted routing and no in-GEMM combine"
         rows = num_blocks * cfg["BLOCK_SIZE_M"]
         assert (c if gated else a).shape[0] == rows, f"tma: h must hold the sorted layout's {rows} rows"
-        w_arg = _descriptor(w.view(-1, k), [tile_n, cfg["BLOCK_SIZE_K"]])
+        if TMA_B_RANK == 3:
+            w_arg = _descriptor(w, [1, tile_n, cfg["BLOCK_SIZE_K"]])
+        else:
+            w_arg = _descriptor(w.view(-1, k), [tile_n, cfg["BLOCK_SIZE_K"]])
         if not gated:
             a_arg = _descriptor(a, [cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_K"]])
     out, sync = combine or (c, sorted_ids)
@@ -667,15 +679,15 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
         AR_WORLD=all_reduce.world if all_reduce else 1,
         SCALAR_BS=fp8 and block_shape[0] % tile_n == 0 and even_n, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0, EVEN_N=even_n,
-        A_DESC=tma and not gated, B_DESC=tma, C_SORTED=tma and gated,
+        A_DESC=tma and not gated, B_DESC=tma, C_SORTED=tma and gated, B_RANK=TMA_B_RANK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    # A TMA descriptor of a 2-D row-major tensor read in `block` tiles (past its edges: zeros). The hardware wants
+    # A TMA descriptor of a row-major tensor read in `block` tiles (past its edges: zeros). The hardware wants
     # 16-byte aligned rows and base.
-    assert t.dim() == 2 and t.stride(1) == 1, f"a TMA operand must be 2-D with contiguous rows, got {tuple(t.shape)}"
-    assert (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0, \
+    assert t.stride(-1) == 1, f"a TMA operand needs contiguous rows, got {tuple(t.shape)}"
+    assert all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) and t.data_ptr() % 16 == 0, \
         f"a TMA operand's rows must be 16-byte aligned: {tuple(t.shape)} {t.dtype}"
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 

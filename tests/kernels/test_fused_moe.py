@@ -617,8 +617,8 @@ def test_fused_moe_routing_by_token_count(monkeypatch: pytest.MonkeyPatch) -> No
     sort (meta tensors, launches stubbed)."""
     modes: list[tuple[int, int]] = []
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda a, w, ws, c, routing, *rest: modes.append((c.shape[0],
-                                                                                              routing.mode)))
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda a, w, ws, c, routing, *rest, **kw: modes.append((c.shape[0],
+                                                                                                   routing.mode)))
     monkeypatch.setattr(fm, "sum_dim1", lambda y, out, rows=False: out)
     for e, tokens in ((V2_LITE.num_experts, (1, 2, 42, 43)), (126, (2,)), (127, (2,)), (8, (2,))):
         w = dense_weights(V2_LITE._replace(num_experts=e), torch.float16, "meta")
@@ -683,7 +683,7 @@ def test_fused_moe_combine_launch_by_hidden_size(monkeypatch: pytest.MonkeyPatch
     SUM_ROWS_MIN_TOKENS, as measured (meta tensors, launches stubbed)."""
     summed: list[tuple[int, int, bool]] = []
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args, **kw: None)
     monkeypatch.setattr(fm, "sum_dim1",
                         lambda y, out, rows=False: summed.append((y.shape[0], y.shape[2], rows)) or out)
     big = fm.SUM_ROWS_MIN_TOKENS
