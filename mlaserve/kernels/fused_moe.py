@@ -325,8 +325,10 @@ def _load_b(b_ptr, b_ptrs, expert, brow, k0, k_ok, n_ok, B_DESC: tl.constexpr, B
     if B_DESC:
         if B_RANK == 3:
             b = b_ptr.load([expert.to(tl.int32), brow, k0])
-            return tl.trans(tl.reshape(b, [b.shape[1], b.shape[2]]))
-        return tl.trans(b_ptr.load([brow, k0]))
+            b = tl.reshape(b, [b.shape[1], b.shape[2]])
+        else:
+            b = b_ptr.load([brow, k0])
+        return tl.trans(b)
     elif EVEN_K and EVEN_N:
         return tl.load(b_ptrs)
     else:
