@@ -7,12 +7,7 @@ with `--baseline FILE` (a copy of an older fused_moe.py) the tuned config on tha
 output is checked against the first row's (max |diff| / max |ref|). The FP8 rows include the activation's
 quantisation launch, as the call runs it.
 
-With `--tma` the tile list runs with the config key TMA (weights through TMA descriptors, the rows between the
-GEMMs in the sorted layout), beside the tuned tiles with and without it, and a line `PICK model tokens {config}`
-gives the fastest TMA pair as a table entry (`PICK tokens config table-file`, read by
-benchmarks/ab_moe_table.py).
-
-Usage: PYTHONPATH=$PWD python3 benchmarks/sweep_moe_prefill.py [--tokens 4096 8192] [--baseline FILE] [--tma]
+Usage: PYTHONPATH=$PWD python3 benchmarks/sweep_moe_prefill.py [--tokens 4096 8192] [--baseline FILE]
 """
 from __future__ import annotations
 
@@ -30,8 +25,6 @@ from mlaserve.kernels import fused_moe as fm
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, num_warps, num_stages); BLOCK_SIZE_N of the gated GEMM covers gate + up
 TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 3), (64, 256, 8, 4), (128, 128, 8, 3),
          (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4)]
-TMA_TILES = [(64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 3), (64, 256, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3)]
-TMA_DOWN_TILES = [(64, 128, 4, 4), (64, 256, 8, 3), (64, 256, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3)]
 DOWN_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 4), (64, 256, 4, 3), (64, 256, 8, 3), (64, 256, 8, 4),
               (128, 128, 8, 3), (128, 256, 8, 3)]
 
@@ -52,43 +45,22 @@ def gemm_flops(s, tokens: int, gated: bool) -> float:
 def case(mod, s, w, x, topk_weights, topk_ids, cfg: dict, gated: bool):
     """A callable running one GEMM of `mod`'s fused MoE with cfg, and its output buffer."""
     t, top_k, i = x.shape[0], s.top_k, s.moe_intermediate_size
-    cfg = dict(cfg)
-    tma = cfg.pop("TMA", False)
     routing = mod._route(topk_ids, cfg["BLOCK_SIZE_M"], s.num_experts, s.fp8)
-    slots = t * top_k
-    if tma:                                # the sorted layout's places of the used rows, and their slots
-        assert routing.mode == mod.SORTED.value, "TMA runs on the sorted routing"
-        rows = routing.ids.numel() * cfg["BLOCK_SIZE_M"]
-        place = torch.arange(rows, device=x.device)
-        slot = routing.sorted_ids[:rows].long()
-        used = (slot < slots) & (place < routing.num_post_pad.long())
-        place, slot = place[used], slot[used]
     if gated:
-        c = torch.empty(rows if tma else slots, i, dtype=x.dtype, device=x.device)
+        c = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)
         src, wt, sc = x, w["w13"], w.get("w13_scale")
         args = (None, cfg, False, (128, 128), top_k, True)
     else:
         gen = torch.Generator(device=x.device).manual_seed(0)           # the same h for every row
-        src = torch.randn(slots, i, device=x.device, generator=gen).to(x.dtype)
-        if tma:                                                         # the same rows at their sorted places
-            src_sorted = torch.zeros(rows, i, device=x.device, dtype=x.dtype)
-            src_sorted[place] = src[slot]
-            src = src_sorted
-        c = torch.empty(slots, s.hidden_size, dtype=x.dtype, device=x.device)
+        src = torch.randn(t * top_k, i, device=x.device, generator=gen).to(x.dtype)
+        c = torch.empty(t * top_k, s.hidden_size, dtype=x.dtype, device=x.device)
         wt, sc = w["w2"], w.get("w2_scale")
         args = (topk_weights.reshape(-1).contiguous(), cfg, False, (128, 128), 1, False)
-    kw = dict(tma=True) if tma else {}
-    run = lambda: mod._grouped_gemm(src, wt, sc, c, routing, *args, **kw)  # noqa: E731
-    if tma and gated:                                                   # the output back in slot order
-        def slot_rows():
-            out = torch.zeros(slots, i, device=x.device, dtype=x.dtype)
-            out[slot] = c[place]
-            return out
-        return run, slot_rows
-    return run, lambda: c
+    run = lambda: mod._grouped_gemm(src, wt, sc, c, routing, *args)  # noqa: E731
+    return run, c
 
 
-def sweep(mod_new, mod_old, s, tokens: int, rate: float, quick: bool, tma: bool = False) -> None:
+def sweep(mod_new, mod_old, s, tokens: int, rate: float, quick: bool) -> None:
     w = make_weights(s)
     torch.manual_seed(1)
     x = torch.randn(tokens, s.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -106,13 +78,10 @@ def sweep(mod_new, mod_old, s, tokens: int, rate: float, quick: bool, tma: bool 
         if mod_old is not None:
             rows.append(("before (tuned)", mod_old, base_cfg))
         rows.append(("now (tuned)", mod_new, base_cfg))
-        if tma:
-            rows.append(("now (tuned), TMA", mod_new, dict(base_cfg, TMA=True)))
-        tiles = (TMA_TILES if gated else TMA_DOWN_TILES) if tma else (TILES if gated else DOWN_TILES)
-        for bm, bn, warps, stages in [] if quick else tiles:
+        for bm, bn, warps, stages in [] if quick else (TILES if gated else DOWN_TILES):
             cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=128 if s.fp8 else 64, GROUP_SIZE_M=1,
-                       num_warps=warps, num_stages=stages, **(dict(TMA=True) if tma else {}))
-            rows.append(("now, TMA" if tma else "now", mod_new, cfg))
+                       num_warps=warps, num_stages=stages)
+            rows.append(("now", mod_new, cfg))
         ref = None
         for name, mod, cfg in rows:
             try:
@@ -122,11 +91,10 @@ def sweep(mod_new, mod_old, s, tokens: int, rate: float, quick: bool, tma: bool 
                 print(f"| {name} | {cfg['BLOCK_SIZE_M']} | {cfg['BLOCK_SIZE_N']} | {cfg['num_warps']} | "
                       f"{cfg['num_stages']} | failed: {type(exc).__name__} {str(exc).splitlines()[0][:80]} | | | |")
                 continue
-            out = c().float()
+            out = c.float()
             ref = out if ref is None else ref
             diff = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-            if mod is mod_new and cfg.get("TMA", False) == tma and \
-                    ms < best.get((gated, cfg["BLOCK_SIZE_M"]), (float("inf"),))[0]:
+            if mod is mod_new and ms < best.get((gated, cfg["BLOCK_SIZE_M"]), (float("inf"),))[0]:
                 best[(gated, cfg["BLOCK_SIZE_M"])] = (ms, cfg)
             tf = gemm_flops(s, tokens, gated) / (ms * 1e-3)
             print(f"| {name} | {cfg['BLOCK_SIZE_M']} | {cfg['BLOCK_SIZE_N']} | {cfg['num_warps']} | "
@@ -140,9 +108,6 @@ def sweep(mod_new, mod_old, s, tokens: int, rate: float, quick: bool, tma: bool 
         bm = min(pairs)[1]
         down = {k: best[(False, bm)][1][k] for k in ("BLOCK_SIZE_N", "num_warps", "num_stages")}
         picked = dict(best[(True, bm)][1], down=down)
-        if tma:
-            name = fm.config_file_name(s.num_experts, s.moe_intermediate_size, dtype)
-            print(f"\nPICK {tokens} {json.dumps(picked)} {name}")
     for name, mod, cfg in (("before, tuned", mod_old, None), ("now, tuned", mod_new, None),
                            ("now, fastest tiles", mod_new, picked)):
         if mod is None or (name.endswith("tiles") and cfg is None):
@@ -163,7 +128,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--baseline", default=None, help="an older fused_moe.py to time beside this one")
     p.add_argument("--models", nargs="+", default=[m.name for m in MODELS])
     p.add_argument("--quick", action="store_true", help="the tuned tiles only")
-    p.add_argument("--tma", action="store_true", help="the tile list with TMA (and the tuned tiles with and without)")
     args = p.parse_args(argv)
     old = load_module(args.baseline) if args.baseline else None
     if old is not None:
@@ -173,7 +137,7 @@ def main(argv: list[str]) -> int:
     for s in MODELS:
         if s.name in args.models:
             for t in args.tokens:
-                sweep(fm, old, s, t, rates[s.fp8], args.quick, args.tma)
+                sweep(fm, old, s, t, rates[s.fp8], args.quick)
     return 0
 
 

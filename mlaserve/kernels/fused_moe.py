@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mlaserve.kernels import quant
 from mlaserve.kernels.allreduce import LL_DMAX, LL_ROWS, LLGroup, ll_all_reduce_rows
@@ -71,8 +70,6 @@ ALIGN_ONE_PROGRAM_MAX_WORK = 16384
 EXPERT_SCAN_MAX_SLOTS = 256
 EXPERT_SCAN_MAX_BINS = 128
 EXPERT_SCAN_FP8 = False
-# The TMA path's weight descriptor (`_load_b`): 3 = over w [E, rows, K], 2 = over its stacked rows [E * rows, K]
-TMA_B_RANK = 3
 # How `_fused_moe_kernel` finds each row block's expert and slots (its ROUTING; `Routing`)
 SORTED, SLOT_BLOCKS, EXPERT_SCAN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # NOTE: at one token, the shared slots' programs launched first and asked for their weight rows in L2
@@ -316,30 +313,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
 
 # ------------------------------------------------------------------------------------------ grouped GEMM
 @triton.jit
-def _load_b(b_ptr, b_ptrs, expert, brow, k0, k_ok, n_ok, B_DESC: tl.constexpr, B_RANK: tl.constexpr,
-            EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    # One [BK, TN] weight tile. B_DESC: b_ptr is a TMA descriptor, the tile rows brow .. brow + TN - 1 of this
-    # expert at column k0 (past K or past the expert's rows: zeros); B_RANK 3: over w [E, rows, K]; B_RANK 2: over
-    # the stacked rows [E * rows, K], brow counted from the first expert's first row (past this expert's rows: the
-    # next one's, whose output columns are never stored). Else b_ptrs [BK, TN], masked where the tile may overhang.
-    if B_DESC:
-        if B_RANK == 3:
-            b = b_ptr.load([expert.to(tl.int32), brow, k0])
-            b = tl.reshape(b, [b.shape[1], b.shape[2]])
-        else:
-            b = b_ptr.load([brow, k0])
-        return tl.trans(b)
-    elif EVEN_K and EVEN_N:
-        return tl.load(b_ptrs)
-    else:
-        return tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _mac(acc, a, a_s, b, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr,
-         SCALAR_BS: tl.constexpr):
+def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+         DOT_PREC: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     # acc [BM, TN] += a [BM, BK] @ b [BK, TN] (times a_s [BM] * b_s [TN] in fp8 mode; SCALAR_BS: the tile lies in
     # one 128-row scale block, bs_ptrs is one pointer and the two scales fold into one [BM] factor: one FMA per element)
+    if EVEN_K and EVEN_N:
+        b = tl.load(b_ptrs)
+    else:
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     if FP8:
         if SCALAR_BS:
             acc += tl.dot(a, b) * (a_s * tl.load(bs_ptrs))[:, None]
@@ -437,8 +418,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                       GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                      AR_WORLD: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      A_DESC: tl.constexpr, B_DESC: tl.constexpr, C_SORTED: tl.constexpr, B_RANK: tl.constexpr):
+                      AR_WORLD: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
@@ -447,9 +427,6 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     # EXPERT_SCAN: the sorted layout's row blocks, each program working out its own block's expert and slots from
     # the flat topk_ids [S] (expert_ids_ptr) and the num_experts (E) stacked experts, with no align launch.
     # sorted_ids_ptr and num_post_pad_ptr are read by SORTED only.
-    # TMA (SORTED only; `_grouped_gemm`'s tma): B_DESC: b_ptr is a TMA descriptor of the weights' rows. C_SORTED (the
-    # first GEMM): c's rows are the sorted layout's places, row block pid_m's at pid_m * BM, padding rows zero.
-    # A_DESC (the second GEMM): a_ptr is a TMA descriptor of such rows, read as whole [BM, BK] tiles.
     pdl_enter(PDL)                        # (the experts' weights to read are the router's output)
     num_pid_m = tl.cdiv(num_padded, BLOCK_SIZE_M)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, tl.cdiv(N, TILE_N), GROUP_SIZE_M)
@@ -479,7 +456,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                      tl.where(e == num_experts, -1, e).to(tl.int64), pid_n * TILE_N, offs_n, n_ok, N, K, num_slots,
                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED,
                      MUL_WEIGHT, FP8, QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M,
-                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N, 0, False, False, False, B_RANK)
+                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N)
     else:
         if ROUTING == SLOT_BLOCKS:        # the grid has exactly num_slots row blocks: every one is used
             used = num_slots * BLOCK_SIZE_M
@@ -493,7 +470,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                      tl.load(expert_ids_ptr + pid_m).to(tl.int64), pid_n * TILE_N, offs_n, n_ok, N, K, num_slots,
                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED,
                      MUL_WEIGHT, FP8, QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M,
-                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N, pid_m * BLOCK_SIZE_M, A_DESC, B_DESC, C_SORTED, B_RANK)
+                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N)
     if COMBINE:
         _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
                       stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank,
@@ -517,34 +494,19 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
                  QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
                  BLOCK_SIZE_K: tl.constexpr, PDL: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr,
-                 EVEN_N: tl.constexpr, row0, A_DESC: tl.constexpr, B_DESC: tl.constexpr, C_SORTED: tl.constexpr,
-                 B_RANK: tl.constexpr):
-    # One row block's output tile: c[slots, n0 + offs_n] (rows of slots >= num_slots are padding and not stored);
-    # C_SORTED: c[row0 .. row0 + BM - 1, n0 + offs_n], padding rows too (zeros). A_DESC: a's rows are row0 .. + BM.
+                 EVEN_N: tl.constexpr):
+    # One row block's output tile: c[slots, n0 + offs_n] (rows of slots >= num_slots are padding and not stored).
     valid = slots < num_slots
-    if C_SORTED:
-        c_ptrs = c_ptr + (row0 + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        c_mask = n_ok[None, :]
-    else:
-        c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
-        c_mask = valid[:, None] & n_ok[None, :]
+    c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
     if expert < 0:                        # slots of id -1 (another rank's expert): they contribute zero
         if not GATED:                     # (their h rows are never read: the second GEMM lands here too)
             tl.store(c_ptrs, tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=c_ptr.dtype.element_ty),
                      mask=valid[:, None] & n_ok[None, :])
     else:
         offs_k = tl.arange(0, BLOCK_SIZE_K)
-        if A_DESC:
-            rows = (row0 + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
-        else:
-            rows = slots // A_DIV
-            a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        if B_DESC:                        # the gate tile's first row (B_RANK 2: in the stacked [E * rows, K] view)
-            brow = n0 if B_RANK == 3 else (expert * (stride_be // stride_bn) + n0).to(tl.int32)
-            b_ptrs = b_scale_ptr          # (not read)
-        else:
-            brow = 0
-            b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
+        rows = slots // A_DIV
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]   # [BK, TN]
         if SCALAR_BS:                     # the tile's (and its up rows') one scale row
             bs_ptrs = b_scale_ptr + expert * stride_bse + (n0 // GROUP_N) * stride_bsn
             up_bs = b_scale_ptr + expert * stride_bse + ((N + n0) // GROUP_N) * stride_bsn
@@ -557,9 +519,12 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
             k_ok = offs_k < K - k0
             # NOTE: padding rows stay masked: pointed at a real row instead, their loads cost 15-30% of the V3
             # GEMMs at 4096-8192 tokens on an H200 (benchmarks/results/moe-prefill-h200.md)
-            if A_DESC:                    # (padding rows: whatever the first GEMM stored there, zeros)
-                a = a_ptr.load([row0, k0])
-            elif EVEN_K:
+            # NOTE: TMA was tried (3a8f0d9..2502103): the weights through host TMA descriptors (stacked rows or
+            # [E, rows, K]), h kept in the sorted layout so the second GEMM read its rows as whole TMA tiles. Equal
+            # sums, no gain on an H200 at prefill sizes (benchmarks/results/moe-tma-h200.md): V3 4096 tokens, best
+            # gate + up 3497 against 3518 us, down 1792 against 1779 us; V2-Lite down 268 against 284 us, whole call
+            # 883 against 877 us; it faulted twice on V3's full expert stack (illegal address, not found). Removed.
+            if EVEN_K:
                 a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
@@ -569,12 +534,11 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
             elif FP8:
                 a_s = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
             k_blk = k0 // GROUP_K
-            b = _load_b(b_ptr, b_ptrs + k0, expert, brow, k0, k_ok, n_ok, B_DESC, B_RANK, EVEN_K, EVEN_N)
-            acc = _mac(acc, a, a_s, b, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS)
+            acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS,
+                       EVEN_K, EVEN_N)
             if GATED:
-                b = _load_b(b_ptr, b_ptrs + N * stride_bn + k0, expert, brow + N, k0, k_ok, n_ok, B_DESC, B_RANK,
-                            EVEN_K, EVEN_N)
-                acc_up = _mac(acc_up, a, a_s, b, n_ok, up_bs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS)
+                acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8,
+                              INTERPRET, DOT_PREC, SCALAR_BS, EVEN_K, EVEN_N)
         pdl_release(PDL)
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up                              # silu(gate) * up
@@ -582,7 +546,7 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
             acc = acc * tl.load(topk_weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)[:, None]
         if ROUND_BF16:
             acc = bf16_rne(acc)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -621,12 +585,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
                   block_shape: tuple[int, int], a_div: int, gated: bool,
                   combine: tuple[torch.Tensor, torch.Tensor] | None = None,
                   norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None,
-                  all_reduce: LLGroup | None = None, tma: bool = False) -> None:
+                  all_reduce: LLGroup | None = None) -> None:
     # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
     # norm = (residual, norm weight, eps, h, residual_out), with combine: also the next layer's input norm
-    # tma (SORTED routing): the weights are read through a TMA descriptor, and h, the rows between the two GEMMs, is
-    # kept in the sorted layout [P, N] (P = row blocks x BM): the gated GEMM stores its rows there (C_SORTED), the
-    # other reads a as whole TMA tiles of those rows (A_DESC).
     mode, expert_ids = routing.mode, routing.ids
     sorted_ids, num_post_pad = (routing.sorted_ids, routing.num_post_pad) if mode == SORTED.value else \
         (expert_ids, expert_ids)                                              # not read
@@ -644,17 +605,6 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
     even_n = n_out % tile_n == 0                                              # (the up rows' tiles too: N + n)
     grid = (num_blocks * triton.cdiv(n_out, tile_n),)
     bs = w_scale if fp8 else w
-    a_arg, w_arg = a, w
-    if tma:
-        assert mode == SORTED.value and combine is None, "tma needs the sorted routing and no in-GEMM combine"
-        rows = num_blocks * cfg["BLOCK_SIZE_M"]
-        assert (c if gated else a).shape[0] == rows, f"tma: h must hold the sorted layout's {rows} rows"
-        if TMA_B_RANK == 3:
-            w_arg = _descriptor(w, [1, tile_n, cfg["BLOCK_SIZE_K"]])
-        else:
-            w_arg = _descriptor(w.view(-1, k), [tile_n, cfg["BLOCK_SIZE_K"]])
-        if not gated:
-            a_arg = _descriptor(a, [cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_K"]])
     out, sync = combine or (c, sorted_ids)
     if combine:
         assert sync.dtype == torch.int32 and sync.numel() >= triton.cdiv(n_out, tile_n), \
@@ -666,7 +616,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         assert combine and sync.numel() > triton.cdiv(n_out, tile_n), "the norm needs the combine and one more count"
         assert nh.stride(0) == nro.stride(0) == out.stride(0), "h and residual_out rows must be strided as out's"
     _fused_moe_kernel[grid](
-        a_arg, a_scale, w_arg, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
+        a, a_scale, w, bs, c, weights if weights is not None else c, sorted_ids, expert_ids, num_post_pad, out, sync,
         n_out, k, c.shape[0], num_blocks * cfg["BLOCK_SIZE_M"], w.shape[0], a.stride(0), w.stride(0), w.stride(1),
         c.stride(0), a_scale.stride(0), bs.stride(0), bs.stride(1), out.stride(0), res, nw, nh, nro, float(eps),
         res.stride(0), ar_ptrs, ar_epochs, ar_rank, ar_half, A_DIV=a_div, GATED=gated, MUL_WEIGHT=weights is not None, FP8=fp8,
@@ -681,17 +631,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
         AR_WORLD=all_reduce.world if all_reduce else 1,
         SCALAR_BS=fp8 and block_shape[0] % tile_n == 0 and even_n, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0, EVEN_N=even_n,
-        A_DESC=tma and not gated, B_DESC=tma, C_SORTED=tma and gated, B_RANK=TMA_B_RANK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    # A TMA descriptor of a row-major tensor read in `block` tiles (past its edges: zeros). The hardware wants
-    # 16-byte aligned rows and base.
-    assert t.stride(-1) == 1, f"a TMA operand needs contiguous rows, got {tuple(t.shape)}"
-    assert all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]) and t.data_ptr() % 16 == 0, \
-        f"a TMA operand's rows must be 16-byte aligned: {tuple(t.shape)} {t.dtype}"
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 # One token: its k slots name distinct experts (moe_topk / moe_route pick each routed expert at most once while the
@@ -768,9 +708,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         topk_weights / topk_ids: [T, k] from `moe_topk`; ids in [0, E), or -1 for an expert this rank does not
             hold (expert parallelism): such a slot adds nothing to out.
         config: tile config (see `get_moe_config`; optional key FUSE_QUANT: quantise fp8 activations in the GEMM,
-            default off; optional key "down": a dict of DOWN_KEYS that the second GEMM takes instead; optional key
-            TMA: the weights through TMA descriptors and the rows between the GEMMs in the sorted layout, on the
-            sorted routing, default off).
+            default off; optional key "down": a dict of DOWN_KEYS that the second GEMM takes instead).
         num_routed_experts: the E the tuned tables are keyed by (default: all E stacked experts). A model that
             stacks its shared experts after its routed ones passes its routed count (see `get_moe_config`).
         sync: int32 zeros [>= ceil(K / 32)], owned by the caller and left zero (one launch at a time per buffer).
@@ -834,18 +772,13 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
     _check_config(cfg2, fp8, fuse_quant, block_shape[1])
     routing = _route(topk_ids, cfg["BLOCK_SIZE_M"], e, fp8)
-    # TMA (a table entry's key, default off): on the sorted routing only, so fewer tokens run without it
-    tma = bool(cfg.pop("TMA", False)) and routing.mode == SORTED.value
-    cfg2.pop("TMA", None)
-    # h = silu(gate) * up: [S, I], a slot's row at its slot; with tma [P, I], at its place in the sorted layout
-    rows = routing.ids.numel() * cfg["BLOCK_SIZE_M"] if tma else t * top_k
-    h = torch.empty(rows, i, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True, tma=tma)
+    h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
+    _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
-    combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS and not tma else None
+    combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     assert all_reduce is None or (combine and norm), "the all-reduce runs in the norm's program"
     _grouped_gemm(h, w2, w2_scale, y, routing, topk_weights.reshape(-1).contiguous(), cfg2, fuse_quant,
-                  block_shape, 1, False, combine, norm, all_reduce, tma=tma)
+                  block_shape, 1, False, combine, norm, all_reduce)
     if combine:
         return out
     y = y.view(t, top_k, k)                                                   # [T, k, K] -> [T, K]

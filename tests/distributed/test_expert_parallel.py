@@ -329,7 +329,7 @@ def test_tuned_tables_are_looked_up_by_the_local_expert_count(monkeypatch) -> No
     looked_up: list[str] = []
     monkeypatch.setattr(fm, "_load_configs", lambda path: looked_up.append(path.name))
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args, **kw: None)
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
     monkeypatch.setattr(fm, "sum_dim1", lambda y, out, rows=False: out)
     monkeypatch.setattr(fm, "gpu_name", lambda: "NVIDIA_H200")
     ops = get_ops("triton")._replace(

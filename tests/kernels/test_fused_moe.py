@@ -368,63 +368,6 @@ def split_ids(topk_ids: torch.Tensor, first: int, n_local: int) -> torch.Tensor:
     return torch.where((local >= 0) & (local < n_local), local, -1).to(torch.int32)
 
 
-# --- TMA: the weights through descriptors, the rows between the GEMMs in the sorted layout ---------------------
-
-@pytest.mark.parametrize("dtype,tokens,fp8,fuse_quant,ep", [(torch.float32, 60, False, False, False),
-                                                            (torch.float16, 60, False, False, True),
-                                                            (torch.bfloat16, 300, False, False, False),
-                                                            (torch.float16, 41, True, False, False),
-                                                            (torch.float16, 41, True, True, True)])
-def test_fused_moe_tma_equals_pointer_loads(dtype: torch.dtype, tokens: int, fp8: bool, fuse_quant: bool, ep: bool,
-                                            device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A table entry's TMA key (sorted routing: the token counts here sort; K and I are not multiples of the
-    tiles): the same tiles' sums as the pointer loads, within the reference's tolerance, EP sentinels (-1) too."""
-    shape, w, topk_weights, topk_ids, x, config = seeded_case(tokens, fp8, dtype, device)
-    config = dict(config, BLOCK_SIZE_N=64, GROUP_SIZE_M=1, FUSE_QUANT=fuse_quant)
-    if ep:                                          # one EP rank of two: experts 8..15, -1 for the others
-        w = {k: v[8:16].contiguous() for k, v in w.items()}
-        topk_ids = split_ids(topk_ids, 8, 8)
-    calls = []
-    gemm = fm._grouped_gemm
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **k: calls.append(k.get("tma", False)) or gemm(*a, **k))
-    plain = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config)
-    got = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=dict(config, TMA=True))
-    assert calls == [False, False, True, True]
-    ref = (spec_ref if fp8 and fuse_quant else device_ref)(x, w, topk_weights, topk_ids)
-    assert torch.isfinite(got).all()
-    # the same products in the same order: equal on the interpreter; on a GPU within fp32 order
-    if device == "cpu":
-        assert torch.equal(got, plain)
-    else:
-        assert rel_err(got, plain) < TOL[torch.float32]
-    assert rel_err(got, ref) < 4 * (FP8_TOL if fp8 else TOL)[dtype]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_tma_gpu_prefill_shape_and_graph(fp8: bool) -> None:
-    """At prefill sizes (V3's and V2-Lite's widths cut in experts) with the wide tiles TMA is tuned for, eager and
-    replayed from a CUDA graph, against the pointer loads and the reference."""
-    s = Shape(32, 8, 7168, 2048) if fp8 else Shape(64, 6, 2048, 1408)
-    w = fp8_weights(s, "cuda") if fp8 else dense_weights(s, torch.bfloat16, "cuda")
-    topk_weights, topk_ids = routing(1024, s, "cuda")
-    x = torch.randn(1024, s.hidden, device="cuda", dtype=torch.bfloat16)
-    config = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=256 if fp8 else 128, BLOCK_SIZE_K=128 if fp8 else 64,
-                  GROUP_SIZE_M=1, num_warps=8, num_stages=3)
-    plain = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config)
-    out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=dict(config, TMA=True))
-    assert rel_err(out, plain) < 1e-2
-    assert rel_err(out, (spec_ref if fp8 else device_ref)(x, w, topk_weights, topk_ids)) < 3e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=dict(config, TMA=True))
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    plain = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, config=config)
-    assert rel_err(out, plain) < 1e-2
-
-
 @pytest.mark.parametrize("tokens", [1, 41, 300])     # one program (1 and 2 chunks); count / scan / scatter
 def test_moe_align_block_size_puts_sentinel_slots_in_zero_blocks(tokens: int, device: str) -> None:
     _, ids = routing(tokens, V2_LITE, device)
@@ -617,8 +560,8 @@ def test_fused_moe_routing_by_token_count(monkeypatch: pytest.MonkeyPatch) -> No
     sort (meta tensors, launches stubbed)."""
     modes: list[tuple[int, int]] = []
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda a, w, ws, c, routing, *rest, **kw: modes.append((c.shape[0],
-                                                                                                   routing.mode)))
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda a, w, ws, c, routing, *rest: modes.append((c.shape[0],
+                                                                                              routing.mode)))
     monkeypatch.setattr(fm, "sum_dim1", lambda y, out, rows=False: out)
     for e, tokens in ((V2_LITE.num_experts, (1, 2, 42, 43)), (126, (2,)), (127, (2,)), (8, (2,))):
         w = dense_weights(V2_LITE._replace(num_experts=e), torch.float16, "meta")
@@ -683,7 +626,7 @@ def test_fused_moe_combine_launch_by_hidden_size(monkeypatch: pytest.MonkeyPatch
     SUM_ROWS_MIN_TOKENS, as measured (meta tensors, launches stubbed)."""
     summed: list[tuple[int, int, bool]] = []
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args, **kw: None)
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
     monkeypatch.setattr(fm, "sum_dim1",
                         lambda y, out, rows=False: summed.append((y.shape[0], y.shape[2], rows)) or out)
     big = fm.SUM_ROWS_MIN_TOKENS

@@ -64,7 +64,7 @@ def stub_launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], Ops]:
 
     monkeypatch.setattr(fm, "_load_configs", load)
     monkeypatch.setattr(fm, "moe_align_block_size", lambda ids, bm, e: (None, None, None))
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args, **kw: None)
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *args: None)
     monkeypatch.setattr(fm, "sum_dim1", lambda y, out, rows=False: out)
     ops = get_ops("triton")._replace(
         moe_topk=topk, moe_route=lambda x, w, k, **kw: topk(x, k, **kw), fused_moe=fm.fused_moe, silu_and_mul=lambda gu: gu[:, : gu.shape[1] // 2],
