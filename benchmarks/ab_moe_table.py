@@ -1,6 +1,6 @@
 """One prompt's prefill with the shipped fused-MoE tables and with entries swapped in, alternated in one process (GPU).
 
-The entries come from `PICK tokens config table-file` lines (benchmarks/sweep_moe_prefill.py --tma); each replaces
+The entries come from `PICK tokens config table-file` lines (benchmarks/sweep_moe_prefill.py); each replaces
 that token count's entry of a copy of the shipped tables. Per round and table set: the median GPU time (CUDA events
 around the forward, eager, dummy weights) of `--repeats` prefills after two warm-ups, and whether the greedy token
 equals the shipped tables' one.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session of 2026-12-02 (sixth), one H200 (carry .whl: ../shared/device/wheels.sh). Issue 15's prefill: the fused MoE's
 # grouped GEMMs with TMA (the table key TMA: weights through TMA descriptors, h in the sorted layout).
-#   tests:   tests/kernels/test_fused_moe.py and tests/layers/test_moe.py on the GPU (the TMA tests among them at 2502103)
 # The TMA path was removed after these calls: `sweep` and `probe` need the tree at 2502103 (git checkout 2502103).
+#   tests:   tests/kernels/test_fused_moe.py and tests/layers/test_moe.py on the GPU (the TMA tests among them at 2502103)
 #   sweep:   benchmarks/sweep_moe_prefill.py --tma at SWEEP_TOKENS (default 4096) for SWEEP_MODELS (default both):
 #            the tuned tiles with and without TMA, a TMA tile list, the fastest TMA pair; PICK lines to $OUT/picks.txt
 #   abtable: benchmarks/ab_moe_table.py --picks $OUT/picks.txt: 1 x 4096 prefill, V3 4L then V2-Lite, shipped tables

@@ -6,6 +6,8 @@ rate the same run measures (torch._scaled_mm / torch.matmul at 8192^3), with the
 with `--baseline FILE` (a copy of an older fused_moe.py) the tuned config on that kernel too. Every row's
 output is checked against the first row's (max |diff| / max |ref|). The FP8 rows include the activation's
 quantisation launch, as the call runs it.
+A line `PICK tokens config table-file` gives the fastest pair of tiles as a table entry (benchmarks/ab_moe_table.py
+times it in the model beside the shipped tables).
 
 Usage: PYTHONPATH=$PWD python3 benchmarks/sweep_moe_prefill.py [--tokens 4096 8192] [--baseline FILE]
 """
@@ -108,6 +110,8 @@ def sweep(mod_new, mod_old, s, tokens: int, rate: float, quick: bool) -> None:
         bm = min(pairs)[1]
         down = {k: best[(False, bm)][1][k] for k in ("BLOCK_SIZE_N", "num_warps", "num_stages")}
         picked = dict(best[(True, bm)][1], down=down)
+        name = fm.config_file_name(s.num_experts, s.moe_intermediate_size, dtype)
+        print(f"\nPICK {tokens} {json.dumps(picked)} {name}")       # for benchmarks/ab_moe_table.py
     for name, mod, cfg in (("before, tuned", mod_old, None), ("now, tuned", mod_new, None),
                            ("now, fastest tiles", mod_new, picked)):
         if mod is None or (name.endswith("tiles") and cfg is None):
