@@ -110,8 +110,8 @@ def sweep(mod_new, mod_old, s, tokens: int, rate: float, quick: bool) -> None:
         bm = min(pairs)[1]
         down = {k: best[(False, bm)][1][k] for k in ("BLOCK_SIZE_N", "num_warps", "num_stages")}
         picked = dict(best[(True, bm)][1], down=down)
-        name = fm.config_file_name(s.num_experts, s.moe_intermediate_size, dtype)
-        print(f"\nPICK {tokens} {json.dumps(picked)} {name}")       # for benchmarks/ab_moe_table.py
+        table = fm.config_file_name(s.num_experts, s.moe_intermediate_size, dtype)
+        print(f"\nPICK {tokens} {json.dumps(picked)} {table}")      # for benchmarks/ab_moe_table.py
     for name, mod, cfg in (("before, tuned", mod_old, None), ("now, tuned", mod_new, None),
                            ("now, fastest tiles", mod_new, picked)):
         if mod is None or (name.endswith("tiles") and cfg is None):
