@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import torch
 
-from engine.test_spec import DEMO, HEADERS, make, msg, same, spec
 from mlaserve.engine.graph import allow_recompiles
 from mlaserve.tokenizer import load_tokenizer
 from seq_runner import drive_scheduler as run
+from test_spec import DEMO, HEADERS, make, msg, same, spec
 
 
 def compile_eagerly(monkeypatch, sched, max_bs: int) -> list[int]:

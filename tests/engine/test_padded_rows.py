@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.test_spec import DEMO, HEADERS, make, msg, same
 from mlaserve.engine.graph import DecodeGraphRunner
 from mlaserve.layers.moe import RoutedExperts
 from mlaserve.tokenizer import load_tokenizer
 from seq_runner import drive_scheduler as run
+from test_spec import DEMO, HEADERS, make, msg, same
 
 
 @pytest.mark.parametrize("mask", ["1", "0"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.test_fused_moe import FP8_CFG, V3, fp8_weights, routing
 from mlaserve.kernels import interpreter
 from mlaserve.kernels.fused_moe import fused_moe
+from test_fused_moe import FP8_CFG, V3, fp8_weights, routing   # this folder's module (not the `kernels` package)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels compiled")
 
