@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv, fp8_gemv1, fp8_gemv1_enabled, num_sms
+from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, fp8_gemv, num_sms
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.quant import (block_dequant_ref, per_token_group_quant_fp8, per_token_group_quant_fp8_ref,
                                     quant_group_rows)
@@ -335,8 +335,8 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     """y [..., N] = x [..., K] @ dequant(w_q, w_scale_inv)^T (+ bias), x quantised per token per 128 channels.
 
     Triton on CUDA (and under TRITON_INTERPRET=1); `fp8_linear_ref` on plain CPU. Output dtype: out_dtype or x.dtype.
-    gemv: through the weight-streaming `fp8_gemv` (x quantised inside it; `fp8_gemv1` for one row); default for
-    M <= FP8_GEMV_MAX_M rows with K a multiple of 128. True forces it for up to 16 rows, False forces the GEMM below (benchmarks, tests).
+    gemv: through the weight-streaming `fp8_gemv` (x quantised inside it); default for M <= FP8_GEMV_MAX_M rows with
+    K a multiple of 128. True forces it for up to 16 rows, False forces the GEMM below (benchmarks, tests).
     fuse_quant (GEMM path): quantise x inside the GEMM (bit-identical codes and scales to `per_token_group_quant_fp8`);
     default for M <= FUSE_QUANT_MAX_M when the tile config's BLOCK_K is the 128-channel group.
     cublas: through cuBLAS's block-scaled FP8 matmul (`cublas_block_fp8`); default where `cublas_block_fp8_ok`
@@ -349,8 +349,6 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bi
     m, n = x2.shape[0], w_q.shape[0]
     path, cfg = _dispatch(m, k, w_q, x2.is_cuda, x2.stride(1) == 1, gemv, fuse_quant, cublas)
     if path == "gemv":
-        if m == 1 and fp8_gemv1_enabled():
-            return fp8_gemv1(x2, w_q, w_scale_inv, bias, out_dtype or x.dtype).view(*lead, n)
         block_m = max(FP8_GEMV_MAX_M, triton.next_power_of_2(m))
         return fp8_gemv(x2, w_q, w_scale_inv, bias, out_dtype or x.dtype, block_m=block_m).view(*lead, n)
     if path != "fused":                                   # fp8_linear_quantized checks the weight

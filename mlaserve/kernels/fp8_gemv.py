@@ -7,16 +7,11 @@ program owns BLOCK_N rows of w_q and one range of K (split-K where N alone gives
 fp8_gemm's decode tiles (16 x 64 x 128) quantise 16 rows for every 8 KB weight step, ~560 instructions per thread, over
 half of an SM's issue slots at 3 TB/s (sm_90 SASS); here BLOCK_M rows per 16 KB step, with 48 KB in flight a program.
 
-`fp8_gemv1` is the one-row form (batch-1 decode): the products on the CUDA cores with each 16 KB weight step held in
-registers while the next one loads (no shared memory, no tensor-core tile padded to 16 rows), so more programs fit
-an SM and more weight bytes are in flight.
-
 Shapes: `M` rows (tokens), `N` output features, `K` input features, `G = K / 128` scale groups, `S` K-splits.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -37,10 +32,6 @@ FP8_GEMV_MAX_M = 4
 GROUP = 128                   # channels per activation / weight scale group (DeepSeek-V3 block FP8)
 BLOCK_N = 128                 # weight rows per program: one weight-scale row, 16 KB of w_q per K-step
 PROGRAMS_PER_SM = 2           # split-K target where cdiv(N, BLOCK_N) < SMs: enough weight bytes in flight per SM
-# fp8_gemv1: programs per SM its split-K aims at (a program of 8 warps holds two 16 KB steps in registers, ~3 fit an
-# SM) and its warps. To be set from the GPU measurement: benchmarks/sweep_fp8_gemv1.py.
-GEMV1_PROGRAMS_PER_SM = 3
-GEMV1_WARPS = 8
 
 
 class Fp8GemvConfig(NamedTuple):
@@ -153,86 +144,6 @@ def fp8_gemv(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias
         **pdl_meta(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         sum_dim1(y.view(1, split, m * n), out=out.view(1, m * n))      # [S, M, N] fp32 -> [M, N]
-    return out
-
-
-@triton.jit
-def _fp8_gemv1_kernel(X, W, WS, B, Y, N, K, groups_per_split, stride_wn, stride_wsn, stride_ys,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    # Grid (cdiv(N, BLOCK_N), S): program (n, s) computes y's columns [n * BN, +BN) over groups [g0, g1) of K for
-    # one row. Each step: the [BN, 128] weight tile in registers (loaded one step ahead), x's group quantised as
-    # per_token_group_quant_fp8 does, the exact fp8 products summed in fp32 along K, then both scales.
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, 128)
-    n_ok = offs_n < N
-    rn = tl.minimum(offs_n, N - 1).to(tl.int64)        # NOTE: rows past N re-read row N - 1: no load mask
-    g0 = pid_k * groups_per_split
-    g1 = tl.minimum(g0 + groups_per_split, K // 128)
-    w_ptrs = W + rn[:, None] * stride_wn + (g0 * 128 + offs_k)[None, :]               # [BN, 128]
-    ws_ptr = WS + (pid_n * BLOCK_N // 128) * stride_wsn + g0
-    x_ptr = X + g0 * 128 + offs_k
-    w = tl.load(w_ptrs)                                 # the first step's weights before the wait (PDL)
-    ws = tl.load(ws_ptr)
-    pdl_enter(PDL)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for g in range(g0, g1):
-        left = (g1 - g - 1) * 128                       # channels after this step: the next load's mask (none left:
-        w_next = tl.load(w_ptrs + 128, mask=(offs_k < left)[None, :], other=0.0)     # no read), a multiple of 128
-        ws_next = tl.load(ws_ptr + tl.minimum(left, 1))                              # (this step's again at the end)
-        x = tl.load(x_ptr).to(tl.float32)
-        x_q, x_s = quant_group_rows(x[None, :], INTERPRET)                            # [1, 128], [1]
-        acc += tl.sum(w.to(tl.float32) * x_q.to(tl.float32), axis=1) * (x_s * ws)
-        w, ws = w_next, ws_next
-        w_ptrs += 128
-        ws_ptr += 1
-        x_ptr += 128
-    pdl_release(PDL)
-    if HAS_BIAS:                                        # once: in split 0's partial
-        bias = tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        acc += tl.where(pid_k == 0, bias, 0.0)
-    tl.store(Y + pid_k * stride_ys + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
-
-
-def fp8_gemv1_enabled() -> bool:
-    """`fp8_linear` takes `fp8_gemv1` for one-row inputs (MLASERVE_FP8_GEMV1=0: `fp8_gemv` there, for A/B runs)."""
-    v = os.environ.get("MLASERVE_FP8_GEMV1", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"MLASERVE_FP8_GEMV1={v!r}: expected 0 or 1")
-    return v == "1"
-
-
-def fp8_gemv1_config(n: int, k: int, num_sms: int = 132, block_n: int = BLOCK_N,
-                     programs_per_sm: int = GEMV1_PROGRAMS_PER_SM) -> Fp8GemvConfig:
-    """Split K where the block_n tiles of N give fewer than programs_per_sm programs per SM, into splits of equal
-    group counts (V3 at 132 SMs: 2112 x 7168 -> 19 splits of 3 groups; 7168 x 16384 -> 8 of 16; 36864 x 7168 -> 2
-    of 28; 24576 x 1536 -> 3 of 4)."""
-    tiles, groups = triton.cdiv(n, block_n), k // GROUP
-    split = min(groups, max(1, triton.cdiv(programs_per_sm * num_sms, tiles)))
-    split = triton.cdiv(groups, triton.cdiv(groups, split))            # no empty split
-    return Fp8GemvConfig(block_n, split, GEMV1_WARPS, 1)
-
-
-def fp8_gemv1(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None, config: Fp8GemvConfig | None = None) -> torch.Tensor:
-    """`fp8_gemv` for one row: x [1, K] (contiguous along K), the same contract, the same codes and scales; the
-    fp32 sums run in another order. config: default `fp8_gemv1_config` (its num_stages is not used)."""
-    _check_args(x, w_q, w_scale_inv, 1)
-    k, n = x.shape[1], w_q.shape[0]
-    out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
-    if n == 0:
-        return out
-    cfg = config or fp8_gemv1_config(n, k, num_sms(x.device))
-    assert GROUP % cfg.block_n == 0, f"block_n must divide {GROUP}, got {cfg.block_n}"
-    groups_per_split = triton.cdiv(k // GROUP, cfg.split_k)
-    split = triton.cdiv(k // GROUP, groups_per_split)
-    y = out if split == 1 else torch.empty((split, 1, n), dtype=torch.float32, device=x.device)
-    _fp8_gemv1_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, w_q, w_scale_inv, bias if bias is not None else w_scale_inv, y, n, k, groups_per_split,
-        w_q.stride(0), w_scale_inv.stride(0), y.stride(0) if split > 1 else 0, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, INTERPRET=not x.is_cuda, **pdl_meta(x.device), num_warps=cfg.num_warps)
-    if split > 1:
-        sum_dim1(y.view(1, split, n), out=out.view(1, n))              # [S, 1, N] fp32 -> [1, N]
     return out
 
 

@@ -1,5 +1,5 @@
-"""fp8_gemv and its one-row form fp8_gemv1 (the decode-size block-FP8 linears; Triton, CPU interpreter here) against
-fp8_linear_ref, fp8_linear's routing to them, their split-K rules and determinism."""
+"""fp8_gemv (the decode-size block-FP8 linear; Triton, CPU interpreter here) against fp8_linear_ref, fp8_linear's
+routing to it, its split-K rule and determinism."""
 from __future__ import annotations
 
 import random
@@ -9,8 +9,7 @@ import torch
 
 from mlaserve.kernels import fp8_gemm as fp8_gemm_mod
 from mlaserve.kernels.fp8_gemm import fp8_linear, fp8_linear_ref
-from mlaserve.kernels import fp8_gemv as fp8_gemv_mod
-from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, Fp8GemvConfig, fp8_gemv, fp8_gemv1, fp8_gemv1_config, fp8_gemv_config
+from mlaserve.kernels.fp8_gemv import FP8_GEMV_MAX_M, Fp8GemvConfig, fp8_gemv, fp8_gemv_config
 from mlaserve.kernels.quant import block_quant_fp8_ref
 
 # max |y - ref| / max |ref|. fp32 output: the same fp8 codes and scales as the reference (quantised in the kernel,
@@ -111,66 +110,3 @@ def test_split_k_rule_fills_the_sms() -> None:
         assert tiles * cfg.split_k >= 132, (n, k, cfg)
         assert cfg.split_k == 1 or tiles * cfg.split_k <= 3 * 132, (n, k, cfg)
         assert (cfg.split_k == 1) == (tiles >= 132), (n, k, cfg)
-
-
-# fp8_gemv1: ragged last N block with its rule's split; 64-row tiles in one split (two tiles a weight-scale row);
-# three splits of 3 / 3 / 2 groups at 4 warps; one group a split.
-GEMV1_CASES = [(200, 384, None), (130, 256, Fp8GemvConfig(64, 1, 8, 1)), (96, 1024, Fp8GemvConfig(128, 3, 4, 1)),
-               (256, 512, Fp8GemvConfig(128, 4, 8, 1))]
-
-
-@pytest.mark.parametrize("n,k,cfg", GEMV1_CASES)
-def test_fp8_gemv1_matches_ref(device: str, n: int, k: int, cfg: Fp8GemvConfig | None) -> None:
-    _seed()
-    x, w_q, w_s, bias = _inputs(1, n, k, torch.float16, device)
-    y = fp8_gemv1(x, w_q, w_s, config=cfg, out_dtype=torch.float32)
-    assert y.shape == (1, n) and y.dtype == torch.float32
-    assert _rel_max(y, fp8_linear_ref(x, w_q, w_s, out_dtype=torch.float32)) <= _tol(torch.float32, device)
-    y = fp8_gemv1(x, w_q, w_s, bias, config=cfg)
-    assert y.dtype == torch.float16
-    assert _rel_max(y, fp8_linear_ref(x, w_q, w_s, bias)) <= TOL[torch.float16]
-    with pytest.raises(AssertionError, match="at most 1 rows"):
-        fp8_gemv1(torch.cat([x, x]), w_q, w_s)
-
-
-def test_fp8_gemv1_bf16_strided_and_deterministic(device: str) -> None:
-    _seed()
-    x, w_q, w_s, bias = _inputs(1, 96, 1024, torch.bfloat16, device)
-    x = torch.cat([x, x], dim=1)[:, :1024]                               # a row inside a wider buffer
-    cfg = Fp8GemvConfig(128, 3, 8, 1)
-    first = fp8_gemv1(x, w_q, w_s, bias, out_dtype=torch.float32, config=cfg)
-    assert _rel_max(first, fp8_linear_ref(x, w_q, w_s, bias, out_dtype=torch.float32)) <= _tol(torch.float32, device)
-    assert all(torch.equal(first, fp8_gemv1(x, w_q, w_s, bias, out_dtype=torch.float32, config=cfg))
-               for _ in range(2))
-
-
-def test_fp8_linear_routes_one_row_to_gemv1(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
-    _seed()
-    x, w_q, w_s, bias = _inputs(2, 200, 384, torch.float16, device)
-    ref = fp8_linear_ref(x, w_q, w_s, bias)
-    monkeypatch.setattr(fp8_gemm_mod, "fp8_gemv", None)                 # one row: fp8_gemv1 only
-    assert _rel_max(fp8_linear(x[:1].view(1, 1, 384), w_q, w_s, bias), ref[:1]) <= TOL[torch.float16]
-    monkeypatch.undo()
-    monkeypatch.setattr(fp8_gemm_mod, "fp8_gemv1", None)                # two rows, or MLASERVE_FP8_GEMV1=0: fp8_gemv
-    assert _rel_max(fp8_linear(x, w_q, w_s, bias), ref) <= TOL[torch.float16]
-    monkeypatch.setenv("MLASERVE_FP8_GEMV1", "0")
-    assert _rel_max(fp8_linear(x[:1], w_q, w_s, bias), ref[:1]) <= TOL[torch.float16]
-    monkeypatch.setenv("MLASERVE_FP8_GEMV1", "yes")
-    with pytest.raises(ValueError, match="MLASERVE_FP8_GEMV1='yes'"):
-        fp8_linear(x[:1], w_q, w_s, bias)
-
-
-def test_gemv1_split_rule() -> None:
-    v3 = [(2112, 7168), (24576, 1536), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048)]
-    for n, k in v3:
-        for block_n in (64, 128):
-            cfg = fp8_gemv1_config(n, k, num_sms=132, block_n=block_n)
-            tiles, groups = -(-n // block_n), k // 128
-            per_split = -(-groups // cfg.split_k)
-            assert -(-groups // per_split) == cfg.split_k, (n, k, cfg)  # no empty split
-            assert cfg.block_n == block_n and cfg.num_warps == fp8_gemv_mod.GEMV1_WARPS
-            # about as many programs as the rule aims at (equal splits round the count down: 17 tiles x 19 splits
-            # of 3 groups at 2112 x 7168), or every group its own split; at most about twice that
-            target = fp8_gemv_mod.GEMV1_PROGRAMS_PER_SM * 132
-            assert tiles * cfg.split_k >= 0.8 * target or cfg.split_k == groups, (n, k, cfg)
-            assert cfg.split_k == 1 or tiles * cfg.split_k < 2 * target + tiles, (n, k, cfg)
