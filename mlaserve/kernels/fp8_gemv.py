@@ -32,6 +32,10 @@ FP8_GEMV_MAX_M = 4
 GROUP = 128                   # channels per activation / weight scale group (DeepSeek-V3 block FP8)
 BLOCK_N = 128                 # weight rows per program: one weight-scale row, 16 KB of w_q per K-step
 PROGRAMS_PER_SM = 2           # split-K target where cdiv(N, BLOCK_N) < SMs: enough weight bytes in flight per SM
+# NOTE: a one-row form on the CUDA cores (each [BN, 128] weight step converted to fp32 in registers, multiplied and
+# summed along K, the next step's load issued first, no shared memory) was 0.49-0.67x this kernel's speed at V3's
+# shapes under its split rule and 0.62-0.93x at its best tiles (H100, 2026-12-06: benchmarks/results/fp8-gemv1-h100.md):
+# the conversions and the sums cost more issue slots than the tensor-core path. Removed (f6126e3, reverted).
 
 
 class Fp8GemvConfig(NamedTuple):
