@@ -5,7 +5,9 @@ Runs `bench one-batch`'s decode loop (dummy weights, input 256) with each step c
     t0 -> launch_forward -> t1 -> launch_sample -> t2 -> resolve -> t3,  CUDA events e0 (at t0), e1 (t1), e2 (t2).
 Prints medians per batch size: host ms of each part, GPU ms e0->e1 (host wait + graph) and e1->e2 (sampling),
 the graph alone (`graph_replay_s`), the host time to the graph runner's `replay_host` and inside it (staging
-writes, the input copy and event, the graph's launch call), and a cProfile of 5 more steps of the largest size."""
+writes, the input copy and event, the graph's launch call), and a cProfile of 5 more steps of the largest size.
+--wait spin: every wait on the GPU (torch.cuda.synchronize, Event.synchronize) polls its event from Python instead,
+so the host thread never blocks in the driver (does the host part shrink when the thread stays busy?)."""
 import argparse
 import cProfile
 import pstats
@@ -21,10 +23,24 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
 ap.add_argument("--bs", type=int, nargs="+", default=[1, 16, 64])
 ap.add_argument("--steps", type=int, default=31)
+ap.add_argument("--wait", choices=("block", "spin"), default="block")
 a = ap.parse_args()
+if a.wait == "spin":
+    def _spin_event(self) -> None:
+        while not self.query():
+            pass
+
+    def _spin_sync(device=None) -> None:
+        ev = torch.cuda.Event()
+        ev.record()
+        _spin_event(ev)
+
 args = build_parser().parse_args(["--load-format", "dummy", "--model-config", a.model_config, "--batch-size",
                                   *map(str, a.bs), "--input-len", "256", "--output-len", str(a.steps + 2)])
 runner, pool, alloc = build_runner(args, model_dir(args))
+if a.wait == "spin":                             # from here on (startup as usual)
+    torch.cuda.Event.synchronize = _spin_event
+    torch.cuda.synchronize = _spin_sync
 vocab = runner.cfg.vocab_size
 
 
@@ -63,6 +79,7 @@ def ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:7.3f}"
 
 
+print(f"waits: {a.wait}")
 print(f"{'bs':>3} {'step':>7} {'fwd host':>8} {'smp host':>8} {'resolve':>7} | {'e0-e1':>7} {'e1-e2':>7} "
       f"{'graph':>7} | {'to replay_host':>14} {'staging':>7} {'copy+ev':>7} {'launch':>7}   (ms, medians of "
       f"{a.steps - 1} steps)")
