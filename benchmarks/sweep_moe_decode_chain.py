@@ -23,24 +23,11 @@ from mlaserve.config import ModelConfig
 from mlaserve.kernels import fused_moe as fm
 
 from chain_timer import chain_us
+from probe_kernel_chain import copy_rate
 
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) tried for each GEMM: 27 compiles each
 TILES = list(itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5)))
 DEVICE = "cuda"                                  # (a CPU smoke run under TRITON_INTERPRET=1 sets "cpu")
-
-
-def copy_rate() -> float:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device=DEVICE)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        y.copy_(x)
-    b.record()
-    b.synchronize()
-    return 2 * x.numel() * 10 / (a.elapsed_time(b) / 1e3)
 
 
 def layers(cfg: ModelConfig, seed: int) -> list[dict]:
