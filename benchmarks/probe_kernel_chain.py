@@ -43,7 +43,8 @@ def _link_kernel(x_ptr, y_ptr, w_ptr, steps, zero, BLOCK: tl.constexpr, BEFORE: 
 
 
 def chain_us(kernels: int, grid: int, mbytes: float, before: bool, pdl: bool, replays: int = 20) -> tuple[float, float]:
-    """(us a kernel, the chain's check value) of `kernels` links of `grid` programs in one graph."""
+    """(us a kernel, the chain's check value) of `kernels` links of `grid` programs in one graph.
+    Its own replay loop, not chain_timer's: the first buffer is zeroed before each replay for the check."""
     steps = max(0, round(mbytes * 1e6 / 2 / BLOCK / grid))
     # the links read weights from a ring of slots past the L2's reach (the decode step reads each layer's once)
     per = grid * steps * BLOCK
