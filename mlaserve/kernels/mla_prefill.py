@@ -202,6 +202,56 @@ def _flash_attn(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
     return out, lse
 
 
+# With CUDNN_SELF_ATTN, the new tokens' causal self-attention of a prefill runs on torch's cuDNN attention where
+# `cudnn_self_attn_ok` holds; everything else (fp32, short or many requests, the prefix chunks, other GPUs) on the
+# Triton kernel above. Off until measured on a GPU (benchmarks/probe_sdpa_prefill.py, ab_cudnn_prefill.py).
+CUDNN_SELF_ATTN = False
+CUDNN_MIN_TOKENS = 512      # every request's new tokens
+CUDNN_MAX_REQS = 8          # one cuDNN call per request
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_attn_available(device_index: int) -> bool:
+    """cuDNN's fused attention with q/k and v head dims apart (192 / 128): cuDNN >= 9.0 on compute capability 9.0."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return (version is not None and version >= 90000
+            and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+            and torch.cuda.get_device_capability(device_index) == (9, 0))
+
+
+def cudnn_self_attn_ok(q: torch.Tensor, lens: Sequence[int]) -> bool:
+    """Whether the causal self-attention of requests of `lens` new tokens (q [T, H, D]) goes to cuDNN."""
+    return _cudnn_rule(q.is_cuda, q.dtype, lens) and cudnn_attn_available(q.device.index or 0)
+
+
+def _cudnn_rule(on_gpu: bool, dtype: torch.dtype, lens: Sequence[int]) -> bool:
+    return (CUDNN_SELF_ATTN and on_gpu and dtype in (torch.bfloat16, torch.float16)
+            and 0 < len(lens) <= CUDNN_MAX_REQS and min(lens) >= CUDNN_MIN_TOKENS)
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    return x.unsqueeze(0).transpose(1, 2)                                   # [T, H, D] -> [1, H, T, D], a view
+
+
+def _cudnn_self_attn(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                     lens: Sequence[int], sm_scale: float, need_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # q: [T, H, Dn + R], k_nope: [T, H, Dn], k_pe: [T, H, R] (may be a stride-0 view), v: [T, H, Dv]; each request
+    # attends causally to its own new tokens (square, so top-left and bottom-right alignment agree).
+    # -> out [T, H, Dv] in q.dtype, lse [T, H] fp32 (natural log) or None
+    k = torch.cat([k_nope, k_pe], dim=-1)                                   # [T, H, Dn + R]: cuDNN wants one k
+    outs, lses, q0 = [], [], 0
+    for n in lens:
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bhsd(q[q0:q0 + n]), _bhsd(k[q0:q0 + n]), _bhsd(v[q0:q0 + n]), None, need_lse, 0.0, True, False,
+            scale=sm_scale)[:2]
+        outs.append(o[0].transpose(0, 1))                                   # [n, H, Dv]
+        lses.append(lse[0].transpose(0, 1) if need_lse else None)           # [n, H]
+        q0 += n
+    if len(lens) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses) if need_lse else None
+
+
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each request's queries over its own keys (ragged batch, fp32 online softmax).
@@ -419,10 +469,15 @@ def mla_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, exten
         k_nope_new = k_new
     assert prefix_chunk > 0, "prefix_chunk must be positive"
     acc_dtype = torch.float32 if sum(pre) > 0 else q.dtype      # running state stays fp32 across merges
-    out, lse = _flash_attn(q, k_nope_new, k_pe_new, v_new, tuple(ext), tuple(ext),
-                           sm_scale, True, acc_dtype)                  # out: [T, H, Dv], lse: [T, H]
     cu_q = [0, *itertools.accumulate(ext)]
     chunks = _prefix_chunks(tuple(pre), prefix_chunk)
+    if cudnn_self_attn_ok(q, ext):
+        out, lse = _cudnn_self_attn(q, k_nope_new, k_pe_new, v_new, ext, sm_scale, bool(chunks))
+        if chunks:                                              # merged in place below: fp32, [T, H] contiguous
+            out, lse = out.to(acc_dtype), lse.contiguous()
+    else:
+        out, lse = _flash_attn(q, k_nope_new, k_pe_new, v_new, tuple(ext), tuple(ext),
+                               sm_scale, True, acc_dtype)              # out: [T, H, Dv], lse: [T, H]
     if chunks and prefix_slots is None:
         prefix_slots = prefix_chunk_slots(pre, req_to_token, req_pool_idx, prefix_chunk)
     for c, slots in zip(chunks, prefix_slots or ()):

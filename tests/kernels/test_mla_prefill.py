@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
 from mlaserve.bench.kernel_cases import mla_prefill as bench_case
+from mlaserve.kernels import mla_prefill as mp
 from mlaserve.kernels.mla_prefill import (flash_attn_varlen, flash_attn_varlen_ref, merge_attn_states,
                                           merge_attn_states_ref, mla_prefill, mla_prefill_ref)
+from mlaserve.kernels.mla_prefill import _cudnn_self_attn
 
 # Tolerances (abs and rel) vs fp32 references:
 #   fp32: 1e-4 on every device (summation order only): the kernels' fp32 dots run in IEEE fp32 on the GPU too
@@ -201,3 +204,50 @@ def test_mla_prefill_separate_rope_key(dtype: torch.dtype, device: str) -> None:
     want = mla_prefill_ref(**x, k_new=torch.cat([k_nope, k_pe], dim=-1))
     _close(mla_prefill(**x, k_new=k_nope, k_pe_new=k_pe, prefix_chunk=8), want, _tols(dtype, device)[0])
     _close(mla_prefill_ref(**x, k_new=k_nope, k_pe_new=k_pe), want, 0.0)
+
+
+def test_cudnn_self_attn_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which prefills' new-token attention goes to cuDNN: half-precision CUDA tensors, at most CUDNN_MAX_REQS
+    requests of at least CUDNN_MIN_TOKENS new tokens each; the switch off sends everything to Triton."""
+    monkeypatch.setattr(mp, "CUDNN_SELF_ATTN", True)
+    n, most = mp.CUDNN_MIN_TOKENS, mp.CUDNN_MAX_REQS
+    assert mp._cudnn_rule(True, torch.bfloat16, [n]) and mp._cudnn_rule(True, torch.float16, [n + 1] * most)
+    assert not mp._cudnn_rule(True, torch.bfloat16, [n - 1])
+    assert not mp._cudnn_rule(True, torch.bfloat16, [n, n - 1])
+    assert not mp._cudnn_rule(True, torch.bfloat16, [n] * (most + 1))
+    assert not mp._cudnn_rule(True, torch.float32, [n]) and not mp._cudnn_rule(False, torch.bfloat16, [n])
+    assert not mp._cudnn_rule(True, torch.bfloat16, [])
+    assert not mp.cudnn_self_attn_ok(torch.empty(n, 2, 192, dtype=torch.bfloat16), [n])      # a CPU tensor
+    monkeypatch.setattr(mp, "CUDNN_SELF_ATTN", False)
+    assert not mp._cudnn_rule(True, torch.bfloat16, [n])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on a GPU")
+@pytest.mark.parametrize("ext,pre,chunk", [
+    ([600], [0], 4096),                              # one prompt
+    ([512, 777], [0, 0], 4096),                      # two, concatenated outputs
+    ([520, 600], [300, 0], 128),                     # a cached prefix in three chunks, merged into cuDNN's output
+])
+def test_mla_prefill_cudnn_matches_ref_and_triton(ext: list[int], pre: list[int], chunk: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 at DeepSeek's dims with the model's stride-0 rope key: the cuDNN path (taken: counted) against the
+    fp32 reference and against the Triton kernel on the same inputs."""
+    if not mp.cudnn_attn_available(torch.cuda.current_device()):
+        pytest.skip("this GPU / torch lacks cuDNN attention with q/k and v head dims apart (cuDNN 9, sm90)")
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    x = _mla_inputs(ext, pre, torch.bfloat16, "cuda", **(DEEPSEEK | dict(heads=16)))
+    k_new = x.pop("k_new")
+    k_pe = k_new[:, :1, 128:].expand(-1, k_new.shape[1], -1)
+    k_nope = k_new[..., :128]
+    calls = []
+    monkeypatch.setattr(mp, "CUDNN_SELF_ATTN", True)
+    monkeypatch.setattr(mp, "_cudnn_self_attn", lambda *a: calls.append(a[4]) or _cudnn_self_attn(*a))
+    out = mla_prefill(**x, k_new=k_nope, k_pe_new=k_pe, prefix_chunk=chunk)
+    assert calls == [ext], "the cuDNN path was not taken"
+    want = mla_prefill_ref(**x, k_new=torch.cat([k_nope, k_pe], dim=-1))
+    _close(out, want, 2e-2)
+    monkeypatch.setattr(mp, "CUDNN_SELF_ATTN", False)
+    _close(out, mla_prefill(**x, k_new=k_nope, k_pe_new=k_pe, prefix_chunk=chunk), 2e-2)
+    assert calls == [ext]

@@ -1,0 +1,52 @@
+"""The prefill's new-token attention on cuDNN (`mla_prefill.CUDNN_SELF_ATTN`) against the Triton kernel, alternated in
+one runner (dummy weights, eager, batch 1): the wall time from an idle GPU to the sampled token, the GPU time between
+CUDA events, and the logits of the two paths against each other (max |diff| / max |logit|, and the greedy tokens)."""
+import argparse
+import statistics
+import time
+
+import torch
+
+from mlaserve.bench.one_batch import eager_prefill
+from mlaserve.kernels import mla_prefill as mp
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model-config", default="mlaserve/tools/configs/deepseek-v2-lite.json")
+ap.add_argument("--len", type=int, default=4096)
+ap.add_argument("--repeats", type=int, default=10)
+ap.add_argument("--rounds", type=int, default=2)
+a = ap.parse_args()
+runner, batch = eager_prefill(a.model_config, a.len)
+
+
+def prefills(on: bool) -> tuple[float, float, torch.Tensor]:
+    mp.CUDNN_SELF_ATTN = on
+    for _ in range(3):
+        runner.forward(batch)
+    walls, gpu = [], []
+    for _ in range(a.repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fwd = runner.launch_forward(batch)
+        out = runner.resolve(runner.launch_sample(fwd))
+        end.record()
+        end.synchronize()
+        walls.append(time.perf_counter() - t0)
+        gpu.append(start.elapsed_time(end) / 1e3)
+        assert out.next_ids[0] is not None
+    return statistics.median(walls), statistics.median(gpu), fwd.logits.float()
+
+
+name = a.model_config.split("/")[-1]
+print(f"| model | tokens | attention | wall ms | GPU ms |")
+print("|---|---|---|---|---|")
+logits = {}
+for _ in range(a.rounds):
+    for on in (False, True):
+        wall, gpu, logits[on] = prefills(on)
+        print(f"| {name} | {a.len} | {'cuDNN' if on else 'Triton'} | {wall * 1e3:.2f} | {gpu * 1e3:.2f} |")
+diff = ((logits[True] - logits[False]).abs().max() / logits[False].abs().max()).item()
+same = torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+print(f"logits cuDNN vs Triton: max |diff| / max |logit| = {diff:.2e}; greedy tokens equal: {same}")
