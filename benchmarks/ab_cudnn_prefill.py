@@ -47,6 +47,17 @@ for _ in range(a.rounds):
     for on in (False, True):
         wall, gpu, logits[on] = prefills(on)
         print(f"| {name} | {a.len} | {'cuDNN' if on else 'Triton'} | {wall * 1e3:.2f} | {gpu * 1e3:.2f} |")
-diff = ((logits[True] - logits[False]).abs().max() / logits[False].abs().max()).item()
-same = torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
-print(f"logits cuDNN vs Triton: max |diff| / max |logit| = {diff:.2e}; greedy tokens equal: {same}")
+# the noise floor of that comparison: the Triton kernel at other tiles (another summation order, the same maths)
+shipped = mp.FLASH_CONFIG
+mp.FLASH_CONFIG = (64, 64, 4, 3)
+logits["tiles"] = prefills(False)[2]
+mp.FLASH_CONFIG = shipped
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> str:
+    diff = ((a - b).abs().max() / b.abs().max()).item()
+    return f"max |diff| / max |logit| = {diff:.2e}; greedy tokens equal: {torch.equal(a.argmax(-1), b.argmax(-1))}"
+
+
+print(f"logits cuDNN vs Triton: {compare(logits[True], logits[False])}")
+print(f"logits Triton at tiles (64, 64, 4, 3) vs shipped {shipped}: {compare(logits['tiles'], logits[False])}")

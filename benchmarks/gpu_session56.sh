@@ -3,7 +3,7 @@
 # attention on cuDNN (mla_prefill.CUDNN_SELF_ATTN) against our Triton flash kernel:
 #   sdpa:     benchmarks/probe_sdpa_prefill.py (the attention alone: ours, torch SDPA's backends, cuDNN with lse)
 #   tests:    tests/kernels/test_mla_prefill.py (the cuDNN path against the reference and the Triton kernel)
-#   ab:       benchmarks/ab_cudnn_prefill.py, V3 4L and V2-Lite 1 x 4096 (and V3 4L 1 x 8192), alternated in one runner
+#   ab:       benchmarks/ab_cudnn_prefill.py, V3 4L and V2-Lite 1 x 4096 (and 8192 / 16384), alternated in one runner
 #   onebatch: bench one-batch 1 x 4096, V2-Lite and V3 4L (issue 15's prefill rows), the shipped default
 #   bash benchmarks/gpu_session56.sh PART...
 source benchmarks/gpu_v2l_env.sh
@@ -16,7 +16,7 @@ for PART in "$@"; do
     tests)
       timeout 300 python3 -m pytest -q -x tests/kernels/test_mla_prefill.py > "$OUT/tests.txt" 2>&1; tail -4 "$OUT/tests.txt" ;;
     ab)
-      for run in "$V3_4L 4096" "$V2L 4096" "$V3_4L 8192"; do
+      for run in "$V3_4L 4096" "$V2L 4096" "$V3_4L 8192" "$V3_4L 16384" "$V2L 16384"; do
         set -- $run
         timeout 200 python3 benchmarks/ab_cudnn_prefill.py --model-config $1 --len $2 2>&1 | grep -a "^|\|logits\|Error" \
           | tee -a "$OUT/ab.md"

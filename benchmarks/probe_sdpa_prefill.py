@@ -4,7 +4,7 @@ scaled-dot-product attention backends (cuDNN, flash, efficient), at DeepSeek's d
 Each row: us per call (median of CUDA-event timed calls, L2 flushed), TFLOP/s of the causal work, and the error of out
 and lse against `flash_attn_varlen_ref` (fp32, the first 8 heads). The torch backends need one k of [T, H, 192]:
 "+ cat" times the concatenation of k_nope and the shared k_pe with the call (what the model would pay); "alone" times
-the call only.
+the call only ("+ cat": `join_k`; torch.cat's time is printed apart).
 A backend that refuses the shape prints its one-line error."""
 import argparse
 import math
@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mlaserve.bench.timing import time_cuda
-from mlaserve.kernels.mla_prefill import _flash_attn, flash_attn_varlen_ref
+from mlaserve.kernels.mla_prefill import _flash_attn, flash_attn_varlen_ref, join_k
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--heads", type=int, nargs="+", default=[128, 16])
-ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
 ap.add_argument("--seed", type=int, default=None)
 a = ap.parse_args()
 seed = a.seed if a.seed is not None else torch.seed() % 2**31
@@ -37,7 +37,7 @@ def inputs(t: int, h: int):
 
 
 def cat_k(k_nope, k_pe):
-    return torch.cat([k_nope, k_pe], dim=-1)                                  # [T, H, 192]
+    return join_k(k_nope, k_pe)                                               # [T, H, 192], one Triton pass
 
 
 def bhsd(x):                                                                   # [T, H, D] -> [1, H, T, D] (a view)
@@ -88,11 +88,15 @@ for h in a.heads:
                 continue
             o, l = res if isinstance(res, tuple) else (res, None)
             o = o.transpose(1, 2)[0]                                           # [T, H, Dv]
-            l_err = f"{err(l[0].transpose(0, 1), ref_lse):.1e}" if l is not None else "-"
+            l_err = f"{err(l.reshape(h, t).transpose(0, 1), ref_lse):.1e}" if l is not None else "-"
             alone = time_cuda(lambda: fn(q, k, v), iters=20) * 1000
             both = time_cuda(lambda: fn(q, cat_k(k_nope, k_pe), v), iters=20) * 1000
             print(f"| {h} | {t} | {name} | {alone:.0f} | {both:.0f} | {flops / alone / 1e6:.0f} "
                   f"({flops / both / 1e6:.0f}) | {err(o, ref_out):.1e} | {l_err} |")
+        cat_us = time_cuda(lambda: torch.cat([k_nope, k_pe], dim=-1), iters=20) * 1000
+        join_us = time_cuda(lambda: join_k(k_nope, k_pe), iters=20) * 1000
+        print(f"k of [{t}, {h}, 192]: torch.cat {cat_us:.0f} us, join_k {join_us:.0f} us, bytes' time at 3 TB/s "
+              f"{t * h * (128 + 192) * 2 / 3e6:.0f} us")
         # cuDNN's output layout: does it honour a [T, H, D] (BSHD) view, i.e. is its out strided like q?
         try:
             o = cudnn_lse(q, k, v)[0]

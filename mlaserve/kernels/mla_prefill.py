@@ -229,6 +229,38 @@ def _cudnn_rule(on_gpu: bool, dtype: torch.dtype, lens: Sequence[int]) -> bool:
             and 0 < len(lens) <= CUDNN_MAX_REQS and min(lens) >= CUDNN_MIN_TOKENS)
 
 
+@triton.jit
+def _join_k_kernel(KN, KPE, K, H, stride_nt, stride_nh, stride_pt, stride_ph, stride_kt, stride_kh,
+                   D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr):
+    # one token, BLOCK_H heads: K[t, h] = [KN[t, h], KPE[t, h]] (KPE's head stride may be 0)
+    t, hb = tl.program_id(0), tl.program_id(1)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h[:, None] < H
+    offs_n, offs_r = tl.arange(0, D_NOPE), tl.arange(0, D_ROPE)
+    nope = tl.load(KN + t * stride_nt + offs_h[:, None] * stride_nh + offs_n[None, :], mask=h_ok)
+    rope = tl.load(KPE + t * stride_pt + offs_h[:, None] * stride_ph + offs_r[None, :], mask=h_ok)
+    row = K + t * stride_kt + offs_h[:, None] * stride_kh
+    tl.store(row + offs_n[None, :], nope, mask=h_ok)
+    tl.store(row + D_NOPE + offs_r[None, :], rope, mask=h_ok)
+
+
+def join_k(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """k [T, H, Dn + R] = torch.cat([k_nope, k_pe], -1) in one pass (k_pe may be a stride-0 view over heads;
+    Dn and R powers of two). torch.cat of the model's views took 90 us at T = 1024, H = 128 on an H100
+    (benchmarks/probe_sdpa_prefill.py), three times the bytes' time."""
+    t, h, d_nope = k_nope.shape
+    d_rope = k_pe.shape[2]
+    assert k_pe.shape[:2] == (t, h) and k_nope.stride(2) == 1 and k_pe.stride(2) == 1, "k_nope / k_pe: [T, H, D]"
+    assert d_nope & (d_nope - 1) == 0 and d_rope & (d_rope - 1) == 0, f"dims {d_nope} / {d_rope}: powers of two"
+    k = torch.empty(t, h, d_nope + d_rope, dtype=k_nope.dtype, device=k_nope.device)
+    if t:
+        block_h = min(triton.next_power_of_2(h), 8)
+        _join_k_kernel[(t, triton.cdiv(h, block_h))](
+            k_nope, k_pe, k, h, k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), k_pe.stride(1), k.stride(0),
+            k.stride(1), D_NOPE=d_nope, D_ROPE=d_rope, BLOCK_H=block_h)
+    return k
+
+
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(0).transpose(1, 2)                                   # [T, H, D] -> [1, H, T, D], a view
 
@@ -238,14 +270,14 @@ def _cudnn_self_attn(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, 
     # q: [T, H, Dn + R], k_nope: [T, H, Dn], k_pe: [T, H, R] (may be a stride-0 view), v: [T, H, Dv]; each request
     # attends causally to its own new tokens (square, so top-left and bottom-right alignment agree).
     # -> out [T, H, Dv] in q.dtype, lse [T, H] fp32 (natural log) or None
-    k = torch.cat([k_nope, k_pe], dim=-1)                                   # [T, H, Dn + R]: cuDNN wants one k
+    k = join_k(k_nope, k_pe)                                                # [T, H, Dn + R]: cuDNN wants one k
     outs, lses, q0 = [], [], 0
     for n in lens:
         o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             _bhsd(q[q0:q0 + n]), _bhsd(k[q0:q0 + n]), _bhsd(v[q0:q0 + n]), None, need_lse, 0.0, True, False,
             scale=sm_scale)[:2]
         outs.append(o[0].transpose(0, 1))                                   # [n, H, Dv]
-        lses.append(lse[0].transpose(0, 1) if need_lse else None)           # [n, H]
+        lses.append(lse.reshape(-1, n).transpose(0, 1) if need_lse else None)   # [1, H, n(, 1)] -> [n, H]
         q0 += n
     if len(lens) == 1:
         return outs[0], lses[0]

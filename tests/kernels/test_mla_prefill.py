@@ -251,3 +251,11 @@ def test_mla_prefill_cudnn_matches_ref_and_triton(ext: list[int], pre: list[int]
     monkeypatch.setattr(mp, "CUDNN_SELF_ATTN", False)
     _close(out, mla_prefill(**x, k_new=k_nope, k_pe_new=k_pe, prefix_chunk=chunk), 2e-2)
     assert calls == [ext]
+
+
+@pytest.mark.parametrize("t,h", [(5, 3), (2, 16), (0, 4)])
+def test_join_k_is_cat(t: int, h: int, device: str) -> None:
+    """join_k equals torch.cat of k_nope and the shared rope key (a stride-0 view over heads), bit for bit."""
+    k_nope = torch.randn(t, h, 2 * 32, device=device)[..., :32]                # strided like kv_b_proj's output
+    k_pe = torch.randn(t, 16, device=device)[:, None, :].expand(-1, h, -1)
+    assert torch.equal(mp.join_k(k_nope, k_pe), torch.cat([k_nope, k_pe], dim=-1))
