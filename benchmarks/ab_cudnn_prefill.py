@@ -3,9 +3,9 @@ one runner (dummy weights, eager, batch 1): the wall time from an idle GPU to th
 CUDA events, and the logits of the two paths against each other (max |diff| / max |logit|, and the greedy tokens)."""
 import argparse
 import statistics
-import time
 
 import torch
+from ab_prefill_host import timed_prefill      # this script's folder is on sys.path
 
 from mlaserve.bench.one_batch import eager_prefill
 from mlaserve.kernels import mla_prefill as mp
@@ -25,22 +25,14 @@ def prefills(on: bool) -> tuple[float, float, torch.Tensor]:
         runner.forward(batch)
     walls, gpu = [], []
     for _ in range(a.repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        fwd = runner.launch_forward(batch)
-        out = runner.resolve(runner.launch_sample(fwd))
-        end.record()
-        end.synchronize()
-        walls.append(time.perf_counter() - t0)
-        gpu.append(start.elapsed_time(end) / 1e3)
-        assert out.next_ids[0] is not None
+        wall, _, g, fwd = timed_prefill(runner, batch)
+        walls.append(wall)
+        gpu.append(g)
     return statistics.median(walls), statistics.median(gpu), fwd.logits.float()
 
 
 name = a.model_config.split("/")[-1]
-print(f"| model | tokens | attention | wall ms | GPU ms |")
+print("| model | tokens | attention | wall ms | GPU ms |")
 print("|---|---|---|---|---|")
 logits = {}
 for _ in range(a.rounds):
