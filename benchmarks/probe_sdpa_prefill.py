@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mlaserve.bench.timing import time_cuda
-from mlaserve.kernels.mla_prefill import _flash_attn, flash_attn_varlen_ref, join_k
+from mlaserve.kernels.mla_prefill import _bhsd as bhsd, _flash_attn, flash_attn_varlen_ref, join_k
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--heads", type=int, nargs="+", default=[128, 16])
@@ -34,14 +34,6 @@ def inputs(t: int, h: int):
     k_nope, v = kv[..., :DN], kv[..., DN:]
     k_pe = torch.randn(t, DR, device="cuda", dtype=torch.bfloat16)[:, None, :].expand(-1, h, -1)
     return q, k_nope, k_pe, v
-
-
-def cat_k(k_nope, k_pe):
-    return join_k(k_nope, k_pe)                                               # [T, H, 192], one Triton pass
-
-
-def bhsd(x):                                                                   # [T, H, D] -> [1, H, T, D] (a view)
-    return x.unsqueeze(0).transpose(1, 2)
 
 
 def sdpa(backend):
@@ -69,7 +61,7 @@ for h in a.heads:
         q, k_nope, k_pe, v = inputs(t, h)
         flops = 2 * h * (DN + DR + DV) * t * (t + 1) / 2
         cu = torch.tensor([0, t], dtype=torch.int32)
-        k = cat_k(k_nope, k_pe)
+        k = join_k(k_nope, k_pe)
         hr = min(h, 8)                       # the reference's [H, T, T] fp32 scores: its first 8 heads only
         ref_out, ref_lse = flash_attn_varlen_ref(q[:, :hr].float(), k[:, :hr].float(), v[:, :hr].float(), cu, cu,
                                                  scale, True)
@@ -90,7 +82,7 @@ for h in a.heads:
             o = o.transpose(1, 2)[0]                                           # [T, H, Dv]
             l_err = f"{err(l.reshape(h, t).transpose(0, 1), ref_lse):.1e}" if l is not None else "-"
             alone = time_cuda(lambda: fn(q, k, v), iters=20) * 1000
-            both = time_cuda(lambda: fn(q, cat_k(k_nope, k_pe), v), iters=20) * 1000
+            both = time_cuda(lambda: fn(q, join_k(k_nope, k_pe), v), iters=20) * 1000
             print(f"| {h} | {t} | {name} | {alone:.0f} | {both:.0f} | {flops / alone / 1e6:.0f} "
                   f"({flops / both / 1e6:.0f}) | {err(o, ref_out):.1e} | {l_err} |")
         cat_us = time_cuda(lambda: torch.cat([k_nope, k_pe], dim=-1), iters=20) * 1000
