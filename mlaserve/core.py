@@ -53,7 +53,9 @@ class ForwardContext:
     # decode graphs: [D * P] bool (D DP groups, else 1), the MoE's rows (gathered under DP attention) that are a
     # request's; the others, padding, route to no expert. None: every row routes
     moe_row_mask: torch.Tensor | None = None
-    num_decode: int = 0              # EXTEND mode: the last num_decode requests are one-token decodes (mixed batch)
+    # EXTEND mode: the last num_decode requests are decodes of a mixed batch, one token each (num_q of the step's
+    # verify under speculative decoding)
+    num_decode: int = 0
     parts: "tuple[ForwardContext, ForwardContext] | None" = None   # a mixed batch's `split_mixed()`, made once
     tree_mask: torch.Tensor | None = None    # [T] int64, DECODE: bit i = sees new token i of its request (None: causal)
     # EXTEND under piecewise CUDA graphs (engine/piecewise.py): called as splitter(attn, q, kv_c, k_pe, kv_new) in
@@ -67,23 +69,31 @@ class ForwardContext:
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @property
+    def decode_tokens(self) -> int:
+        """EXTEND mode: the tokens of a mixed batch's decodes (its last rows)."""
+        return sum(self.extend_lens_cpu[self.batch_size - self.num_decode:]) if self.num_decode else 0
+
     def split_mixed(self) -> tuple[ForwardContext, ForwardContext]:
         """A mixed batch (EXTEND, num_decode = n > 0) as (its extends, EXTEND; its decodes, DECODE), so attention
         runs the non-absorbed form on the first and the absorbed one on the second:
 
-            requests  | 0 .. B - n - 1: prompts, prompt chunks | B - n .. B - 1: decodes, one token each |
-            tokens    | 0 .. T - n - 1                         | T - n .. T - 1                         |
-        """
+            requests  | 0 .. B - n - 1: prompts, prompt chunks | B - n .. B - 1: decodes, q tokens each   |
+            tokens    | 0 .. T - n q - 1                       | T - n q .. T - 1 (causal within each q)  |
+
+        q is 1, or under speculative decoding the step's verified tokens (the last token and its drafts)."""
         n, b = self.num_decode, self.batch_size - self.num_decode
-        assert self.mode is ForwardMode.EXTEND and n > 0 and self.extend_lens_cpu[b:] == [1] * n, \
-            "a mixed batch ends with its one-token decodes"
+        q = self.extend_lens_cpu[b] if n else 1
+        assert self.mode is ForwardMode.EXTEND and n > 0 and self.extend_lens_cpu[b:] == [q] * n, \
+            "a mixed batch ends with its decodes, the same number of tokens each"
+        t = n * q
         common = dict(logits_indices=None, num_decode=0, parts=None, attn_cache={}, input_ids=None)
-        ext = replace(self, positions=self.positions[:-n], out_slots=self.out_slots[:-n],
+        ext = replace(self, positions=self.positions[:-t], out_slots=self.out_slots[:-t],
                       req_pool_idx=self.req_pool_idx[:b], seq_lens=self.seq_lens[:b],
                       seq_lens_cpu=self.seq_lens_cpu[:b], extend_lens_cpu=self.extend_lens_cpu[:b], **common)
-        dec = replace(self, mode=ForwardMode.DECODE, positions=self.positions[-n:], out_slots=self.out_slots[-n:],
+        dec = replace(self, mode=ForwardMode.DECODE, positions=self.positions[-t:], out_slots=self.out_slots[-t:],
                       req_pool_idx=self.req_pool_idx[b:], seq_lens=self.seq_lens[b:],
-                      seq_lens_cpu=self.seq_lens_cpu[b:], extend_lens_cpu=[1] * n, **common)
+                      seq_lens_cpu=self.seq_lens_cpu[b:], extend_lens_cpu=[q] * n, num_q=q, **common)
         return ext, dec
 
     @property
@@ -453,6 +463,12 @@ class Batch:
     def is_decode(self, i: int) -> bool:
         """True when request i of the batch decodes this step (a DECODE batch, or the tail of a mixed one)."""
         return self.mode is ForwardMode.DECODE or i >= len(self.reqs) - self.num_decode
+
+    @functools.cached_property
+    def decode_ids(self) -> frozenset[int]:
+        """id() of each request that decodes this step (`is_decode`), for membership tests by request."""
+        reqs = self.reqs if self.mode is ForwardMode.DECODE else self.reqs[len(self.reqs) - self.num_decode:]
+        return frozenset(id(r) for r in reqs)
 
     @property
     def num_tokens(self) -> int:

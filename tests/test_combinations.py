@@ -297,7 +297,12 @@ GPU_ROWS = {"graphs": ({}, 1),
             "graphs-noradix-nooverlap-chunk": ({"disable_radix_cache": True, "disable_overlap_schedule": True,
                                                 "chunked_prefill_size": 8}, 1),
             "graphs-mixed-chunk": ({"enable_mixed_chunk": True, "chunked_prefill_size": 8}, 1),
+            "graphs-mixed-chunk-spec": ({"enable_mixed_chunk": True, "chunked_prefill_size": 16,
+                                         "speculative_algorithm": "EAGLE"}, 1),
             "piecewise": ({"enable_piecewise_cuda_graph": True}, 1),
+            "piecewise-compile-mixed-chunk-spec": ({"enable_piecewise_cuda_graph": True, "enable_torch_compile": True,
+                                                    "enable_mixed_chunk": True, "chunked_prefill_size": 16,
+                                                    "speculative_algorithm": "EAGLE"}, 1),
             "piecewise-mixed-chunk-fp8kv": ({"enable_piecewise_cuda_graph": True, "enable_mixed_chunk": True,
                                              "chunked_prefill_size": 8, "kv_cache_dtype": "fp8_e4m3"}, 1),
             "piecewise-compile-spec": ({"enable_piecewise_cuda_graph": True, "enable_torch_compile": True,
@@ -345,6 +350,8 @@ def test_gpu_graphs_and_compile(name: str):
     assert (info["torch_compile_max_bs"] > 0) is bool(flags.get("enable_torch_compile"))
     if flags.get("enable_piecewise_cuda_graph"):         # the prompts' extends (both passes) fit the pieces
         assert info["piecewise_graph_steps"] >= 2, info
+    if flags.get("enable_mixed_chunk"):                  # decodes rode in the later prompts' chunks
+        assert info["mixed_steps"] > 0, info
     for a, b in zip(base, first, strict=True):
         n = clear_prefix(a, GPU_TIE_MARGIN)
         assert b["output_ids"][:n] == a["output_ids"][:n]

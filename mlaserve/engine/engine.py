@@ -43,6 +43,7 @@ class StepOutput(NamedTuple):
     next_top: list[list[tuple[float, int]] | None]
     input_logprobs: list[list[tuple[float, int]]]          # prompt positions covered by this step
     input_top: list[list[list[tuple[float, int]]]]
+    spec: SpecOutput | None = None           # a mixed batch under speculative decoding: its decodes' verify results
 
 
 class ForwardStep(NamedTuple):
@@ -53,6 +54,7 @@ class ForwardStep(NamedTuple):
     rows_dev: torch.Tensor                # [B] request rows on the device
     prompt_rows: list[list[int]]
     sample_row: list[int | None]
+    spec: PendingSpec | None = None          # a mixed batch under speculative decoding: its decodes' step
 
 
 class PendingStep(NamedTuple):
@@ -65,6 +67,7 @@ class PendingStep(NamedTuple):
     top: tuple[torch.Tensor, torch.Tensor] | None
     prompt: tuple[list, list]
     event: "torch.cuda.Event | None"
+    spec: PendingSpec | None = None
 
 
 def resolve_for_device(server: ServerConfig, model_path: str) -> ServerConfig:
@@ -308,8 +311,8 @@ class ModelRunner:
             logits, rows_dev = self.graphs.replay_host(batch.prefix_lens, batch.out_slots, pool_rows, batch.graph_bs,
                                                        batch.global_num_tokens)
             return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
-        logits, rows_dev = self._logits(batch, rows, pool_rows)
-        return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row)
+        logits, rows_dev, spec = self._logits(batch, rows, pool_rows)
+        return ForwardStep(batch, logits, rows_dev, prompt_rows, sample_row, spec)
 
     def _decodes_alone(self, batch: Batch, prompt_rows: list[list[int]]) -> bool:
         """An extend batch of one new token per request, each sampled and none wanting prompt log-probs, that can
@@ -342,7 +345,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return PendingStep(batch, samplers, host[0], host[1], top, prompt, event)
+        return PendingStep(batch, samplers, host[0], host[1], top, prompt, event, fwd.spec)
 
     @torch.no_grad()
     def launch_spec(self, batch: Batch, draft_bitmask=None) -> PendingSpec:
@@ -369,11 +372,13 @@ class ModelRunner:
                 if tops is not None and req.top_logprobs_num:
                     k = req.top_logprobs_num
                     next_top[i] = list(zip(tops[0][j][:k], tops[1][j][:k]))
-        return StepOutput(next_ids, next_lp, next_top, *p.prompt)
+        spec = self.spec.resolve(p.spec) if p.spec is not None else None
+        return StepOutput(next_ids, next_lp, next_top, *p.prompt, spec=spec)
 
-    def _logits(self, batch: Batch, rows: list[int], pool_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logits(self, batch: Batch, rows: list[int],
+                pool_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, PendingSpec | None]:
         """(the logits of the batch's token rows `rows` [len(rows), V] fp32, the requests' pool rows `pool_rows` on
-        the device)."""
+        the device, a mixed batch's decode step under speculative decoding or None)."""
         if batch.mode is ForwardMode.IDLE:                                     # DP attention: no tokens here
             # the other groups extend through the pieces (agreed): this group's padding rows in their gathers
             target = self.model.forward_idle if batch.piece_tokens is None else \
@@ -383,7 +388,7 @@ class ModelRunner:
             else:
                 target(batch.global_num_tokens)
             return (torch.empty(0, self.cfg.vocab_size, device=self.device),
-                    torch.empty(0, dtype=torch.int64, device=self.device))
+                    torch.empty(0, dtype=torch.int64, device=self.device), None)
         if batch.mode is not ForwardMode.DECODE and self.spec is not None:
             return self._spec_extend_logits(batch, rows, pool_rows)
         extend = batch.mode is ForwardMode.EXTEND
@@ -400,12 +405,17 @@ class ModelRunner:
             ids = ctx.input_ids
             if batch.num_decode:                     # a mixed batch: its decodes' inputs are on the device
                 ids[-batch.num_decode:] = self.token_buf[rows_dev[-batch.num_decode:]]
-        if ctx.parts is not None:                    # NOTE: chosen on the host: the kernel's own choice syncs
-            dec = ctx.parts[1]
-            dec.num_kv_splits = choose_num_kv_splits(decode_programs(dec.batch_size, self.model.num_local_heads),
-                                                     max(dec.seq_lens_cpu))
+        self._mixed_splits(ctx)
         ctx.global_num_tokens = batch.global_num_tokens
-        return self._forward_model(ids, ctx, batch.piece_tokens).logits, rows_dev
+        return self._forward_model(ids, ctx, batch.piece_tokens).logits, rows_dev, None
+
+    def _mixed_splits(self, ctx) -> None:
+        """A mixed batch's decodes: their split count of the decode kernel, chosen on the host (the kernel's own
+        choice syncs)."""
+        if ctx.parts is not None:
+            dec = ctx.parts[1]
+            dec.num_kv_splits = choose_num_kv_splits(
+                decode_programs(dec.batch_size, dec.num_q * self.model.num_local_heads), max(dec.seq_lens_cpu))
 
     def _forward_model(self, ids: torch.Tensor, ctx, piece_tokens: int | None = None):
         """The model's forward, through the piecewise extend graphs where they take the batch: under DP attention
@@ -417,23 +427,46 @@ class ModelRunner:
         return self.model(ids, ctx.positions, ctx)
 
     def _spec_extend_logits(self, batch: Batch, rows: list[int],
-                            pool_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                            pool_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, PendingSpec | None]:
         """An extend under speculative decoding: the target over the widened batch (`spec.widen`), then the
-        draft layer over the same tokens. Returns what `_logits` does."""
-        wide = widen(batch)
-        ctx = build_context(ForwardMode.EXTEND, req_pool_idx=pool_rows,
-                            prefix_lens=wide.prefix_lens, extend_lens=wide.extend_lens, out_slots=wide.out_slots,
-                            req_to_token=self.req_to_token, kv_pool=self.pool, attn_backend=self.attn_backend,
-                            device=self.device, last_token_logits=False,
-                            logits_rows=wide.index[torch.tensor(rows, dtype=torch.int64)], input_ids=wide.ids)
+        draft layer over the same tokens. A mixed batch's decodes (--enable-mixed-chunk, its last num_decode
+        requests) draft first, their last tokens and drafts are verified in the last rows of the same target
+        forward, and their accept follows it (`SpecDecoder.mixed_drafts` / `mixed_accept`). Returns what `_logits`
+        does."""
+        n = batch.num_decode
+        head = batch if not n else replace(
+            batch, reqs=batch.reqs[:-n], input_ids=batch.input_ids[:-n * (self.spec.steps + 1)],
+            out_slots=batch.out_slots[:-n * (self.spec.steps + 1)], prefix_lens=batch.prefix_lens[:-n],
+            extend_lens=batch.extend_lens[:-n], sampling=batch.sampling[:-n], num_decode=0)
+        wide = widen(head)
+        logit_rows = wide.index[torch.tensor(rows, dtype=torch.int64)]
+        prefix, ext, out_slots, ids = wide.prefix_lens, wide.extend_lens, wide.out_slots, wide.ids
+        tail = self.spec.mixed_drafts(batch) if n else None
+        if tail is not None:                   # the decodes' verify rows after the prompts' (`split_mixed`)
+            t, vk = len(wide.ids), tail.ids.shape[0]
+            logit_rows = torch.cat([logit_rows, torch.arange(t, t + vk)])
+            prefix, ext = prefix + batch.prefix_lens[-n:], ext + batch.extend_lens[-n:]
+            out_slots, ids = torch.cat([out_slots, batch.out_slots[-vk:]]), ids + [0] * vk
+        ctx = build_context(ForwardMode.EXTEND, req_pool_idx=pool_rows, prefix_lens=prefix, extend_lens=ext,
+                            out_slots=out_slots, req_to_token=self.req_to_token, kv_pool=self.pool,
+                            attn_backend=self.attn_backend, device=self.device, last_token_logits=False,
+                            num_decode=n, logits_rows=logit_rows, input_ids=ids)
         ids = ctx.input_ids
+        if tail is not None:
+            ids[len(wide.ids):] = tail.ids
+            self._mixed_splits(ctx)
         slots = batch.slot_tokens                                              # DP attention: agreed counts
         if slots is not None:
             self.spec.idle(slots[: self.spec.steps])                            # other groups' drafts
             ctx.global_num_tokens = slots[self.spec.steps]
         out = self._forward_model(ids, ctx, batch.piece_tokens)
-        self.spec.after_extend(batch, wide, out.hidden, slots[-1] if slots is not None else None)
-        return out.logits, ctx.req_pool_idx
+        if tail is None:
+            self.spec.after_extend(batch, wide, out.hidden, slots[-1] if slots is not None else None)
+            return out.logits, ctx.req_pool_idx, None
+        t = len(wide.ids)
+        self.spec.after_extend(head, wide, out.hidden[:t])
+        pending = self.spec.mixed_accept(tail, out.logits[len(rows):], out.hidden[t:])
+        return out.logits[:len(rows)], ctx.req_pool_idx, pending
 
     @torch.no_grad()
     def spec_step(self, batch: Batch, draft_bitmask=None) -> SpecOutput:

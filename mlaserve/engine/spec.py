@@ -34,7 +34,8 @@ import torch
 
 from mlaserve.core import Batch, ForwardContext, ForwardMode
 from mlaserve.engine import spec_tree
-from mlaserve.engine.forward_batch import build_context
+from mlaserve.engine.forward_batch import build_context, upload_ints
+from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 from mlaserve.kernels.sampling import greedy_ids
 from mlaserve.kvcache.allocator import to_device
 from mlaserve.layers.sampler import SamplingBatch
@@ -244,13 +245,34 @@ class SpecDecoder:
             lp = lp.gather(1, path) if lp is not None else None
             top = tuple(t.gather(1, path[:, :, None].expand(-1, -1, t.shape[2])) for t in top) \
                 if top is not None else None
-        host = [t.to("cpu", non_blocking=True) if t is not None else None for t in (target, accepted, lp)]
-        top = tuple(t.to("cpu", non_blocking=True) for t in top) if top is not None else None
-        event = None
-        if dev.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return PendingSpec(batch, host[0], host[1], host[2], top, event)
+        return _pending(batch, target, accepted, lp, top)
+
+    # --- the decodes of a mixed batch (--enable-mixed-chunk): drafts before its target forward, accept after -------
+    def mixed_drafts(self, batch: Batch) -> "MixedTail":
+        """The last `batch.num_decode` requests of a mixed extend batch decode this step: their S drafts, made before
+        the batch's target forward verifies them (its last rows: each request's last token and drafts, causal over
+        its KV, at its base L = `batch.prefix_lens`, exact on the host: `scheduler/prefill.plan_prefill` drained
+        the step before). Chains only (topk 1)."""
+        assert self.topk == 1, "a mixed batch verifies draft chains only"
+        r, n, k = self.runner, batch.num_decode, self.steps + 1
+        reqs, prefix = batch.reqs[-n:], batch.prefix_lens[-n:]
+        dec = Batch(ForwardMode.DECODE, reqs, [], batch.out_slots[-n * k:], prefix, [k] * n, [True] * n)
+        rows, base = upload_ints([[q.req_pool_idx for q in reqs], prefix], r.device)
+        slots = r.req_to_token[rows[:, None], base[:, None] + self.step_cols].to(torch.int64)   # [n, k]
+        base_cpu = list(prefix) if r.attn_backend.host_seq_lens else None
+        splits = choose_num_kv_splits(decode_programs(n, self.model.num_local_heads), max(prefix) + self.steps)
+        draft_ids = self.draft(rows, base, slots, base_cpu, splits)
+        ids = torch.cat([r.token_buf[rows][:, None], draft_ids], dim=1).reshape(-1)             # [n * k]
+        return MixedTail(dec, rows, base, base_cpu, slots, draft_ids, ids)
+
+    def mixed_accept(self, tail: "MixedTail", logits: torch.Tensor, hidden: torch.Tensor) -> PendingSpec:
+        """The accept of a mixed batch's decodes from their rows of its target forward (logits [n * k, V], hidden
+        [n * k, h]): what `launch` does after its verify, queued on the device likewise."""
+        tree = spec_tree.chain_tree(tail.ids.view(-1, self.steps + 1)[:, 0], tail.draft_ids)
+        target, lp, top = self._target_tokens(tail.batch, tail.base, logits, tree)
+        accepted = self.accept(tail.rows, tail.base, tail.slots, tail.draft_ids, target, hidden, tail.base_cpu)
+        self.base_buf[tail.rows] = tail.base + 1 + accepted
+        return _pending(tail.batch, target, accepted, lp, top)
 
     def resolve(self, p: "PendingSpec") -> SpecOutput:
         """The tokens of a step queued by `launch` (waits for it)."""
@@ -374,6 +396,30 @@ class SpecDecoder:
         lp = out.logprobs.view(b, n) if out.logprobs is not None else None
         top = tuple(t.view(b, n, -1) for t in out.top_logprobs) if out.top_logprobs is not None else None
         return out.next_ids.view(b, n), lp, top
+
+
+class MixedTail(NamedTuple):
+    """The decodes of a mixed batch between their drafts and their accept (`SpecDecoder.mixed_drafts`)."""
+
+    batch: Batch                             # the decodes alone, as a DECODE batch
+    rows: torch.Tensor                       # [n] pool rows (device)
+    base: torch.Tensor                       # [n] each one's base L (device)
+    base_cpu: list[int] | None               # the same on the host, for the reference attention
+    slots: torch.Tensor                      # [n, k] the slots of tokens L .. L + S
+    draft_ids: torch.Tensor                  # [n, S]
+    ids: torch.Tensor                        # [n * k] the verified tokens: each one's last token, then its drafts
+
+
+def _pending(batch: Batch, target: torch.Tensor, accepted: torch.Tensor, lp: torch.Tensor | None,
+             top: tuple[torch.Tensor, torch.Tensor] | None) -> PendingSpec:
+    """A step's results copied to the host without waiting, with the event they are ready at."""
+    host = [t.to("cpu", non_blocking=True) if t is not None else None for t in (target, accepted, lp)]
+    top = tuple(t.to("cpu", non_blocking=True) for t in top) if top is not None else None
+    event = None
+    if target.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+    return PendingSpec(batch, host[0], host[1], host[2], top, event)
 
 
 def _add_draft_history(sb: SamplingBatch, tree: spec_tree.DraftTree) -> None:

@@ -129,7 +129,7 @@ class MLAAttention(torch.nn.Module):
         k_pe [T, R] (roped), their latent rows already in the cache; kv_new: their (k_nope [T, H, Dn], v [T, H, Dv])
         or None (the backend expands kv_c) -> o [T, H, Dv]."""
         if ctx.parts is not None and self.absorb:       # a mixed batch: its prompts non-absorbed, its decodes absorbed
-            n = q.shape[0] - ctx.num_decode
+            n = q.shape[0] - ctx.decode_tokens
             (ext, dec), a, b = ctx.parts, slice(None, n), slice(n, None)
             kv_a = None if kv_new is None else (kv_new[0][a], kv_new[1][a])
             return torch.cat([self._attend(q[a], kv_c[a], k_pe[a], ext, kv_a),

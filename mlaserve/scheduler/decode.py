@@ -35,7 +35,7 @@ def spec_columns(sched: "Scheduler", req: Req) -> tuple[int, int]:
     pending = sched.pending.batch if sched.pending is not None else None
     if pending is None or req.last_batch is not pending:
         low = high = n - 1                    # every token it has but the newest has KV
-    elif pending.mode is ForwardMode.DECODE:
+    elif id(req) in pending.decode_ids:       # a decode step queued (or the decodes of a mixed batch)
         low, high = n, n - 1 + sched.spec_advance
     else:                                     # its last prompt token is queued: the sampled token comes next
         low = high = n
@@ -85,18 +85,40 @@ def plan_decode(sched: "Scheduler") -> Batch | None:
     return Batch(ForwardMode.DECODE, reqs, [], slots, prefix, [k] * len(reqs), [True] * len(reqs))
 
 
+def mix_tokens(sched: "Scheduler") -> int:
+    """--enable-mixed-chunk: the tokens the running requests take of a prefill batch (one each, or under speculative
+    decoding the step's verified tokens each)."""
+    return len(sched.running) * sched.spec_tokens
+
+
 def mix_decodes(sched: "Scheduler", batch: Batch) -> Batch:
-    """--enable-mixed-chunk: `batch` (a prefill or prompt chunk) with every running request appended as a one-token
-    extend over its cached tokens, so decoding does not pause for the prefill. `batch` alone when their slots
-    cannot be had (`plan_prefill` kept them back, so only when the pool is nearly full; they then wait a step)."""
+    """--enable-mixed-chunk: `batch` (a prefill or prompt chunk) with every running request appended as an extend
+    over its cached tokens, so decoding does not pause for the prefill: one token each, or under speculative decoding
+    its step's last token and drafts (`spec_tokens`; the drafts are made and the accept runs around the batch's
+    target forward, `engine/spec.SpecDecoder.mixed_tail`). `batch` alone when their slots cannot be had
+    (`plan_prefill` kept them back, so only when the pool is nearly full; they then wait a step), or under
+    speculative decoding when a running request is grammar-constrained (its drafts are walked on the host in a
+    decode step of its own)."""
     reqs = list(sched.running)
-    slots = sched.kv.alloc(len(reqs)) if reqs else None
+    k = sched.spec_tokens
+    if not reqs or (k > 1 and any(r.rid in sched.grammar.states for r in reqs)):
+        return batch
+    if k > 1:
+        # NOTE: plan_prefill drained the step in flight, so every base L is exact on the host (kv_len = L)
+        assert sched.pending is None, "a mixed batch under speculative decoding plans with no step in flight"
+        counts = [spec_columns(sched, r)[1] - r.kv_len for r in reqs]
+        assert counts == [k] * len(reqs), f"each decode takes {k} new slots, got {counts}"
+    slots = sched.kv.alloc(len(reqs) * k)
     if slots is None:
         return batch
     prefix = [r.kv_len for r in reqs]
-    sched.kv.extend_one_each(reqs, slots)
+    if k > 1:
+        sched.kv.extend_varied(reqs, [k] * len(reqs), slots)
+    else:
+        sched.kv.extend_one_each(reqs, slots)
     n = len(reqs)
-    # NOTE: input ids are read on the device from the runner's token_buf, as in a decode batch: placeholders here
-    return replace(batch, reqs=batch.reqs + reqs, input_ids=batch.input_ids + [0] * n,
+    # NOTE: input ids are read on the device from the runner's token_buf (and the drafts), as in a decode batch:
+    # placeholders here. Under speculative decoding the decodes' tokens come from the accept, not from sampling
+    return replace(batch, reqs=batch.reqs + reqs, input_ids=batch.input_ids + [0] * (n * k),
                    out_slots=torch.cat([batch.out_slots, slots]), prefix_lens=batch.prefix_lens + prefix,
-                   extend_lens=batch.extend_lens + [1] * n, sampling=batch.sampling + [True] * n, num_decode=n)
+                   extend_lens=batch.extend_lens + [k] * n, sampling=batch.sampling + [k == 1] * n, num_decode=n)

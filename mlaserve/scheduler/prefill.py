@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlaserve.core import Batch, ForwardMode, Req
-from mlaserve.scheduler.decode import mix_decodes
+from mlaserve.scheduler.decode import mix_decodes, mix_tokens
 
 if TYPE_CHECKING:
     from mlaserve.scheduler.scheduler import Scheduler
@@ -31,10 +31,16 @@ def plan_prefill(sched: "Scheduler") -> Batch | None:
     cfg = sched.cfg
     chunk_cap = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None
     budget = cfg.max_prefill_tokens if chunk_cap is None else min(cfg.max_prefill_tokens, chunk_cap)
+    if (cfg.enable_mixed_chunk and sched.spec_tokens > 1 and sched.pending is not None and sched.running
+            and (sched.chunked or sched.waiting)):
+        # NOTE: the decodes' verify rows of a mixed batch sit at positions the host must know (the extend's lengths
+        # are host lists): the step in flight is processed first, so this step does not overlap the one before
+        sched.drain()
     candidates = ([sched.chunked] if sched.chunked else []) + order_waiting(sched)
     reserve = decode_reserve(sched)
-    # --enable-mixed-chunk: the running requests take one token each of the batch (SGLang counts them the same way)
-    mixed = len(sched.running) if cfg.enable_mixed_chunk and len(sched.running) < budget else 0
+    # --enable-mixed-chunk: the running requests take one token each of the batch (SGLang counts them the same way),
+    # under speculative decoding their step's verified tokens each
+    mixed = mix_tokens(sched) if cfg.enable_mixed_chunk and sched.running and mix_tokens(sched) < budget else 0
     budget -= mixed
     reserve += mixed
     picked: list[tuple[Req, int, torch.Tensor]] = []

@@ -231,6 +231,7 @@ class Scheduler:
         self.stats["steps"] += 1
         self.stats["mixed_steps"] += int(batch.num_decode > 0)
         spec = isinstance(out, SpecOutput)
+        tail = batch.size - batch.num_decode if not spec and out.spec is not None else None
         freed: list = []                      # rejected drafts' slots, freed at once after the step
         for i, req in enumerate(batch.reqs):
             if req.finished is not None:      # aborted while its step ran
@@ -238,6 +239,8 @@ class Scheduler:
             try:
                 if spec:
                     self._process_spec(out, batch, i, req, freed)
+                elif tail is not None and i >= tail:      # a mixed batch's decodes under speculative decoding
+                    self._process_spec(out.spec, batch, i - tail, req, freed)
                 else:
                     self._process_one(batch, out, i, req)
             except Exception as e:  # noqa: BLE001 - ends this request only

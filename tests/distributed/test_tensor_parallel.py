@@ -228,6 +228,35 @@ def test_speculative_decoding_under_tp2_equals_one_process_without_it(tmp_path):
     assert any(o["meta_info"]["spec_accept_length"] > 1.5 for o in got)
 
 
+def _mixed_spec_on_ranks(group, path: str, flags: dict, msgs: list, arrivals: dict) -> dict:
+    sched = _scheduler(path, group, **flags)
+    out = drive_scheduler(sched, msgs, arrivals)
+    kv = sched.kv
+    return {"results": out, "mixed": sched.stats["mixed_steps"], "verify": sched.stats["spec_verify_steps"],
+            "idle": kv.tree.protected_size == 0 and kv.allocator.available + kv.tree.total_size() == kv.num_slots}
+
+
+def test_mixed_chunk_with_speculation_under_tp2_equals_one_process_without_either():
+    """--enable-mixed-chunk with MTP drafts at tp 2 (the demo model): the decodes' drafts, their verify rows in the
+    prefill batches and their accepts run on both ranks alike, and give one plain process's tokens."""
+    from mlaserve.demo import DEMO_DIR
+    from mlaserve.tokenizer import load_tokenizer
+
+    path = str(DEMO_DIR)
+    tok = load_tokenizer(path)
+    heads = ("def read_config(path):\n", "class Stack:\n    def __init__(self):\n",
+             "import os\n\ndef list_files(root):\n", "def fibonacci(n):\n")
+    msgs = [_msg(f"m{i}", tok.encode(h), 16) for i, h in enumerate(heads)]
+    arrivals = {m.rid: 3 * i for i, m in enumerate(msgs)}
+    one = drive_scheduler(_scheduler(path), msgs, arrivals)
+    flags = dict(enable_mixed_chunk=True, speculative_algorithm="EAGLE", chunked_prefill_size=16)
+    ranks = spawn_ranks(_mixed_spec_on_ranks, 2, path, flags, msgs, arrivals, timeout=300)
+    assert ranks[0] == ranks[1], "the two ranks disagree"
+    assert ranks[0]["mixed"] > 0 and ranks[0]["verify"] > 0 and ranks[0]["idle"], ranks[0]
+    for m in msgs:
+        assert_greedy_equal_before_ties(one[m.rid], ranks[0]["results"][m.rid], m.rid)
+
+
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("variant", ["v2", "v3"])
 def test_tp2_on_two_gpus_equals_one_gpu(checkpoint, variant):

@@ -99,15 +99,19 @@ def test_prompt_logprobs_match_the_plain_forward(ckpt):
     assert torch.allclose(torch.tensor(outs[True]), torch.tensor(outs[False]), atol=1e-4), outs
 
 
-def test_speculative_extends_run_through_the_pieces(ckpt):
+@pytest.mark.parametrize("mixed", [False, True], ids=["spec", "spec-mixed"])
+def test_speculative_extends_run_through_the_pieces(ckpt, mixed):
+    """Under speculation the target's extends (with --enable-mixed-chunk, the running requests' verify rows among
+    them) run through the pieces: the tokens of the same flags without them."""
     msgs, arrivals = workload(7)
-    flags = dict(speculative_algorithm="EAGLE", chunked_prefill_size=16)
+    flags = dict(speculative_algorithm="EAGLE", chunked_prefill_size=32 if mixed else 16, enable_mixed_chunk=mixed)
     plain = run(make(ckpt, **flags), msgs, arrivals)
     sched = make(ckpt, **flags)
     runs = attach(sched, [16, 32, 64])
     got = run(sched, msgs, arrivals)
     assert_same(plain, got)
     assert runs
+    assert (sched.stats["mixed_steps"] > 0) == mixed, sched.stats
     assert_no_leak(sched)
 
 

@@ -1,0 +1,141 @@
+"""--enable-mixed-chunk with MTP speculative decoding (chain drafts) on the CPU, fp32: the running requests' verify
+rows (each one's last token and its drafts) ride in the prefill batches' target forward, and every request gets
+exactly the tokens it gets with neither (greedy; seeded sampling, penalties, stop ids, log-probs), with chunked
+prefill, the overlap scheduler on and off, a radix hit, retraction and aborts (the combinations not built are refused: tests/test_config_resolve.py). The trained demo model accepts most
+drafts; a random-weight V3-shape checkpoint rejects nearly all of them."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlaserve.demo import DEMO_DIR
+from mlaserve.scheduler.scheduler import Scheduler
+from mlaserve.tokenizer import load_tokenizer
+from seq_runner import drive_scheduler as run
+from test_mixed_chunk import assert_no_leak, drive, max_gap
+from test_scheduler import make, msg, prompts
+
+DEMO = str(DEMO_DIR)
+HEADERS = ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef list_files(root):\n",
+           "def fibonacci(n):\n", "    for key, value in sorted(items.items()):\n", "def parse_args(argv=None):\n"]
+SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=3)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@pytest.fixture(scope="module")
+def demo_prompts() -> list[list[int]]:
+    tok = load_tokenizer(DEMO)
+    return [tok.encode(h) for h in HEADERS]
+
+
+def demo(**kw) -> Scheduler:
+    return make(DEMO, **kw)
+
+
+def check_mixed_spec(path: str, ps: list[list[int]], max_new: int, **kw) -> Scheduler:
+    """Requests arriving every 3 steps while the earlier ones decode, with mixing + speculation against neither:
+    the same tokens and ends, mixed steps that carried verify rows, and no decode that waited a step."""
+    msgs = lambda: [msg(f"r{i}", p, max_new=max_new) for i, p in enumerate(ps)]     # noqa: E731
+    arrivals = {f"r{i}": 3 * i for i in range(len(ps))}
+    plain = drive(make(path, **kw), msgs(), arrivals)
+    sched = make(path, enable_mixed_chunk=True, **SPEC, **kw)
+    got = drive(sched, msgs(), arrivals)
+    for rid, want in plain.items():
+        assert (got[rid]["ids"], got[rid]["finished"]) == (want["ids"], want["finished"]), rid
+    st = sched.stats
+    assert st["mixed_steps"] >= len(ps) - 2 and st["spec_verify_steps"] > 0, st
+    # a streaming client's view: with mixing a decoding request advances at every step, prefill or not
+    assert max(max_gap(r["steps"]) for r in got.values()) == 1
+    assert_no_leak(sched)
+    return sched
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("chunk", [-1, 16], ids=["whole", "chunk16"])
+def test_demo_model_mixed_spec_gives_the_plain_tokens(demo_prompts, overlap, chunk):
+    sched = check_mixed_spec(DEMO, demo_prompts, 20, chunked_prefill_size=chunk, disable_overlap_schedule=not overlap)
+    st = sched.stats
+    assert st["spec_tokens"] / st["spec_verify_steps"] > 1.5, st        # drafts were accepted inside mixed steps
+
+
+def test_random_model_rejected_drafts_in_mixed_batches(ckpt):
+    """Drafts rejected at nearly every step: the freed slots, the repaired draft KV and the next drafts stay right."""
+    check_mixed_spec(ckpt, prompts(6, 5, 40, seed=21), 14, chunked_prefill_size=32)
+
+
+def test_radix_hit_while_others_speculate(demo_prompts):
+    shared = demo_prompts[2] + demo_prompts[0]
+    first = [msg("a", shared + demo_prompts[1][:3], max_new=8)]
+    second = [msg("x", demo_prompts[3], max_new=24), msg("b", shared + demo_prompts[4][:4], max_new=10)]
+    arrivals = {"x": 0, "b": 3}
+    results = {}
+    for mixed in (False, True):
+        sched = demo(enable_mixed_chunk=mixed, chunked_prefill_size=16, **(SPEC if mixed else {}))
+        run(sched, first)
+        before = sched.stats["mixed_steps"]
+        results[mixed] = run(sched, second, arrivals)
+        assert results[mixed]["b"]["cached"] >= len(shared) - 1
+        if mixed:
+            assert sched.stats["mixed_steps"] > before
+            assert_no_leak(sched)
+    for rid in results[False]:
+        assert results[True][rid]["ids"] == results[False][rid]["ids"], rid
+
+
+def test_sampling_penalties_stops_and_logprobs_in_mixed_spec(demo_prompts):
+    """Seeded sampling, penalties, min_new_tokens, stop ids and log-probs of requests whose verify rows ride in
+    mixed batches: the tokens of a run with neither, and its log-probs (fp32, up to summation order)."""
+    ps = demo_prompts
+    alone = run(demo(), [msg("probe", ps[2], max_new=16)])["probe"]["ids"]
+    kws = [{"temperature": 0.8, "seed": 5, "top_p": 0.9}, {"frequency_penalty": 0.7, "min_new_tokens": 4},
+           {"stop_token_ids": [alone[6]]}, {"temperature": 1.0, "seed": 9, "repetition_penalty": 1.3},
+           {"presence_penalty": 0.5}, {}]
+
+    def msgs():
+        out = []
+        for i, (p, kw) in enumerate(zip(ps, kws)):
+            x = msg(f"s{i}", p, max_new=16, **kw)
+            x.return_logprob, x.top_logprobs_num = True, 2
+            out.append(x)
+        return out
+
+    arrivals = {f"s{i}": 2 * i for i in range(len(ps))}
+    got = {}
+    for mixed in (False, True):
+        sched = demo(chunked_prefill_size=16, **(dict(enable_mixed_chunk=True, **SPEC) if mixed else {}))
+        got[mixed] = drive(sched, msgs(), arrivals)
+        assert (sched.stats["mixed_steps"] > 0) == mixed
+    for rid, want in got[False].items():
+        have = got[True][rid]
+        assert have["ids"] == want["ids"] and have["finished"] == want["finished"], rid
+        assert [t for _, t in have["lp"]] == [t for _, t in want["lp"]]
+        assert [lp for lp, _ in have["lp"]] == pytest.approx([lp for lp, _ in want["lp"]], abs=1e-4), rid
+        assert [[t for _, t in top] for top in have["top"]] == [[t for _, t in top] for top in want["top"]]
+    assert got[True]["s2"]["finished"].kind == "stop"
+
+
+def test_retraction_and_aborts_with_mixed_spec(demo_prompts):
+    """A pool small enough that decode must retract, and aborts at random steps: the tokens of a roomy plain run
+    (an aborted request's a prefix of them), and every slot back."""
+    rng = random.Random(17)
+    ps = demo_prompts * 2
+    msgs = [msg(f"t{i}", p, max_new=rng.randint(30, 60)) for i, p in enumerate(ps)]
+    arrivals = {x.rid: rng.randint(0, 12) for x in msgs}
+    aborts = {x.rid: arrivals[x.rid] + rng.randint(0, 10) for x in rng.sample(msgs, 3)}
+    big = run(demo(), msgs, arrivals)
+    small = demo(enable_mixed_chunk=True, max_total_tokens=260, max_running_requests=10, chunked_prefill_size=48,
+                 init_new_token_ratio=0.0, min_new_token_ratio=0.0, **SPEC)
+    got = run(small, msgs, arrivals, aborts)
+    assert small.num_retracted > 0 and small.stats["mixed_steps"] > 0, (small.num_retracted, small.stats)
+    for x in msgs:
+        r = got[x.rid]
+        if x.rid in aborts and r["finished"].kind == "abort":
+            assert big[x.rid]["ids"][: len(r["ids"])] == r["ids"], x.rid
+        else:
+            assert (r["ids"], r["finished"]) == (big[x.rid]["ids"], big[x.rid]["finished"]), x.rid
+    assert_no_leak(small)
