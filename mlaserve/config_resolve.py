@@ -439,9 +439,6 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig, parallel
     if topk == 1 and drafts != steps + 1:
         _reject(f"--speculative-num-draft-tokens {drafts}: a chain (topk 1) verifies its {steps} draft tokens and "
                 f"the token before them, so it must be {steps + 1} with --speculative-num-steps {steps}")
-    if topk > 1 and s.enable_mixed_chunk:
-        _reject(f"--enable-mixed-chunk with --speculative-eagle-topk {topk}: a mixed batch verifies draft chains "
-                "only (topk 1), not trees (their mask is not in the extend attention); drop one")
     if topk > 1:
         _check_tree(steps, topk, drafts)
     elif topk < 1:

@@ -434,26 +434,33 @@ class ModelRunner:
         forward, and their accept follows it (`SpecDecoder.mixed_drafts` / `mixed_accept`). Returns what `_logits`
         does."""
         n = batch.num_decode
+        k = batch.extend_lens[-1] if n else 0                       # the decodes' slots each (`slots_per_step`)
         head = batch if not n else replace(
-            batch, reqs=batch.reqs[:-n], input_ids=batch.input_ids[:-n * (self.spec.steps + 1)],
-            out_slots=batch.out_slots[:-n * (self.spec.steps + 1)], prefix_lens=batch.prefix_lens[:-n],
-            extend_lens=batch.extend_lens[:-n], sampling=batch.sampling[:-n], num_decode=0)
+            batch, reqs=batch.reqs[:-n], input_ids=batch.input_ids[:-n * k], out_slots=batch.out_slots[:-n * k],
+            prefix_lens=batch.prefix_lens[:-n], extend_lens=batch.extend_lens[:-n], sampling=batch.sampling[:-n],
+            num_decode=0)
         wide = widen(head)
         logit_rows = wide.index[torch.tensor(rows, dtype=torch.int64)]
         prefix, ext, out_slots, ids = wide.prefix_lens, wide.extend_lens, wide.out_slots, wide.ids
         tail = self.spec.mixed_drafts(batch) if n else None
         if tail is not None:                   # the decodes' verify rows after the prompts' (`split_mixed`)
-            t, vk = len(wide.ids), tail.ids.shape[0]
-            logit_rows = torch.cat([logit_rows, torch.arange(t, t + vk)])
-            prefix, ext = prefix + batch.prefix_lens[-n:], ext + batch.extend_lens[-n:]
-            out_slots, ids = torch.cat([out_slots, batch.out_slots[-vk:]]), ids + [0] * vk
+            t, nodes = len(wide.ids), tail.tree.tokens.shape[1]
+            logit_rows = torch.cat([logit_rows, torch.arange(t, t + n * nodes)])
+            prefix, ext = prefix + batch.prefix_lens[-n:], ext + [nodes] * n
+            # NOTE: node m of a request's tree goes to its step's column L + m (the slots are on the device)
+            out_slots = torch.cat([out_slots.to(self.device), tail.slots[:, :nodes].reshape(-1)])
+            ids = ids + [0] * (n * nodes)
         ctx = build_context(ForwardMode.EXTEND, req_pool_idx=pool_rows, prefix_lens=prefix, extend_lens=ext,
                             out_slots=out_slots, req_to_token=self.req_to_token, kv_pool=self.pool,
                             attn_backend=self.attn_backend, device=self.device, last_token_logits=False,
                             num_decode=n, logits_rows=logit_rows, input_ids=ids)
         ids = ctx.input_ids
         if tail is not None:
-            ids[len(wide.ids):] = tail.ids
+            t = len(wide.ids)
+            ids[t:] = tail.tree.tokens.reshape(-1)
+            ctx.positions[t:] = (tail.base[:, None] + tail.tree.depth).reshape(-1)    # a tree's nodes: L + depth
+            if self.spec.topk > 1:
+                ctx.parts[1].tree_mask = tail.tree.mask.reshape(-1)
             self._mixed_splits(ctx)
         slots = batch.slot_tokens                                              # DP attention: agreed counts
         if slots is not None:

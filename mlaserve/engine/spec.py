@@ -241,37 +241,49 @@ class SpecDecoder:
             path = None                                   # a chain's nodes are its path, in order
         self.base_buf[rows] = base + 1 + accepted
         if path is not None:                              # the accepted path's nodes first
-            target = target.gather(1, path)
-            lp = lp.gather(1, path) if lp is not None else None
-            top = tuple(t.gather(1, path[:, :, None].expand(-1, -1, t.shape[2])) for t in top) \
-                if top is not None else None
+            target, lp, top = _along(path, target, lp, top)
         return _pending(batch, target, accepted, lp, top)
 
     # --- the decodes of a mixed batch (--enable-mixed-chunk): drafts before its target forward, accept after -------
     def mixed_drafts(self, batch: Batch) -> "MixedTail":
-        """The last `batch.num_decode` requests of a mixed extend batch decode this step: their S drafts, made before
-        the batch's target forward verifies them (its last rows: each request's last token and drafts, causal over
-        its KV, at its base L = `batch.prefix_lens`, exact on the host: `scheduler/prefill.plan_prefill` drained
-        the step before). Chains only (topk 1)."""
-        assert self.topk == 1, "a mixed batch verifies draft chains only"
-        r, n, k = self.runner, batch.num_decode, self.steps + 1
+        """The last `batch.num_decode` requests of a mixed extend batch decode this step: their drafts (a chain, or
+        a tree with topk > 1), made before the batch's target forward verifies them in its last rows (each
+        request's N nodes at positions L + depth, causal or under the tree mask, over its KV), at its base L =
+        `batch.prefix_lens`, exact on the host (`scheduler/prefill.plan_prefill` drained the step before)."""
+        r, n = self.runner, batch.num_decode
         reqs, prefix = batch.reqs[-n:], batch.prefix_lens[-n:]
+        k = batch.extend_lens[-1]                                       # slots_per_step, as in a decode batch
         dec = Batch(ForwardMode.DECODE, reqs, [], batch.out_slots[-n * k:], prefix, [k] * n, [True] * n)
         rows, base = upload_ints([[q.req_pool_idx for q in reqs], prefix], r.device)
         slots = r.req_to_token[rows[:, None], base[:, None] + self.step_cols].to(torch.int64)   # [n, k]
         base_cpu = list(prefix) if r.attn_backend.host_seq_lens else None
-        splits = choose_num_kv_splits(decode_programs(n, self.model.num_local_heads), max(prefix) + self.steps)
-        draft_ids = self.draft(rows, base, slots, base_cpu, splits)
-        ids = torch.cat([r.token_buf[rows][:, None], draft_ids], dim=1).reshape(-1)             # [n * k]
-        return MixedTail(dec, rows, base, base_cpu, slots, draft_ids, ids)
+        heads, longest = self.model.num_local_heads, max(prefix)
+        queries = spec_tree.query_counts(self.steps, self.topk, self.num_draft)[: self.steps]
+        splits = [choose_num_kv_splits(decode_programs(n, q * heads), longest + q) for q in queries]
+        if self.topk > 1:
+            tree = spec_tree.draft_tree(self, rows, base, slots, base_cpu, splits + [None, None])
+            draft_ids = None
+        else:
+            draft_ids = self.draft(rows, base, slots, base_cpu, splits[0])
+            tree = spec_tree.chain_tree(r.token_buf[rows], draft_ids)
+        return MixedTail(dec, rows, base, base_cpu, slots, draft_ids, tree)
 
     def mixed_accept(self, tail: "MixedTail", logits: torch.Tensor, hidden: torch.Tensor) -> PendingSpec:
-        """The accept of a mixed batch's decodes from their rows of its target forward (logits [n * k, V], hidden
-        [n * k, h]): what `launch` does after its verify, queued on the device likewise."""
-        tree = spec_tree.chain_tree(tail.ids.view(-1, self.steps + 1)[:, 0], tail.draft_ids)
-        target, lp, top = self._target_tokens(tail.batch, tail.base, logits, tree)
-        accepted = self.accept(tail.rows, tail.base, tail.slots, tail.draft_ids, target, hidden, tail.base_cpu)
+        """The accept of a mixed batch's decodes from their rows of its target forward (logits [n N, V], hidden
+        [n N, h]): what `launch` does after its verify, queued on the device likewise."""
+        target, lp, top = self._target_tokens(tail.batch, tail.base, logits, tail.tree)
+        n, path = tail.rows.shape[0], None
+        repair = choose_num_kv_splits(decode_programs(n, self.steps * self.model.num_local_heads),
+                                      max(tail.batch.prefix_lens) + self.steps)
+        if self.topk > 1:
+            accepted, path = spec_tree.accept_tree(self, tail.rows, tail.base, tail.slots, tail.tree, target, hidden,
+                                                   tail.base_cpu, [repair])
+        else:
+            accepted = self.accept(tail.rows, tail.base, tail.slots, tail.draft_ids, target, hidden, tail.base_cpu,
+                                   repair)
         self.base_buf[tail.rows] = tail.base + 1 + accepted
+        if path is not None:                              # the accepted path's nodes first
+            target, lp, top = _along(path, target, lp, top)
         return _pending(tail.batch, target, accepted, lp, top)
 
     def resolve(self, p: "PendingSpec") -> SpecOutput:
@@ -405,9 +417,17 @@ class MixedTail(NamedTuple):
     rows: torch.Tensor                       # [n] pool rows (device)
     base: torch.Tensor                       # [n] each one's base L (device)
     base_cpu: list[int] | None               # the same on the host, for the reference attention
-    slots: torch.Tensor                      # [n, k] the slots of tokens L .. L + S
-    draft_ids: torch.Tensor                  # [n, S]
-    ids: torch.Tensor                        # [n * k] the verified tokens: each one's last token, then its drafts
+    slots: torch.Tensor                      # [n, k] the step's slots (`spec_tree.slots_per_step`)
+    draft_ids: torch.Tensor | None           # [n, S] a chain's drafts (None for a tree)
+    tree: spec_tree.DraftTree                # the N verified nodes of each (a chain: its last token, its drafts)
+
+
+def _along(path: torch.Tensor, target: torch.Tensor, lp: torch.Tensor | None,
+           top: tuple[torch.Tensor, torch.Tensor] | None):
+    """A tree step's per-node results [B, N, ...] along the accepted path's nodes [B, S + 1]."""
+    lp = lp.gather(1, path) if lp is not None else None
+    top = tuple(t.gather(1, path[:, :, None].expand(-1, -1, t.shape[2])) for t in top) if top is not None else None
+    return target.gather(1, path), lp, top
 
 
 def _pending(batch: Batch, target: torch.Tensor, accepted: torch.Tensor, lp: torch.Tensor | None,

@@ -1,8 +1,9 @@
-"""--enable-mixed-chunk with MTP speculative decoding (chain drafts) on the CPU, fp32: the running requests' verify
-rows (each one's last token and its drafts) ride in the prefill batches' target forward, and every request gets
-exactly the tokens it gets with neither (greedy; seeded sampling, penalties, stop ids, log-probs), with chunked
-prefill, the overlap scheduler on and off, a radix hit, retraction and aborts (the combinations not built are refused: tests/test_config_resolve.py). The trained demo model accepts most
-drafts; a random-weight V3-shape checkpoint rejects nearly all of them."""
+"""--enable-mixed-chunk with MTP speculative decoding (chains and EAGLE-2 trees) on the CPU, fp32: the running
+requests' verify rows (each one's last token and its drafts) ride in the prefill batches' target forward, and every
+request gets exactly the tokens it gets with neither (greedy; seeded sampling, penalties, stop ids, log-probs), with
+chunked prefill, the overlap scheduler on and off, a radix hit, retraction and aborts (the combination not built,
+with DP attention, is refused: tests/test_config_resolve.py). The trained demo model accepts most drafts; a
+random-weight V3-shape checkpoint rejects nearly all of them."""
 from __future__ import annotations
 
 import random
@@ -20,6 +21,7 @@ DEMO = str(DEMO_DIR)
 HEADERS = ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\ndef list_files(root):\n",
            "def fibonacci(n):\n", "    for key, value in sorted(items.items()):\n", "def parse_args(argv=None):\n"]
 SPEC = dict(speculative_algorithm="EAGLE", speculative_num_steps=3)
+TREE = SPEC | dict(speculative_eagle_topk=2, speculative_num_draft_tokens=4)      # EAGLE-2 tree drafts, (3, 2, 4)
 
 
 @pytest.fixture(autouse=True)
@@ -37,13 +39,13 @@ def demo(**kw) -> Scheduler:
     return make(DEMO, **kw)
 
 
-def check_mixed_spec(path: str, ps: list[list[int]], max_new: int, **kw) -> Scheduler:
+def check_mixed_spec(path: str, ps: list[list[int]], max_new: int, spec: dict = SPEC, **kw) -> Scheduler:
     """Requests arriving every 3 steps while the earlier ones decode, with mixing + speculation against neither:
     the same tokens and ends, mixed steps that carried verify rows, and no decode that waited a step."""
     msgs = lambda: [msg(f"r{i}", p, max_new=max_new) for i, p in enumerate(ps)]     # noqa: E731
     arrivals = {f"r{i}": 3 * i for i in range(len(ps))}
     plain = drive(make(path, **kw), msgs(), arrivals)
-    sched = make(path, enable_mixed_chunk=True, **SPEC, **kw)
+    sched = make(path, enable_mixed_chunk=True, **spec, **kw)
     got = drive(sched, msgs(), arrivals)
     for rid, want in plain.items():
         assert (got[rid]["ids"], got[rid]["finished"]) == (want["ids"], want["finished"]), rid
@@ -55,17 +57,21 @@ def check_mixed_spec(path: str, ps: list[list[int]], max_new: int, **kw) -> Sche
     return sched
 
 
+@pytest.mark.parametrize("spec", [SPEC, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("chunk", [-1, 16], ids=["whole", "chunk16"])
-def test_demo_model_mixed_spec_gives_the_plain_tokens(demo_prompts, overlap, chunk):
-    sched = check_mixed_spec(DEMO, demo_prompts, 20, chunked_prefill_size=chunk, disable_overlap_schedule=not overlap)
+def test_demo_model_mixed_spec_gives_the_plain_tokens(demo_prompts, overlap, chunk, spec):
+    sched = check_mixed_spec(DEMO, demo_prompts, 20, spec, chunked_prefill_size=chunk,
+                             disable_overlap_schedule=not overlap)
     st = sched.stats
     assert st["spec_tokens"] / st["spec_verify_steps"] > 1.5, st        # drafts were accepted inside mixed steps
 
 
-def test_random_model_rejected_drafts_in_mixed_batches(ckpt):
-    """Drafts rejected at nearly every step: the freed slots, the repaired draft KV and the next drafts stay right."""
-    check_mixed_spec(ckpt, prompts(6, 5, 40, seed=21), 14, chunked_prefill_size=32)
+@pytest.mark.parametrize("spec", [SPEC, TREE], ids=["chain", "tree"])
+def test_random_model_rejected_drafts_in_mixed_batches(ckpt, spec):
+    """Drafts rejected at nearly every step: the freed slots, the repaired draft KV and the next drafts stay right
+    (a tree's accepted path moved to consecutive slots too)."""
+    check_mixed_spec(ckpt, prompts(6, 5, 40, seed=21), 14, spec, chunked_prefill_size=48)
 
 
 def test_radix_hit_while_others_speculate(demo_prompts):
@@ -87,7 +93,8 @@ def test_radix_hit_while_others_speculate(demo_prompts):
         assert results[True][rid]["ids"] == results[False][rid]["ids"], rid
 
 
-def test_sampling_penalties_stops_and_logprobs_in_mixed_spec(demo_prompts):
+@pytest.mark.parametrize("spec", [SPEC, TREE], ids=["chain", "tree"])
+def test_sampling_penalties_stops_and_logprobs_in_mixed_spec(demo_prompts, spec):
     """Seeded sampling, penalties, min_new_tokens, stop ids and log-probs of requests whose verify rows ride in
     mixed batches: the tokens of a run with neither, and its log-probs (fp32, up to summation order)."""
     ps = demo_prompts
@@ -107,7 +114,7 @@ def test_sampling_penalties_stops_and_logprobs_in_mixed_spec(demo_prompts):
     arrivals = {f"s{i}": 2 * i for i in range(len(ps))}
     got = {}
     for mixed in (False, True):
-        sched = demo(chunked_prefill_size=16, **(dict(enable_mixed_chunk=True, **SPEC) if mixed else {}))
+        sched = demo(chunked_prefill_size=32, **(dict(enable_mixed_chunk=True, **spec) if mixed else {}))
         got[mixed] = drive(sched, msgs(), arrivals)
         assert (sched.stats["mixed_steps"] > 0) == mixed
     for rid, want in got[False].items():
@@ -119,7 +126,8 @@ def test_sampling_penalties_stops_and_logprobs_in_mixed_spec(demo_prompts):
     assert got[True]["s2"]["finished"].kind == "stop"
 
 
-def test_retraction_and_aborts_with_mixed_spec(demo_prompts):
+@pytest.mark.parametrize("spec", [SPEC, TREE], ids=["chain", "tree"])
+def test_retraction_and_aborts_with_mixed_spec(demo_prompts, spec):
     """A pool small enough that decode must retract, and aborts at random steps: the tokens of a roomy plain run
     (an aborted request's a prefix of them), and every slot back."""
     rng = random.Random(17)
@@ -129,7 +137,7 @@ def test_retraction_and_aborts_with_mixed_spec(demo_prompts):
     aborts = {x.rid: arrivals[x.rid] + rng.randint(0, 10) for x in rng.sample(msgs, 3)}
     big = run(demo(), msgs, arrivals)
     small = demo(enable_mixed_chunk=True, max_total_tokens=260, max_running_requests=10, chunked_prefill_size=48,
-                 init_new_token_ratio=0.0, min_new_token_ratio=0.0, **SPEC)
+                 init_new_token_ratio=0.0, min_new_token_ratio=0.0, **spec)
     got = run(small, msgs, arrivals, aborts)
     assert small.num_retracted > 0 and small.stats["mixed_steps"] > 0, (small.num_retracted, small.stats)
     for x in msgs:

@@ -99,12 +99,13 @@ def test_prompt_logprobs_match_the_plain_forward(ckpt):
     assert torch.allclose(torch.tensor(outs[True]), torch.tensor(outs[False]), atol=1e-4), outs
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["spec", "spec-mixed"])
-def test_speculative_extends_run_through_the_pieces(ckpt, mixed):
+@pytest.mark.parametrize("mixed, topk", [(False, 1), (True, 1), (True, 2)], ids=["spec", "spec-mixed", "tree-mixed"])
+def test_speculative_extends_run_through_the_pieces(ckpt, mixed, topk):
     """Under speculation the target's extends (with --enable-mixed-chunk, the running requests' verify rows among
-    them) run through the pieces: the tokens of the same flags without them."""
+    them: chains, or trees under their mask) run through the pieces: the tokens of the same flags without them."""
     msgs, arrivals = workload(7)
-    flags = dict(speculative_algorithm="EAGLE", chunked_prefill_size=32 if mixed else 16, enable_mixed_chunk=mixed)
+    flags = dict(speculative_algorithm="EAGLE", chunked_prefill_size=32 if mixed else 16, enable_mixed_chunk=mixed,
+                 speculative_eagle_topk=topk, speculative_num_draft_tokens=4)
     plain = run(make(ckpt, **flags), msgs, arrivals)
     sched = make(ckpt, **flags)
     runs = attach(sched, [16, 32, 64])
