@@ -78,7 +78,7 @@ def resolve_config(server: ServerConfig, model: ModelConfig, device: DeviceInfo)
     load = _resolve_load(server.load, model, device)
     parallel = _resolve_parallel(server.parallel, model, load, device)
     cache = _resolve_cache(server.cache, load, device)
-    sched = _resolve_spec(_resolve_sched(server.sched, load, device, cache), model, load, parallel)
+    sched = _resolve_spec(_resolve_sched(server.sched, load, device, cache), model, load)
     return replace(server, load=load, parallel=parallel, cache=cache, sched=sched)
 
 
@@ -409,7 +409,7 @@ MAX_TREE_NODES = 64                        # bits of the int64 tree mask rows (k
 DEFAULT_SPEC_STEPS = 3                     # DeepSeek's MTP defaults (SGLang's): 3 steps, topk 1, 4 draft tokens
 
 
-def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig, parallel: ParallelConfig) -> SchedConfig:
+def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig) -> SchedConfig:
     """Speculative decoding: the draft is the checkpoint's own MTP layer, or that of the checkpoint
     --speculative-draft-model-path names (checked against the target's config by `draft_checkpoint`), a chain of
     num_steps tokens verified with the token before them (topk 1: num_draft_tokens = num_steps + 1), or a tree
@@ -422,11 +422,6 @@ def _resolve_spec(s: SchedConfig, model: ModelConfig, load: LoadConfig, parallel
         if given:
             _reject(f"{' '.join(given)}: act only with --speculative-algorithm EAGLE")
         return s
-    if s.enable_mixed_chunk and parallel.enable_dp_attention:
-        # NOTE: the groups of DP attention agree on each forward's token counts, and a mixed batch's decodes add
-        # forwards of their own (drafts before the target, the repair after it) that this agreement does not cover
-        _reject(f"--enable-mixed-chunk with --speculative-algorithm {alg} and --enable-dp-attention: the groups' "
-                "mixed batches are not implemented under speculative decoding; drop one of the three")
     draft = draft_checkpoint(s.speculative_draft_model_path, load.model_path, model)
     if draft is None and model.num_nextn_predict_layers < 1:
         _reject(f"--speculative-algorithm {alg}: this checkpoint has no MTP (NextN) layer to draft with "

@@ -259,9 +259,6 @@ def test_speculative_decoding_resolves_sglang_defaults():
     (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_num_steps=0), "must be >= 1"),
     (V3_FP8, dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/elsewhere"),
      "--speculative-draft-model-path /elsewhere: no such directory"),
-    (V3_FP8, dict(speculative_algorithm="EAGLE", enable_mixed_chunk=True, tp_size=2, dp_size=2,
-                  enable_dp_attention=True),
-     "--enable-mixed-chunk with --speculative-algorithm EAGLE and --enable-dp-attention: the groups' mixed"),
 ])
 def test_speculative_flags_fail_in_one_line(model, flags, words):
     with pytest.raises(ConfigError, match=re.escape(words)) as e:

@@ -442,7 +442,9 @@ class ModelRunner:
         wide = widen(head)
         logit_rows = wide.index[torch.tensor(rows, dtype=torch.int64)]
         prefix, ext, out_slots, ids = wide.prefix_lens, wide.extend_lens, wide.out_slots, wide.ids
-        tail = self.spec.mixed_drafts(batch) if n else None
+        slots = batch.slot_tokens                          # DP attention: agreed counts ([forward][group])
+        s = self.spec.steps
+        tail = self.spec.mixed_drafts(batch, slots[:s] if slots is not None else None) if n else None
         if tail is not None:                   # the decodes' verify rows after the prompts' (`split_mixed`)
             t, nodes = len(wide.ids), tail.tree.tokens.shape[1]
             logit_rows = torch.cat([logit_rows, torch.arange(t, t + n * nodes)])
@@ -462,17 +464,20 @@ class ModelRunner:
             if self.spec.topk > 1:
                 ctx.parts[1].tree_mask = tail.tree.mask.reshape(-1)
             self._mixed_splits(ctx)
-        slots = batch.slot_tokens                                              # DP attention: agreed counts
         if slots is not None:
-            self.spec.idle(slots[: self.spec.steps])                            # other groups' drafts
-            ctx.global_num_tokens = slots[self.spec.steps]
+            if tail is None:
+                self.spec.idle(slots[:s])                                      # other groups' drafts
+            ctx.global_num_tokens = slots[s]
         out = self._forward_model(ids, ctx, batch.piece_tokens)
         if tail is None:
-            self.spec.after_extend(batch, wide, out.hidden, slots[-1] if slots is not None else None)
+            self.spec.after_extend(batch, wide, out.hidden, slots[s + 1] if slots is not None else None)
+            if slots is not None:
+                self.spec.idle([[0] * len(slots[s])] * (s + 2) + [slots[s + 2]])   # other groups' repairs
             return out.logits, ctx.req_pool_idx, None
         t = len(wide.ids)
-        self.spec.after_extend(head, wide, out.hidden[:t])
-        pending = self.spec.mixed_accept(tail, out.logits[len(rows):], out.hidden[t:])
+        self.spec.after_extend(head, wide, out.hidden[:t], slots[s + 1] if slots is not None else None)
+        pending = self.spec.mixed_accept(tail, out.logits[len(rows):], out.hidden[t:],
+                                         slots[s + 2] if slots is not None else None)
         return out.logits[:len(rows)], ctx.req_pool_idx, pending
 
     @torch.no_grad()

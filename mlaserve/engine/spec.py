@@ -95,15 +95,21 @@ def widen(batch: Batch) -> Widened:
 
 
 def slot_counts(batch: Batch, steps: int, topk: int = 1, num_draft: int | None = None) -> list[int]:
-    """Tokens of each forward a step runs, in order: the S drafts, the target, the draft layer (DP attention
-    agrees on these, so every group runs every forward some group runs: IDLE where it has none)."""
+    """Tokens of each forward a step runs, in order: the S drafts, the target, the draft layer, and the draft layer
+    again for a mixed batch's decodes (their repair, after its prompts' draft-layer extend). DP attention agrees on
+    these, so every group runs every forward some group runs: IDLE where it has none."""
+    queries = spec_tree.query_counts(steps, topk, num_draft) if topk > 1 else [1] * steps + [steps + 1, steps]
     if batch.mode is ForwardMode.DECODE:
-        queries = spec_tree.query_counts(steps, topk, num_draft) if topk > 1 else [1] * steps + [steps + 1, steps]
-        return [batch.size * q for q in queries]
+        return [batch.size * q for q in queries] + [0]
     if batch.mode is ForwardMode.EXTEND:
-        wide = [n + (1 if p > 0 else 0) for p, n in zip(batch.prefix_lens, batch.extend_lens)]
-        return [0] * steps + [sum(wide), sum(wide) - len(wide)]
-    return [0] * (steps + 2)
+        n = batch.num_decode
+        heads = zip(batch.prefix_lens[: batch.size - n], batch.extend_lens[: batch.size - n])
+        wide = [e + (1 if p > 0 else 0) for p, e in heads]
+        pairs = sum(wide) - len(wide)
+        if not n:
+            return [0] * steps + [sum(wide), pairs, 0]
+        return [n * q for q in queries[:steps]] + [sum(wide) + n * queries[steps], pairs, n * queries[-1]]
+    return [0] * (steps + 3)
 
 
 def _split(t: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
@@ -146,7 +152,8 @@ class SpecDecoder:
     # --- prefill --------------------------------------------------------------------------------
     def idle(self, slots: list[list[int]], target=None) -> None:
         """DP attention: this group's part in the forwards of a step it has no tokens in (slots [forward][group]:
-        the S drafts, the target, the draft layer; a forward no group has tokens in is skipped by every group).
+        the S drafts, the target, the draft layer (twice: `slot_counts`); a forward no group has tokens in is
+        skipped by every group).
         `target(counts)`: its part in the target's forward (default: the model's IDLE forward; the runner passes
         the piecewise graphs' padding-only run when the ranks agreed on them)."""
         for i, counts in enumerate(slots):
@@ -213,6 +220,9 @@ class SpecDecoder:
                                                               self.graphs.can_run(b)) else None
         pad = batch.graph_bs
         counts = batch.slot_tokens                                       # DP attention: [forward][group]
+        extra = None                      # DP attention: another group's mixed batch repairs after its draft layer
+        if counts is not None:
+            counts, extra = counts[: self.steps + 2], counts[self.steps + 2]
         if self.topk > 1 and graphs is not None:
             tree, logits, hidden = graphs.draft_verify(rows, base, slots, pad)
         elif self.topk > 1:
@@ -239,17 +249,20 @@ class SpecDecoder:
                 accepted = self.accept(rows, base, slots, draft_ids, target, hidden, base_cpu,
                                        counts=counts[-1] if counts is not None else None)
             path = None                                   # a chain's nodes are its path, in order
+        if extra is not None and any(extra):
+            self.model.mtp.forward_idle(extra)
         self.base_buf[rows] = base + 1 + accepted
         if path is not None:                              # the accepted path's nodes first
             target, lp, top = _along(path, target, lp, top)
         return _pending(batch, target, accepted, lp, top)
 
     # --- the decodes of a mixed batch (--enable-mixed-chunk): drafts before its target forward, accept after -------
-    def mixed_drafts(self, batch: Batch) -> "MixedTail":
+    def mixed_drafts(self, batch: Batch, counts: list[list[int]] | None = None) -> "MixedTail":
         """The last `batch.num_decode` requests of a mixed extend batch decode this step: their drafts (a chain, or
         a tree with topk > 1), made before the batch's target forward verifies them in its last rows (each
         request's N nodes at positions L + depth, causal or under the tree mask, over its KV), at its base L =
-        `batch.prefix_lens`, exact on the host (`scheduler/prefill.plan_prefill` drained the step before)."""
+        `batch.prefix_lens`, exact on the host (`scheduler/prefill.plan_prefill` drained the step before).
+        `counts`: DP attention's agreed tokens of the S draft forwards per group."""
         r, n = self.runner, batch.num_decode
         reqs, prefix = batch.reqs[-n:], batch.prefix_lens[-n:]
         k = batch.extend_lens[-1]                                       # slots_per_step, as in a decode batch
@@ -261,26 +274,28 @@ class SpecDecoder:
         queries = spec_tree.query_counts(self.steps, self.topk, self.num_draft)[: self.steps]
         splits = [choose_num_kv_splits(decode_programs(n, q * heads), longest + q) for q in queries]
         if self.topk > 1:
-            tree = spec_tree.draft_tree(self, rows, base, slots, base_cpu, splits + [None, None])
+            tree = spec_tree.draft_tree(self, rows, base, slots, base_cpu, splits + [None, None], counts)
             draft_ids = None
         else:
-            draft_ids = self.draft(rows, base, slots, base_cpu, splits[0])
+            draft_ids = self.draft(rows, base, slots, base_cpu, splits[0], counts)
             tree = spec_tree.chain_tree(r.token_buf[rows], draft_ids)
         return MixedTail(dec, rows, base, base_cpu, slots, draft_ids, tree)
 
-    def mixed_accept(self, tail: "MixedTail", logits: torch.Tensor, hidden: torch.Tensor) -> PendingSpec:
+    def mixed_accept(self, tail: "MixedTail", logits: torch.Tensor, hidden: torch.Tensor,
+                     counts: list[int] | None = None) -> PendingSpec:
         """The accept of a mixed batch's decodes from their rows of its target forward (logits [n N, V], hidden
-        [n N, h]): what `launch` does after its verify, queued on the device likewise."""
+        [n N, h]): what `launch` does after its verify, queued on the device likewise. `counts`: DP attention's
+        agreed tokens of the repair per group."""
         target, lp, top = self._target_tokens(tail.batch, tail.base, logits, tail.tree)
         n, path = tail.rows.shape[0], None
         repair = choose_num_kv_splits(decode_programs(n, self.steps * self.model.num_local_heads),
                                       max(tail.batch.prefix_lens) + self.steps)
         if self.topk > 1:
             accepted, path = spec_tree.accept_tree(self, tail.rows, tail.base, tail.slots, tail.tree, target, hidden,
-                                                   tail.base_cpu, [repair])
+                                                   tail.base_cpu, [repair], [counts] if counts is not None else None)
         else:
             accepted = self.accept(tail.rows, tail.base, tail.slots, tail.draft_ids, target, hidden, tail.base_cpu,
-                                   repair)
+                                   repair, counts)
         self.base_buf[tail.rows] = tail.base + 1 + accepted
         if path is not None:                              # the accepted path's nodes first
             target, lp, top = _along(path, target, lp, top)

@@ -24,7 +24,8 @@ class DPStepSync:
     `busy` says whether any group had work at the last agreement (an idle leader then does not wait for messages,
     which would hold up the groups that decode). `slots(batch)` gives the token counts of the step's forwards in
     order: one forward without speculative decoding; under it S draft forwards, the target's and the draft
-    layer's (`engine/spec.slot_counts`), so that every group runs every forward that any group runs.
+    layer's twice (a mixed batch's decodes repair after its prompts' draft-layer extend: `engine/spec.slot_counts`),
+    so that every group runs every forward that any group runs.
 
     `graph_sizes` (the captured decode graph sizes, None without graphs): when every group decodes or has nothing,
     and the largest group's batch fits a graph, every rank replays the graph of the smallest captured size that

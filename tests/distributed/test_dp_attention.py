@@ -415,6 +415,34 @@ def test_speculative_groups_in_different_modes_equal_one_process(tree, graphs):
             assert_greedy_equal_before_ties(want, rank["results"][rid], rid)
 
 
+@pytest.mark.parametrize("tree,graphs", [({}, False), ({}, True),
+                                        ({"speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4}, False)],
+                         ids=["chain", "chain-padded-graphs", "tree"])
+def test_mixed_chunk_with_speculation_under_dp_attention_equals_one_process(tree, graphs):
+    """--enable-mixed-chunk under speculation at tp 2 dp 2: each group's later request arrives while its first one
+    decodes, so the group runs mixed batches (the decodes' drafts, their verify rows in the prompt's target forward,
+    their repair after its draft-layer extend) while the other group decodes, prefills, mixes or idles; every group
+    runs every agreed forward. Outputs equal one process without speculation or mixing."""
+    from mlaserve.demo import DEMO_DIR
+
+    path, ps = str(DEMO_DIR), _demo_prompts()
+    g0 = [_msg("a0", ps[0], 40), _msg("a1", ps[1] + ps[0], 24)]
+    g1 = [_msg("b0", ps[2], 30), _msg("b1", ps[3], 12)]
+    work = [(g0, {"a0": 0, "a1": 9}, {}), (g1, {"b0": 5, "b1": 7}, {})]
+    flags = dict(speculative_algorithm="EAGLE", max_total_tokens=2048, enable_mixed_chunk=True,
+                 chunked_prefill_size=32, **tree)
+    alone = [drive_scheduler(_scheduler(path, max_total_tokens=2048), m, a, ab) for m, a, ab in work]
+    ranks = spawn_ranks(drive_dp, 2, path, flags, work, [1, 2, 4] if graphs else None, None, timeout=300,
+                        dp_size=2)
+    assert ranks[0]["modes"] == ranks[1]["modes"], "the ranks disagree on the steps"
+    for rank in ranks:                                    # (mode, pieces, tokens, prefix, decodes riding along)
+        assert any(n for *_, n in rank["piece_steps"]), f"group {rank['dp_rank']} ran no mixed batch"
+    assert all(r["clean"] for r in ranks)
+    for rank, ref in zip(ranks, alone):
+        for rid, want in ref.items():
+            assert_greedy_equal_before_ties(want, rank["results"][rid], rid)
+
+
 def _warm_up_on_rank(group, path: str, flags: dict) -> dict:
     sched = _scheduler(path, group, **flags)
     seen = []

@@ -1,9 +1,9 @@
 """--enable-mixed-chunk with MTP speculative decoding (chains and EAGLE-2 trees) on the CPU, fp32: the running
 requests' verify rows (each one's last token and its drafts) ride in the prefill batches' target forward, and every
 request gets exactly the tokens it gets with neither (greedy; seeded sampling, penalties, stop ids, log-probs), with
-chunked prefill, the overlap scheduler on and off, a radix hit, retraction and aborts (the combination not built,
-with DP attention, is refused: tests/test_config_resolve.py). The trained demo model accepts most drafts; a
-random-weight V3-shape checkpoint rejects nearly all of them."""
+chunked prefill, the overlap scheduler on and off, a radix hit, retraction and aborts (tp 2 and DP attention:
+tests/distributed). The trained demo model accepts most drafts; a random-weight V3-shape checkpoint rejects nearly
+all of them."""
 from __future__ import annotations
 
 import random
