@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from mlaserve.demo import DEMO_DIR
 from mlaserve.scheduler.scheduler import Scheduler
@@ -147,3 +148,20 @@ def test_retraction_and_aborts_with_mixed_spec(demo_prompts, spec):
         else:
             assert (r["ids"], r["finished"]) == (big[x.rid]["ids"], big[x.rid]["finished"]), x.rid
     assert_no_leak(small)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU runs the Triton kernels under the interpreter; on a GPU "
+                    "tests/test_combinations.py's mixed-chunk speculation rows cover them")
+def test_triton_backend_verifies_mixed_rows(ckpt):
+    """--attention-backend triton (TRITON_INTERPRET=1 here): the decodes' verify rows of a mixed batch go through the
+    Triton decode kernel with several queries a request under the tree mask (a chain's are the causal case) and the
+    splits chosen on the host; the tokens of the same backend with neither mixing nor speculation."""
+    msgs = [msg("k0", [5, 6, 7, 8, 9], max_new=6), msg("k1", list(range(20, 30)), max_new=2)]
+    arrivals = {"k0": 0, "k1": 2}
+    kw = dict(attention_backend="triton", chunked_prefill_size=16)
+    plain = run(make(ckpt, **kw), msgs, arrivals)
+    sched = make(ckpt, enable_mixed_chunk=True, **TREE, **kw)
+    got = run(sched, msgs, arrivals)
+    assert {r: o["ids"] for r, o in got.items()} == {r: o["ids"] for r, o in plain.items()}
+    assert sched.stats["mixed_steps"] > 0, sched.stats
+    assert_no_leak(sched)
