@@ -84,10 +84,15 @@ def test_radix_hit_while_others_decode(ckpt):
 
 
 def test_sampling_penalties_stop_ids_and_logprobs_stay_per_request(ckpt):
-    """Seeded sampling, penalties, min_new_tokens, stop ids and log-probs of requests that decode inside mixed
-    batches: the same tokens as without mixing, and the same log-probs (fp32, up to summation order)."""
-    ps = prompts(6, 5, 40, seed=4)
-    alone = run(make(ckpt), [msg("probe", ps[2], max_new=16)])["probe"]["ids"]
+    check_sampling_per_request(prompts(6, 5, 40, seed=4), lambda **kw: make(ckpt, chunked_prefill_size=16, **kw),
+                               dict(enable_mixed_chunk=True))
+
+
+def check_sampling_per_request(ps: list[list[int]], sched_of, mixing: dict) -> None:
+    """Seeded sampling, penalties, min_new_tokens, stop ids and log-probs of requests (arriving every 2 steps) that
+    decode inside mixed batches: the tokens of a run without `mixing` (the flags given to `sched_of`, which makes a
+    scheduler), and the same log-probs (fp32, up to summation order)."""
+    alone = run(sched_of(), [msg("probe", ps[2], max_new=16)])["probe"]["ids"]
     kws = [{"temperature": 0.8, "seed": 5, "top_p": 0.9}, {"frequency_penalty": 0.7, "min_new_tokens": 4},
            {"stop_token_ids": [alone[6]]}, {"temperature": 1.0, "seed": 9, "repetition_penalty": 1.3},
            {"presence_penalty": 0.5}, {}]
@@ -103,7 +108,7 @@ def test_sampling_penalties_stop_ids_and_logprobs_stay_per_request(ckpt):
     arrivals = {f"s{i}": 2 * i for i in range(len(ps))}
     got = {}
     for mixed in (False, True):
-        sched = make(ckpt, enable_mixed_chunk=mixed, chunked_prefill_size=16)
+        sched = sched_of(**(mixing if mixed else {}))
         got[mixed] = drive(sched, msgs(), arrivals)
         assert (sched.stats["mixed_steps"] > 0) == mixed
     for rid, want in got[False].items():
@@ -144,18 +149,25 @@ def test_retraction_and_aborts_with_mixed_batches(ckpt):
     rng = random.Random(7)
     msgs = [msg(f"t{i}", p, max_new=rng.randint(4, 30)) for i, p in enumerate(prompts(14, 4, 70, seed=7))]
     arrivals = {x.rid: rng.randint(0, 25) for x in msgs}
-    aborts = {x.rid: arrivals[x.rid] + rng.randint(0, 12) for x in rng.sample(msgs, 3)}
-    big = run(make(ckpt), msgs, arrivals)
     small = make(ckpt, enable_mixed_chunk=True, max_total_tokens=260, max_running_requests=12,
                  chunked_prefill_size=32, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    check_retraction_and_aborts(make(ckpt), small, msgs, arrivals, rng)
+
+
+def check_retraction_and_aborts(big: Scheduler, small: Scheduler, msgs: list, arrivals: dict,
+                                rng: random.Random) -> None:
+    """`small` (a pool that must retract, mixed batches) with aborts at random steps against `big` (roomy, plain):
+    the same tokens (an aborted request's a prefix of them), retraction and mixed steps seen, every slot back."""
+    aborts = {x.rid: arrivals[x.rid] + rng.randint(0, 12) for x in rng.sample(msgs, 3)}
+    want = run(big, msgs, arrivals)
     got = run(small, msgs, arrivals, aborts)
     assert small.num_retracted > 0 and small.stats["mixed_steps"] > 0, (small.num_retracted, small.stats)
     for x in msgs:
         r = got[x.rid]
         if x.rid in aborts and r["finished"].kind == "abort":
-            assert big[x.rid]["ids"][: len(r["ids"])] == r["ids"], x.rid
+            assert want[x.rid]["ids"][: len(r["ids"])] == r["ids"], x.rid
         else:
-            assert (r["ids"], r["finished"]) == (big[x.rid]["ids"], big[x.rid]["finished"]), x.rid
+            assert (r["ids"], r["finished"]) == (want[x.rid]["ids"], want[x.rid]["finished"]), x.rid
     assert_no_leak(small)
 
 

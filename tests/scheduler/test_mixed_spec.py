@@ -15,7 +15,7 @@ from mlaserve.demo import DEMO_DIR
 from mlaserve.scheduler.scheduler import Scheduler
 from mlaserve.tokenizer import load_tokenizer
 from seq_runner import drive_scheduler as run
-from test_mixed_chunk import assert_no_leak, drive, max_gap
+from test_mixed_chunk import assert_no_leak, check_retraction_and_aborts, check_sampling_per_request, drive, max_gap
 from test_scheduler import make, msg, prompts
 
 DEMO = str(DEMO_DIR)
@@ -96,58 +96,19 @@ def test_radix_hit_while_others_speculate(demo_prompts):
 
 @pytest.mark.parametrize("spec", [SPEC, TREE], ids=["chain", "tree"])
 def test_sampling_penalties_stops_and_logprobs_in_mixed_spec(demo_prompts, spec):
-    """Seeded sampling, penalties, min_new_tokens, stop ids and log-probs of requests whose verify rows ride in
-    mixed batches: the tokens of a run with neither, and its log-probs (fp32, up to summation order)."""
-    ps = demo_prompts
-    alone = run(demo(), [msg("probe", ps[2], max_new=16)])["probe"]["ids"]
-    kws = [{"temperature": 0.8, "seed": 5, "top_p": 0.9}, {"frequency_penalty": 0.7, "min_new_tokens": 4},
-           {"stop_token_ids": [alone[6]]}, {"temperature": 1.0, "seed": 9, "repetition_penalty": 1.3},
-           {"presence_penalty": 0.5}, {}]
-
-    def msgs():
-        out = []
-        for i, (p, kw) in enumerate(zip(ps, kws)):
-            x = msg(f"s{i}", p, max_new=16, **kw)
-            x.return_logprob, x.top_logprobs_num = True, 2
-            out.append(x)
-        return out
-
-    arrivals = {f"s{i}": 2 * i for i in range(len(ps))}
-    got = {}
-    for mixed in (False, True):
-        sched = demo(chunked_prefill_size=32, **(dict(enable_mixed_chunk=True, **spec) if mixed else {}))
-        got[mixed] = drive(sched, msgs(), arrivals)
-        assert (sched.stats["mixed_steps"] > 0) == mixed
-    for rid, want in got[False].items():
-        have = got[True][rid]
-        assert have["ids"] == want["ids"] and have["finished"] == want["finished"], rid
-        assert [t for _, t in have["lp"]] == [t for _, t in want["lp"]]
-        assert [lp for lp, _ in have["lp"]] == pytest.approx([lp for lp, _ in want["lp"]], abs=1e-4), rid
-        assert [[t for _, t in top] for top in have["top"]] == [[t for _, t in top] for top in want["top"]]
-    assert got[True]["s2"]["finished"].kind == "stop"
+    """Seeded sampling, penalties, stop ids and log-probs of requests whose verify rows ride in mixed batches."""
+    check_sampling_per_request(demo_prompts, lambda **kw: demo(chunked_prefill_size=32, **kw),
+                               dict(enable_mixed_chunk=True, **spec))
 
 
 @pytest.mark.parametrize("spec", [SPEC, TREE], ids=["chain", "tree"])
 def test_retraction_and_aborts_with_mixed_spec(demo_prompts, spec):
-    """A pool small enough that decode must retract, and aborts at random steps: the tokens of a roomy plain run
-    (an aborted request's a prefix of them), and every slot back."""
     rng = random.Random(17)
-    ps = demo_prompts * 2
-    msgs = [msg(f"t{i}", p, max_new=rng.randint(30, 60)) for i, p in enumerate(ps)]
+    msgs = [msg(f"t{i}", p, max_new=rng.randint(30, 60)) for i, p in enumerate(demo_prompts * 2)]
     arrivals = {x.rid: rng.randint(0, 12) for x in msgs}
-    aborts = {x.rid: arrivals[x.rid] + rng.randint(0, 10) for x in rng.sample(msgs, 3)}
-    big = run(demo(), msgs, arrivals)
     small = demo(enable_mixed_chunk=True, max_total_tokens=260, max_running_requests=10, chunked_prefill_size=48,
                  init_new_token_ratio=0.0, min_new_token_ratio=0.0, **spec)
-    got = run(small, msgs, arrivals, aborts)
-    assert small.num_retracted > 0 and small.stats["mixed_steps"] > 0, (small.num_retracted, small.stats)
-    for x in msgs:
-        r = got[x.rid]
-        if x.rid in aborts and r["finished"].kind == "abort":
-            assert big[x.rid]["ids"][: len(r["ids"])] == r["ids"], x.rid
-        else:
-            assert (r["ids"], r["finished"]) == (big[x.rid]["ids"], big[x.rid]["finished"]), x.rid
-    assert_no_leak(small)
+    check_retraction_and_aborts(demo(), small, msgs, arrivals, rng)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU runs the Triton kernels under the interpreter; on a GPU "
