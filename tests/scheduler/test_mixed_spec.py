@@ -117,7 +117,7 @@ def test_triton_backend_verifies_mixed_rows(ckpt):
     """--attention-backend triton (TRITON_INTERPRET=1 here): the decodes' verify rows of a mixed batch go through the
     Triton decode kernel with several queries a request under the tree mask (a chain's are the causal case) and the
     splits chosen on the host; the tokens of the same backend with neither mixing nor speculation."""
-    msgs = [msg("k0", [5, 6, 7, 8, 9], max_new=6), msg("k1", list(range(20, 30)), max_new=2)]
+    msgs = [msg("k0", [5, 6, 7, 8, 9], max_new=4), msg("k1", list(range(20, 28)), max_new=2)]
     arrivals = {"k0": 0, "k1": 2}
     kw = dict(attention_backend="triton", chunked_prefill_size=16)
     plain = run(make(ckpt, **kw), msgs, arrivals)
