@@ -53,8 +53,8 @@ class ForwardContext:
     # decode graphs: [D * P] bool (D DP groups, else 1), the MoE's rows (gathered under DP attention) that are a
     # request's; the others, padding, route to no expert. None: every row routes
     moe_row_mask: torch.Tensor | None = None
-    # EXTEND mode: the last num_decode requests are decodes of a mixed batch, one token each (num_q of the step's
-    # verify under speculative decoding)
+    # EXTEND mode: the last num_decode requests are decodes of a mixed batch, one token each (under speculative
+    # decoding the nodes of the step's verify each)
     num_decode: int = 0
     parts: "tuple[ForwardContext, ForwardContext] | None" = None   # a mixed batch's `split_mixed()`, made once
     tree_mask: torch.Tensor | None = None    # [T] int64, DECODE: bit i = sees new token i of its request (None: causal)

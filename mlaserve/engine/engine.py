@@ -440,13 +440,14 @@ class ModelRunner:
             prefix_lens=batch.prefix_lens[:-n], extend_lens=batch.extend_lens[:-n], sampling=batch.sampling[:-n],
             num_decode=0)
         wide = widen(head)
+        t = len(wide.ids)                                            # the prompts' rows (then the decodes')
         logit_rows = wide.index[torch.tensor(rows, dtype=torch.int64)]
         prefix, ext, out_slots, ids = wide.prefix_lens, wide.extend_lens, wide.out_slots, wide.ids
         slots = batch.slot_tokens                          # DP attention: agreed counts ([forward][group])
         s = self.spec.steps
         tail = self.spec.mixed_drafts(batch, slots[:s] if slots is not None else None) if n else None
         if tail is not None:                   # the decodes' verify rows after the prompts' (`split_mixed`)
-            t, nodes = len(wide.ids), tail.tree.tokens.shape[1]
+            nodes = tail.tree.tokens.shape[1]
             logit_rows = torch.cat([logit_rows, torch.arange(t, t + n * nodes)])
             prefix, ext = prefix + batch.prefix_lens[-n:], ext + [nodes] * n
             # NOTE: node m of a request's tree goes to its step's column L + m (the slots are on the device)
@@ -458,10 +459,9 @@ class ModelRunner:
                             num_decode=n, logits_rows=logit_rows, input_ids=ids)
         ids = ctx.input_ids
         if tail is not None:
-            t = len(wide.ids)
             ids[t:] = tail.tree.tokens.reshape(-1)
-            ctx.positions[t:] = (tail.base[:, None] + tail.tree.depth).reshape(-1)    # a tree's nodes: L + depth
-            if self.spec.topk > 1:
+            if self.spec.topk > 1:              # a tree's nodes sit at L + depth (a chain's at L + j, as uploaded)
+                ctx.positions[t:] = (tail.base[:, None] + tail.tree.depth).reshape(-1)
                 ctx.parts[1].tree_mask = tail.tree.mask.reshape(-1)
             self._mixed_splits(ctx)
         if slots is not None:
@@ -471,10 +471,8 @@ class ModelRunner:
         out = self._forward_model(ids, ctx, batch.piece_tokens)
         if tail is None:
             self.spec.after_extend(batch, wide, out.hidden, slots[s + 1] if slots is not None else None)
-            if slots is not None:
-                self.spec.idle([[0] * len(slots[s])] * (s + 2) + [slots[s + 2]])   # other groups' repairs
+            self.spec.idle_repair(slots[s + 2] if slots is not None else None)
             return out.logits, ctx.req_pool_idx, None
-        t = len(wide.ids)
         self.spec.after_extend(head, wide, out.hidden[:t], slots[s + 1] if slots is not None else None)
         pending = self.spec.mixed_accept(tail, out.logits[len(rows):], out.hidden[t:],
                                          slots[s + 2] if slots is not None else None)

@@ -164,6 +164,12 @@ class SpecDecoder:
             else:
                 self.model.mtp.forward_idle(counts)
 
+    def idle_repair(self, counts: list[int] | None) -> None:
+        """DP attention: this group's part in the last forward of a step (`slot_counts`), another group's mixed-batch
+        repair, when it has none (a plain decode or extend)."""
+        if counts is not None and any(counts):
+            self.model.mtp.forward_idle(counts)
+
     def after_extend(self, batch: Batch, wide: Widened, hidden: torch.Tensor, counts: list[int] | None = None) -> None:
         """The NextN layer over an extend batch the target just ran (`hidden` [T', h] of the widened batch):
         a draft pair for every token of each request but its first; each request's last hidden state is kept.
@@ -249,8 +255,7 @@ class SpecDecoder:
                 accepted = self.accept(rows, base, slots, draft_ids, target, hidden, base_cpu,
                                        counts=counts[-1] if counts is not None else None)
             path = None                                   # a chain's nodes are its path, in order
-        if extra is not None and any(extra):
-            self.model.mtp.forward_idle(extra)
+        self.idle_repair(extra)
         self.base_buf[rows] = base + 1 + accepted
         if path is not None:                              # the accepted path's nodes first
             target, lp, top = _along(path, target, lp, top)

@@ -95,7 +95,7 @@ def mix_decodes(sched: "Scheduler", batch: Batch) -> Batch:
     """--enable-mixed-chunk: `batch` (a prefill or prompt chunk) with every running request appended as an extend
     over its cached tokens, so decoding does not pause for the prefill: one token each, or under speculative decoding
     its step's last token and drafts (`spec_tokens`; the drafts are made and the accept runs around the batch's
-    target forward, `engine/spec.SpecDecoder.mixed_tail`). `batch` alone when their slots cannot be had
+    target forward, `SpecDecoder.mixed_drafts` / `mixed_accept`). `batch` alone when their slots cannot be had
     (`plan_prefill` kept them back, so only when the pool is nearly full; they then wait a step), or under
     speculative decoding when a running request is grammar-constrained (its drafts are walked on the host in a
     decode step of its own)."""
@@ -103,19 +103,14 @@ def mix_decodes(sched: "Scheduler", batch: Batch) -> Batch:
     k = sched.spec_tokens
     if not reqs or (k > 1 and any(r.rid in sched.grammar.states for r in reqs)):
         return batch
-    if k > 1:
-        # NOTE: plan_prefill drained the step in flight, so every base L is exact on the host (kv_len = L)
-        assert sched.pending is None, "a mixed batch under speculative decoding plans with no step in flight"
-        counts = [spec_columns(sched, r)[1] - r.kv_len for r in reqs]
-        assert counts == [k] * len(reqs), f"each decode takes {k} new slots, got {counts}"
+    # NOTE: plan_prefill drained the step in flight, so every base L is exact on the host (kv_len = L), and a step's
+    # k slots are columns L .. L + k - 1 (`spec_columns` with nothing queued)
+    assert k == 1 or sched.pending is None, "a mixed batch under speculative decoding plans with no step in flight"
     slots = sched.kv.alloc(len(reqs) * k)
     if slots is None:
         return batch
     prefix = [r.kv_len for r in reqs]
-    if k > 1:
-        sched.kv.extend_varied(reqs, [k] * len(reqs), slots)
-    else:
-        sched.kv.extend_one_each(reqs, slots)
+    sched.kv.extend_varied(reqs, [k] * len(reqs), slots)
     n = len(reqs)
     # NOTE: input ids are read on the device from the runner's token_buf (and the drafts), as in a decode batch:
     # placeholders here. Under speculative decoding the decodes' tokens come from the accept, not from sampling

@@ -40,7 +40,8 @@ def plan_prefill(sched: "Scheduler") -> Batch | None:
     reserve = decode_reserve(sched)
     # --enable-mixed-chunk: the running requests take one token each of the batch (SGLang counts them the same way),
     # under speculative decoding their step's verified tokens each
-    mixed = mix_tokens(sched) if cfg.enable_mixed_chunk and sched.running and mix_tokens(sched) < budget else 0
+    mixed = mix_tokens(sched) if cfg.enable_mixed_chunk else 0
+    mixed = mixed if 0 < mixed < budget else 0
     budget -= mixed
     reserve += mixed
     picked: list[tuple[Req, int, torch.Tensor]] = []
