@@ -727,8 +727,8 @@ def fused_moe_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
                    topk_ids: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
                    sync: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                    block_shape: tuple[int, int] = (128, 128), config: dict | None = None,
-                   num_routed_experts: int | None = None,
-                   all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_routed_experts: int | None = None, all_reduce: LLGroup | None = None,
+                   h: torch.Tensor | None = None, h_ready: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_moe` followed by the next layer's input norm, in the same two launches (up to COMBINE_MAX_TOKENS
     tokens, where the second GEMM combines): returns (rmsnorm(out + residual), out + residual), new tensors in
     x.dtype; `residual` [T, K] (rows contiguous) is not modified. The last output tile to be combined norms the
@@ -737,23 +737,27 @@ def fused_moe_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     `all_reduce` (tensor parallelism: out is this rank's share): out is first summed over the ranks, in that same
     last program, by the push all-reduce's protocol and bits (`peer_all_reduce_ll`): the result of
     `peer_all_reduce_ll(fused_moe(...), residual, norm_weight, eps)` in two launches instead of three. Every rank
-    must make the same call."""
+    must make the same call.
+
+    `h` [k, I] in x.dtype with its last `h_ready` rows already silu(gate) * up of their slots (the shared experts,
+    computed in the router's launch: `moe_route_norm(shared=...)`): the first GEMM runs the other slots only, into
+    h's first rows, and the second reads them all."""
     t = x.shape[0]
     assert t <= COMBINE_MAX_TOKENS, f"fused_moe_norm takes at most {COMBINE_MAX_TOKENS} tokens, got {t}"
     check_norm_operands(x, norm_weight, residual)
     if all_reduce is not None:
         assert all_reduce.ll.fits(x), f"x {tuple(x.shape)} exceeds the push buffers ({LL_ROWS} rows of {LL_DMAX})"
-    h, res_out = torch.empty_like(x), torch.empty_like(x)
+    normed, res_out = torch.empty_like(x), torch.empty_like(x)
     _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape, config, num_routed_experts,
-               None, sync, (residual, norm_weight, eps, h, res_out), all_reduce)
-    return h, res_out
+               None, sync, (residual, norm_weight, eps, normed, res_out), all_reduce, h, h_ready)
+    return normed, res_out
 
 
 def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
                block_shape: tuple[int, int], config: dict | None, num_routed_experts: int | None,
                out: torch.Tensor | None, sync: torch.Tensor | None, norm: tuple | None,
-               all_reduce: LLGroup | None = None) -> torch.Tensor:
+               all_reduce: LLGroup | None = None, h: torch.Tensor | None = None, h_ready: int = 0) -> torch.Tensor:
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     t, k = x.shape
     e, i, top_k = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
@@ -772,8 +776,16 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     _check_config(cfg, fp8, fuse_quant, block_shape[1])
     _check_config(cfg2, fp8, fuse_quant, block_shape[1])
     routing = _route(topk_ids, cfg["BLOCK_SIZE_M"], e, fp8)
-    h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)             # h: [S, I] = silu(gate) * up
-    _grouped_gemm(x, w13, w13_scale, h, routing, None, cfg, fuse_quant, block_shape, top_k, True)
+    if h is None:
+        assert h_ready == 0, "h_ready needs h"
+        h = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)         # h: [S, I] = silu(gate) * up
+    else:
+        assert t == 1 and 0 <= h_ready <= top_k and h.shape == (top_k, i) and h.dtype == x.dtype \
+            and h.is_contiguous(), f"h must be [{top_k}, {i}] {x.dtype} for one token, got {tuple(h.shape)} {h.dtype}"
+    if h_ready < top_k:            # (one token: the slots' row blocks are its first top_k - h_ready ids)
+        first = routing if h_ready == 0 else _slot_blocks(topk_ids[:, :top_k - h_ready])
+        _grouped_gemm(x, w13, w13_scale, h[:top_k - h_ready] if h_ready else h, first, None, cfg, fuse_quant,
+                      block_shape, top_k, True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
     combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     assert all_reduce is None or (combine and norm), "the all-reduce runs in the norm's program"
@@ -823,7 +835,10 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 def fused_moe_norm_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec of `fused_moe_norm`: `fused_moe_ref`, then the fused add + norm's reference."""
+    """The spec of `fused_moe_norm`: `fused_moe_ref`, then the fused add + norm's reference (`h` / `h_ready` are
+    the kernel's: the reference computes every slot)."""
+    kw.pop("h", None)
+    kw.pop("h_ready", None)
     return fused_add_rmsnorm_ref(fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **kw), residual, norm_weight, eps)
 
 

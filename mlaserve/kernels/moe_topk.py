@@ -16,6 +16,9 @@ from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# Weights (gate and up together) one shared-expert program of `moe_route_norm(shared=...)` holds: 32 KB of bf16,
+# 64 values a thread at 8 warps, as gemv1's tile.
+SHARED_ROWS_VALUES = 16384
 SCORING = ("softmax", "sigmoid")
 
 
@@ -252,17 +255,55 @@ def _sum_over_ranks(x, t, offs_h, h_ok, ar_ptrs, ar_epochs, ar_rank, ar_half, AR
 
 
 @triton.jit
+def _shared_gate_up(x_ptr, res_ptr, nw_ptr, eps, hidden, sw_ptr, sh_ptr, shared_i, stride_swe, stride_swn, stride_sh,
+                    j, SH_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    # One token's shared experts inside the router's launch: program j owns SH_ROWS intermediate rows r of one shared
+    # expert s and writes h[s, r] = silu(gate[r] . n) * (up[r] . n), n = rmsnorm(x + res) rounded as the routing
+    # programs round it. Its whole [SH_ROWS, hidden] slices of gate and up are read before the PDL wait (as gemv1),
+    # so they stream while the routing programs wait on their inputs and select.
+    tiles = tl.cdiv(shared_i, SH_ROWS)
+    s = j // tiles
+    rows = (j % tiles) * SH_ROWS + tl.arange(0, SH_ROWS)
+    offs_h = tl.arange(0, BLOCK_H)
+    r_ok, h_ok = rows < shared_i, offs_h < hidden
+    w_ptrs = sw_ptr + s.to(tl.int64) * stride_swe + rows.to(tl.int64)[:, None] * stride_swn + offs_h[None, :]
+    w_ok = r_ok[:, None] & h_ok[None, :]
+    wg = tl.load(w_ptrs, mask=w_ok, other=0.0)                                       # [SR, BH] gate rows
+    wu = tl.load(w_ptrs + shared_i * stride_swn, mask=w_ok, other=0.0)               # [SR, BH] up rows
+    pdl_enter(PDL)
+    x = tl.load(x_ptr + offs_h, mask=h_ok, other=0.0)
+    ty = x.dtype
+    r = tl.load(res_ptr + offs_h, mask=h_ok, other=0.0)
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    y = (xf * rstd).to(ty).to(tl.float32)
+    n = (tl.load(nw_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * y).to(ty).to(tl.float32)
+    g = tl.sum(wg.to(tl.float32) * n[None, :], axis=1)                               # [SR] exact products, fp32 sums
+    u = tl.sum(wu.to(tl.float32) * n[None, :], axis=1)
+    tl.store(sh_ptr + s * stride_sh + rows, (g * tl.sigmoid(g) * u).to(sh_ptr.dtype.element_ty), mask=r_ok)
+
+
+@triton.jit
 def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, stride_x, stride_w,
                       res_ptr, nw_ptr, normed_ptr, res_out_ptr, eps, stride_res, stride_normed, stride_res_out,
-                      ar_ptrs, ar_epochs, ar_rank, ar_half,
+                      ar_ptrs, ar_epochs, ar_rank, ar_half, n_route, sw_ptr, sh_ptr, shared_i, stride_swe,
+                      stride_swn, stride_sh,
                       bias_ptr, weights_ptr, ids_ptr, mask_ptr, per_group, n_group, routed_scaling_factor,
                       TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, METHOD: tl.constexpr, SIGMOID: tl.constexpr,
                       NORM: tl.constexpr, HAS_BIAS: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_PG: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_H: tl.constexpr, NORM_IN: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr,
-                      AR_WORLD: tl.constexpr):
+                      AR_WORLD: tl.constexpr, SH_ROWS: tl.constexpr):
     # ONE_TILE: hidden <= BLOCK_H. NORM_IN: the gate reads rmsnorm(x + res) (weight nw); the slice-0 program of each token also writes that
     # normed row (the experts' input) and x + res (the residual stream) to their own buffers.
+    # SH_ROWS > 0 (one token, ONE_TILE and NORM_IN): programs n_route .. of axis 0 are the shared experts' gate / up
+    # instead (`_shared_gate_up`); the first n_route programs route.
+    if SH_ROWS > 0:
+        if tl.program_id(0) >= n_route:
+            _shared_gate_up(x_ptr, res_ptr, nw_ptr, eps, hidden, sw_ptr, sh_ptr, shared_i, stride_swe, stride_swn,
+                            stride_sh, tl.program_id(0) - n_route, SH_ROWS, BLOCK_H, PDL)
+            return
     t = tl.program_id(1).to(tl.int64)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_h = tl.arange(0, BLOCK_H)
@@ -318,7 +359,7 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
     # NOTE: the barrier orders every thread's logits store before the (release) count; the last program's
     # acquire then sees all of token t's row. Its loads skip L1 (.cg), which is not coherent across SMs.
     tl.debug_barrier()
-    if tl.atomic_add(sync_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+    if tl.atomic_add(sync_ptr + t, 1, sem="acq_rel", scope="gpu") == n_route - 1:
         tl.atomic_xchg(sync_ptr + t, 0, sem="relaxed", scope="gpu")           # ready for the next launch
         if AR_WORLD > 1:        # every program of the row has read its epoch: the last one advances it
             ll_epoch(ar_epochs, t, 0, 1)
@@ -364,25 +405,32 @@ def moe_route_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.T
                    topk_group: int = 1, norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0,
                    e_score_correction_bias: torch.Tensor | None = None, n_shared: int = 0,
                    sync: torch.Tensor | None = None, config: dict | None = None, all_reduce: LLGroup | None = None,
-                   row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                   row_mask: torch.Tensor | None = None,
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """`moe_route` of h = rmsnorm(x + residual) (the layer's post-attention norm folded into the router's launch).
 
     x, residual: [T, h], one dtype, rows contiguous; norm_weight [h]. Returns (weights, ids, h [T, h] in x.dtype,
     x + residual [T, h] in x.dtype): the last two are new tensors (residual is not modified). `all_reduce` (tensor
     parallelism: x is this rank's share of the attention output): x is first summed over the ranks in the same
-    launch, with `peer_all_reduce_ll`'s bits. Every rank must make the same call."""
+    launch, with `peer_all_reduce_ll`'s bits. Every rank must make the same call.
+
+    `shared` = (w13 [n, 2I, h], out [n, I]) (one token, no all_reduce, h <= the config's BLOCK_H, w13 in x.dtype):
+    the same launch also computes the n shared experts' first half on h, out[s] = silu(gate_s . h) * (up_s . h)
+    (w13[s] = gate rows then up rows, as `fused_moe`'s), in more programs beside the routing ones
+    (`SHARED_ROWS_VALUES` weights each), so their weights stream while the routing waits and selects."""
     check_norm_operands(x, norm_weight, residual)
     return _route(x, (residual, norm_weight, eps), weight, top_k, sync, config, topk_method=topk_method,
                   scoring_func=scoring_func, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                   routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=e_score_correction_bias,
-                  n_shared=n_shared, all_reduce=all_reduce, row_mask=row_mask)
+                  n_shared=n_shared, all_reduce=all_reduce, row_mask=row_mask, shared=shared)
 
 
 def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None, weight: torch.Tensor,
            top_k: int, sync: torch.Tensor | None, config: dict | None, *, topk_method: str, scoring_func: str,
            n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
            e_score_correction_bias: torch.Tensor | None, n_shared: int,
-           all_reduce: LLGroup | None = None, row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+           all_reduce: LLGroup | None = None, row_mask: torch.Tensor | None = None,
+           shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     t, h = x.shape
     e = weight.shape[0]
     assert weight.dim() == 2 and weight.shape[1] == h, f"weight must be [E, {h}], got {tuple(weight.shape)}"
@@ -401,14 +449,30 @@ def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | Non
         assert h <= block_h and all_reduce.ll.fits(x), \
             f"x {tuple(x.shape)}: summing over the ranks in the router needs one tile and the push buffers"
     ar = all_reduce.launch_args() if all_reduce is not None else (sync, sync, 0, 0)
+    n_route = triton.cdiv(e, block_e)
+    sw, sh, sh_rows, n_sh_programs = x, x, 0, 0
+    if shared is not None:
+        sw, sh = shared
+        n_sh, two_i, sh_h = sw.shape
+        assert norm is not None and all_reduce is None and t == 1 and h <= block_h, \
+            "the shared experts ride in the router's launch for one token, with the norm, without all_reduce"
+        assert sh_h == h and two_i % 2 == 0 and sw.dtype == x.dtype and sw.stride(2) == 1, \
+            f"shared w13 must be [n, 2I, {h}] in {x.dtype} with contiguous rows, got {tuple(sw.shape)} {sw.dtype}"
+        assert sh.shape == (n_sh, two_i // 2) and sh.dtype == x.dtype and sh.stride(1) == 1, \
+            f"shared out must be [{n_sh}, {two_i // 2}] in {x.dtype}, got {tuple(sh.shape)} {sh.dtype}"
+        sh_rows = max(1, min(SHARED_ROWS_VALUES // (2 * block_h), triton.next_power_of_2(two_i // 2)))
+        n_sh_programs = n_sh * triton.cdiv(two_i // 2, sh_rows)
+        cfg["num_warps"] = max(cfg["num_warps"], 8)
     args = (x, weight, logits, sync, e, h, x.stride(0), weight.stride(0), res, nw, normed, res_out, float(eps),
-            res.stride(0), normed.stride(0), res_out.stride(0), *ar)
-    weights, ids = _launch_select(_moe_route_kernel, (triton.cdiv(e, block_e), t), args, t, e, top_k, topk_method,
+            res.stride(0), normed.stride(0), res_out.stride(0), *ar, n_route, sw, sh, sw.shape[1] // 2,
+            sw.stride(0), sw.stride(1), sh.stride(0))
+    weights, ids = _launch_select(_moe_route_kernel, (n_route + n_sh_programs, t), args, t, e, top_k, topk_method,
                                   scoring_func, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
                                   e_score_correction_bias, n_shared, x.device, row_mask, BLOCK_E=block_e,
                                   BLOCK_H=block_h,
                                   NORM_IN=norm is not None, ONE_TILE=h <= block_h,
-                                  AR_WORLD=all_reduce.world if all_reduce is not None else 1, **cfg)
+                                  AR_WORLD=all_reduce.world if all_reduce is not None else 1, SH_ROWS=sh_rows,
+                                  **cfg)
     return weights, ids, normed, res_out
 
 
@@ -420,9 +484,16 @@ def moe_route_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, *, sync: to
 
 def moe_route_norm_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, top_k: int, *, sync: torch.Tensor | None = None,
-                       config: dict | None = None, **routing) -> tuple[torch.Tensor, ...]:
-    """The spec of `moe_route_norm`: the fused add + norm's reference, then `moe_route_ref`."""
+                       config: dict | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       **routing) -> tuple[torch.Tensor, ...]:
+    """The spec of `moe_route_norm`: the fused add + norm's reference, then `moe_route_ref` (and with `shared`,
+    its out rows in fp32 from h)."""
     h, res_out = fused_add_rmsnorm_ref(x, residual, norm_weight, eps)
+    if shared is not None:
+        w13, out = shared
+        i = w13.shape[1] // 2
+        gu = torch.einsum("k,sik->si", h[0].float(), w13.float())                      # [n, 2I]
+        out.copy_(F.silu(gu[:, :i]) * gu[:, i:])
     return (*moe_route_ref(h, weight, top_k, **routing), h, res_out)
 
 

@@ -9,6 +9,8 @@ ep = tp; shared ones stay split over all ranks).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mlaserve.config import ModelConfig, QuantConfig
@@ -18,6 +20,7 @@ from mlaserve.distributed.expert import AllToAllDispatcher, ExpertParallel
 from mlaserve.kernels.allreduce import LLGroup
 from mlaserve.kernels.fused_moe import COMBINE_MAX_TOKENS
 from mlaserve.kernels.gemv import bucket_rows, cublas_linear, pads_rows
+from mlaserve.kernels.moe_topk import route_config
 from mlaserve.layers.linear import SINGLE, Linear, MergedLinear, ShapeError, cdiv, copy_checked, shard
 from mlaserve.layers.ops import Ops
 from mlaserve.layers.rmsnorm import RMSNorm
@@ -36,6 +39,16 @@ ROUTE_SMALL_GATE = 64 * 2048
 # on an H100 (benchmarks/results/decode-fold-h100.md): 0.8-1.0 us faster than norm + router for V2-Lite's gate at
 # 1-16 tokens; for V3's 256 x 7168 gate 1.2 us faster at one token, 3.6 us slower at 4 and 24 us at 16.
 NORM_FOLD_MAX_TOKENS = 16
+# One token's shared experts: their gate / up inside the router's launch, beside the routing programs
+# (`moe_route_norm(shared=...)`), so their weights stream while the routing waits and selects.
+
+
+def shared_in_router_enabled() -> bool:
+    """MLASERVE_SHARED_IN_ROUTER=0: the shared slots' gate / up in the fused-MoE call instead (A/B runs)."""
+    v = os.environ.get("MLASERVE_SHARED_IN_ROUTER", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"MLASERVE_SHARED_IN_ROUTER={v!r}: expected 0 or 1")
+    return v == "1"
 NORM_FOLD_MAX_TOKENS_LARGE = 1
 
 
@@ -96,6 +109,7 @@ class Router(torch.nn.Module):
         small = e * h <= ROUTE_SMALL_GATE
         self.route_max_tokens = ROUTE_FUSED_MAX_TOKENS if small else ROUTE_FUSED_MAX_TOKENS_LARGE
         self.norm_fold_max_tokens = NORM_FOLD_MAX_TOKENS if small else NORM_FOLD_MAX_TOKENS_LARGE
+        self.norm_tile = route_config(e, h)["BLOCK_H"]          # moe_route_norm's row tile (shared= needs h within)
         # NOTE: `moe_route`'s arrival counts, zero between launches; one per layer, as layers run one at a time
         self.register_buffer("route_sync", torch.zeros(self.route_max_tokens, dtype=torch.int32, device=device),
                              persistent=False)
@@ -120,13 +134,15 @@ class Router(torch.nn.Module):
         return self.ops.moe_topk(logits, c.num_experts_per_tok, **kw)
 
     def route_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, n_shared: int = 0,
-                     all_reduce: LLGroup | None = None,
-                     row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                     all_reduce: LLGroup | None = None, row_mask: torch.Tensor | None = None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         """forward(norm(x + residual)) in one launch, up to `route_max_tokens` tokens; returns (weights, ids,
         norm(x + residual), x + residual). `all_reduce`: x is this rank's share, summed over the ranks first in the
         same launch (the Triton kernel)."""
         assert x.shape[0] <= self.route_max_tokens, f"route_normed takes at most {self.route_max_tokens} tokens"
         kw = {} if all_reduce is None else {"all_reduce": all_reduce}       # (the torch reference takes none)
+        if shared is not None:
+            kw["shared"] = shared
         return self.ops.moe_route_norm(x, residual, norm.weight, norm.eps, self.weight, self.cfg.num_experts_per_tok,
                                        sync=self.route_sync, **self._routing(n_shared, row_mask), **kw)
 
@@ -271,10 +287,14 @@ class RoutedExperts(ExpertStack):
         return self.dense_forward(x, range(self.n_routed, self.n_routed + self.n_shared))
 
     def forward_norm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, residual: torch.Tensor,
-                     norm: RMSNorm, all_reduce: LLGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     norm: RMSNorm, all_reduce: LLGroup | None = None, h: torch.Tensor | None = None,
+                     h_ready: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """forward, then the next layer's input norm inside the combine (`fused_moe_norm`, one token): returns
-        (norm(out + residual), out + residual); with `all_reduce`, out summed over the ranks first."""
+        (norm(out + residual), out + residual); with `all_reduce`, out summed over the ranks first. `h`, `h_ready`:
+        as `fused_moe_norm`'s (the shared slots' first half done in the router's launch)."""
         kw = {} if all_reduce is None else {"all_reduce": all_reduce}       # (the torch reference takes none)
+        if h is not None:
+            kw.update(h=h, h_ready=h_ready)
         return self.ops.fused_moe_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
                                        sync=self.combine_sync, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
                                        num_routed_experts=self.n_routed, **kw)
@@ -303,6 +323,7 @@ class MoE(torch.nn.Module):
         self.experts = RoutedExperts(cfg, quant=quant, dtype=dtype, device=device, ops=ops, tp=tp, ep=ep,
                                      whole_shared=all_to_all)
         ex = self.experts
+        self.shared_in_router_on = shared_in_router_enabled()
         self.dispatcher = AllToAllDispatcher(ex.ep, ex.n_total) if all_to_all else None
         self.all_to_all_on = all_to_all
 
@@ -315,6 +336,14 @@ class MoE(torch.nn.Module):
         token, experts not split by EP; under tensor parallelism with the sum over the ranks in that combine too:
         `forward_normed`'s all_reduce)."""
         return num_tokens <= COMBINE_MAX_TOKENS and num_tokens <= FUSE_SHARED_MAX_TOKENS and self.experts.ep.ep_size == 1
+
+    def shared_in_router(self, x: torch.Tensor, sum_in: LLGroup | None, n_shared: int) -> bool:
+        """Whether one token's shared experts (fused as slots) run their gate / up inside the router's launch
+        (`moe_route_norm(shared=...)`; MLASERVE_SHARED_IN_ROUTER=0 turns it off): bf16 / fp16 / fp32 weights, the
+        Triton kernels, no sum over the ranks in the router."""
+        ex = self.experts
+        return (self.shared_in_router_on and n_shared > 0 and x.shape[0] == 1 and sum_in is None and ex.quant is None
+                and ex.ops.name == "triton" and x.shape[1] <= self.gate.norm_tile)
 
     def sums_in_kernels(self) -> bool:
         """Whether the router and the experts' combine can run the all-reduce themselves (the Triton kernels:
@@ -368,6 +397,13 @@ class MoE(torch.nn.Module):
         n_shared = ex.n_shared if fuse_shared else 0
         residual = None
         # row_mask: padding rows get every slot -1 (in the router's launch)
+        if next_norm is not None and norm is not None and self.shared_in_router(x, sum_in, n_shared):
+            # one token: the shared experts' gate / up run in the router's launch (`moe_route_norm(shared=...)`)
+            h = torch.empty(self.gate.cfg.num_experts_per_tok + n_shared, ex.i, dtype=x.dtype, device=x.device)
+            weights, ids, x, residual = self.gate.route_normed(
+                x, *norm, n_shared=n_shared, row_mask=row_mask,
+                shared=(ex.w13[ex.n_routed:ex.n_routed + n_shared], h[h.shape[0] - n_shared:]))
+            return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce, h=h, h_ready=n_shared)
         if norm is None:
             weights, ids = self.gate(x, n_shared=n_shared, row_mask=row_mask)  # [T, K] f32, [T, K] int32 global
         else:

@@ -262,3 +262,35 @@ def test_row_mask_gives_padding_rows_no_expert(fn: str, n_shared: int, device: s
     for got in (run(kernel, row_mask=mask), run(ref, row_mask=mask)):
         assert (got[1][~mask] == -1).all()
         assert_same_routing((got[0][mask], got[1][mask]), (plain[0][mask], plain[1][mask]))
+
+
+@pytest.mark.parametrize("rows_values", [None, 512])      # the shipped tile (one program an expert here), or 4 rows
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_moe_route_norm_runs_the_shared_experts_gate_up(rows_values: int | None, dtype: torch.dtype, device: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shared=`: the same launch writes silu(gate . h) * (up . h) of each shared expert on the normed row h, and
+    its routing, h and x + residual are the bits of the launch without it. I = 48 is no multiple of the programs'
+    rows (masked tails)."""
+    import mlaserve.kernels.moe_topk as mt
+
+    if rows_values is not None:
+        monkeypatch.setattr(mt, "SHARED_ROWS_VALUES", rows_values)
+    _seed()
+    hidden, inter, n_shared, kw = 64, 48, 2, V2_GROUPED
+    x, res = (torch.randn(1, hidden, device=device, dtype=dtype) for _ in range(2))
+    norm_w = (torch.rand(hidden, device=device) + 0.5).to(dtype)
+    weight = (torch.randn(16, hidden, device=device) * hidden ** -0.5).to(dtype)
+    w13 = (torch.randn(n_shared, 2 * inter, hidden, device=device) * hidden ** -0.5).to(dtype)
+    sync = torch.zeros(8, dtype=torch.int32, device=device)
+    plain = moe_route_norm(x, res, norm_w, 1e-6, weight, n_shared=n_shared, sync=sync, **kw)
+    out = torch.full((n_shared, inter), float("nan"), device=device, dtype=dtype)
+    got = moe_route_norm(x, res, norm_w, 1e-6, weight, n_shared=n_shared, sync=sync, shared=(w13, out), **kw)
+    assert not sync.any()
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    gu = got[2][0].float() @ w13.float().transpose(1, 2)                      # [n, 2I] from the kernel's own h
+    want = F.silu(gu[:, :inter]) * gu[:, inter:]
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    ref_out = torch.empty_like(out)
+    moe_route_norm_ref(x, res, norm_w, 1e-6, weight, n_shared=n_shared, shared=(w13, ref_out), **kw)
+    torch.testing.assert_close(ref_out, out, atol=tol * 4, rtol=tol * 4)

@@ -208,3 +208,45 @@ def test_shared_experts_side_by_side_equal_one_pair_each(kernels: str, padded: b
     assert got.shape == want.shape
     tol = 2e-2 if gpu else 1e-5                 # bf16: the loop rounds each expert's sum before adding them
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])      # 2 shared experts; 1 (bf16 here)
+def test_shared_experts_in_the_router_equal_the_fused_call(name: str, one_thread, monkeypatch) -> None:
+    """One token with the next layer's norm (the decode step's MoE): the shared slots' gate / up in the router's
+    launch, then the fused MoE over the routed slots and the down GEMM over all, equal the fused call of every slot
+    (Triton kernels; CPU: interpreter, fp32), and the router's launch is the one that took them."""
+    from mlaserve.layers.rmsnorm import RMSNorm
+
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = dataclasses.replace(ModelConfig.from_hf(CONFIGS / f"{name}.json"), hidden_size=64,
+                              moe_intermediate_size=48, n_routed_experts=16)
+    ops = get_ops("triton")
+    calls: list[bool] = []
+    route_norm = ops.moe_route_norm
+    ops = ops._replace(moe_route_norm=lambda *a, **kw: calls.append("shared" in kw) or route_norm(*a, **kw))
+    layer = moe_layer.MoE(cfg, quant=None, dtype=torch.float32, device=device, ops=ops)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.2)
+    norms = [RMSNorm(cfg.hidden_size, 1e-6, dtype=torch.float32, device=device, ops=ops) for _ in range(2)]
+    for n in norms:
+        n.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(2, 1, cfg.hidden_size, device=device)
+    outs = []
+    for on in (True, False):
+        layer.shared_in_router_on = on
+        outs.append(layer.forward_normed(x, residual, norms[0], next_norm=norms[1]))
+    assert calls == [True, False]
+    for got, want in zip(*outs):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert not layer.gate.route_sync.any() and not layer.experts.combine_sync.any()
+
+
+def test_shared_in_router_switch(monkeypatch) -> None:
+    monkeypatch.setenv("MLASERVE_SHARED_IN_ROUTER", "0")
+    assert not moe_layer.shared_in_router_enabled()
+    monkeypatch.setenv("MLASERVE_SHARED_IN_ROUTER", "yes")
+    with pytest.raises(ValueError, match="MLASERVE_SHARED_IN_ROUTER='yes': expected 0 or 1"):
+        moe_layer.shared_in_router_enabled()
