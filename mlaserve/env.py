@@ -1,7 +1,8 @@
 """Process-wide MLASERVE_* switches, read and checked here (a bad value is one error naming the variable).
 
 So far only the debugging switch below lives here; the kernels' A/B switches (MLASERVE_PDL, MLASERVE_PAD_MASK,
-MLASERVE_PEER_PUSH, MLASERVE_KERNEL_SUMS, MLASERVE_PEER_MAX_BYTES, MLASERVE_GEMV1) are still read where they act.
+MLASERVE_PEER_PUSH, MLASERVE_KERNEL_SUMS, MLASERVE_PEER_MAX_BYTES, MLASERVE_GEMV1, MLASERVE_SHARED_IN_ROUTER) are
+still read where they act.
 Torch-free: the CLI and the HTTP process import it too.
 """
 from __future__ import annotations
