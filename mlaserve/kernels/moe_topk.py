@@ -19,6 +19,7 @@ METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # Weights (gate and up together) one shared-expert program of `moe_route_norm(shared=...)` holds: 32 KB of bf16,
 # 64 values a thread at 8 warps, as gemv1's tile.
 SHARED_ROWS_VALUES = 16384
+SHARED_NUM_WARPS = 8        # the launch's warps with the shared programs (at least; the routing's own may be more)
 SCORING = ("softmax", "sigmoid")
 
 
@@ -462,7 +463,7 @@ def _route(x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | Non
             f"shared out must be [{n_sh}, {two_i // 2}] in {x.dtype}, got {tuple(sh.shape)} {sh.dtype}"
         sh_rows = max(1, min(SHARED_ROWS_VALUES // (2 * block_h), triton.next_power_of_2(two_i // 2)))
         n_sh_programs = n_sh * triton.cdiv(two_i // 2, sh_rows)
-        cfg["num_warps"] = max(cfg["num_warps"], 8)
+        cfg["num_warps"] = max(cfg["num_warps"], SHARED_NUM_WARPS)
     args = (x, weight, logits, sync, e, h, x.stride(0), weight.stride(0), res, nw, normed, res_out, float(eps),
             res.stride(0), normed.stride(0), res_out.stride(0), *ar, n_route, sw, sh, sw.shape[1] // 2,
             sw.stride(0), sw.stride(1), sh.stride(0))
