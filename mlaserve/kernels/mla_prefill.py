@@ -204,9 +204,12 @@ def _flash_attn(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
 
 # With CUDNN_SELF_ATTN, the new tokens' causal self-attention of a prefill runs on torch's cuDNN attention where
 # `cudnn_self_attn_ok` holds; everything else (fp32, short or many requests, the prefix chunks, other GPUs) on the
-# Triton kernel above. Off until measured on a GPU (benchmarks/probe_sdpa_prefill.py, ab_cudnn_prefill.py).
-CUDNN_SELF_ATTN = False
-CUDNN_MIN_TOKENS = 512      # every request's new tokens
+# Triton kernel above. On an H100 (benchmarks/results/cudnn-prefill-h100.md): cuDNN's kernel is 1.18-1.35x ours
+# alone at 1-16k tokens and as accurate against fp32 (2.1-2.4e-3); in the model, V3 4L 1 x 16384 prefills were
+# 6-8% faster in every pair, 8192 faster, 4096 +-3% either way (so the threshold), and both paths' logits were as
+# close to a prefill with fp32 attention (2.0e-1 / 2.1e-1 at 4096, 5.3e-2 / 5.5e-2 at 16384).
+CUDNN_SELF_ATTN = True
+CUDNN_MIN_TOKENS = 8192     # every request's new tokens
 CUDNN_MAX_REQS = 8          # one cuDNN call per request
 
 

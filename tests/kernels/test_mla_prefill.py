@@ -243,6 +243,7 @@ def test_mla_prefill_cudnn_matches_ref_and_triton(ext: list[int], pre: list[int]
     k_nope = k_new[..., :128]
     calls = []
     monkeypatch.setattr(mp, "CUDNN_SELF_ATTN", True)
+    monkeypatch.setattr(mp, "CUDNN_MIN_TOKENS", 512)                     # (short prompts here: a fast test)
     monkeypatch.setattr(mp, "_cudnn_self_attn", lambda *a: calls.append(a[4]) or _cudnn_self_attn(*a))
     out = mla_prefill(**x, k_new=k_nope, k_pe_new=k_pe, prefix_chunk=chunk)
     assert calls == [ext], "the cuDNN path was not taken"
