@@ -16,11 +16,12 @@ from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING = ("softmax", "sigmoid")
 # Weights (gate and up together) one shared-expert program of `moe_route_norm(shared=...)` holds: 32 KB of bf16,
-# 64 values a thread at 8 warps, as gemv1's tile.
+# 64 values a thread at 8 warps, as gemv1's tile (8192 and 32768 were within 1% of it in the decode step:
+# benchmarks/results/issue15-h100-2026-12-07.md).
 SHARED_ROWS_VALUES = 16384
 SHARED_NUM_WARPS = 8        # the launch's warps with the shared programs (at least; the routing's own may be more)
-SCORING = ("softmax", "sigmoid")
 
 
 @triton.jit
