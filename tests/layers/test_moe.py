@@ -72,6 +72,16 @@ def stub_launches(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], Ops]:
     return looked_up, ops
 
 
+def small_config(name: str, moe_intermediate_size: int) -> tuple[ModelConfig, str]:
+    """The model's config scaled down (hidden 64, 16 routed experts), the device to run on; seeds torch (printed)."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    cfg = dataclasses.replace(ModelConfig.from_hf(CONFIGS / f"{name}.json"), hidden_size=64,
+                              moe_intermediate_size=moe_intermediate_size, n_routed_experts=16)
+    return cfg, "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.mark.parametrize("gpu", SHIPPED_GPUS)
 @pytest.mark.parametrize("name,tp", SHAPES)
 def test_model_moe_calls_read_a_shipped_table(name: str, tp: int, gpu: str, monkeypatch: pytest.MonkeyPatch,
@@ -131,12 +141,7 @@ def test_shipped_tables_parse() -> None:
 def test_moe_layer_triton_matches_torch_kernels(name: str, tokens: int, one_thread) -> None:
     """A scaled-down MoE layer (shared experts fused into the call) on the Triton kernels (CPU: interpreter, fp32)
     equals the torch kernel set; both router paths."""
-    seed = int(torch.randint(0, 2**31, ()).item())
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = dataclasses.replace(ModelConfig.from_hf(CONFIGS / f"{name}.json"), hidden_size=64,
-                              moe_intermediate_size=32, n_routed_experts=16)
+    cfg, device = small_config(name, 32)
     layers = [moe_layer.MoE(cfg, quant=None, dtype=torch.float32, device=device, ops=get_ops(k))
               for k in ("triton", "torch")]
     for p, q in zip(layers[0].parameters(), layers[1].parameters()):
@@ -217,12 +222,7 @@ def test_shared_experts_in_the_router_equal_the_fused_call(name: str, one_thread
     (Triton kernels; CPU: interpreter, fp32), and the router's launch is the one that took them."""
     from mlaserve.layers.rmsnorm import RMSNorm
 
-    seed = int(torch.randint(0, 2**31, ()).item())
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = dataclasses.replace(ModelConfig.from_hf(CONFIGS / f"{name}.json"), hidden_size=64,
-                              moe_intermediate_size=48, n_routed_experts=16)
+    cfg, device = small_config(name, 48)
     ops = get_ops("triton")
     calls: list[bool] = []
     route_norm = ops.moe_route_norm
