@@ -784,8 +784,8 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
             and h.is_contiguous(), f"h must be [{top_k}, {i}] {x.dtype} for one token, got {tuple(h.shape)} {h.dtype}"
     if h_ready < top_k:            # (one token: the slots' row blocks are its first top_k - h_ready ids)
         first = routing if h_ready == 0 else _slot_blocks(topk_ids[:, :top_k - h_ready])
-        _grouped_gemm(x, w13, w13_scale, h[:top_k - h_ready] if h_ready else h, first, None, cfg, fuse_quant,
-                      block_shape, top_k, True)
+        _grouped_gemm(x, w13, w13_scale, h[:t * top_k - h_ready], first, None, cfg, fuse_quant, block_shape, top_k,
+                      True)
     y = torch.empty(t * top_k, k, dtype=x.dtype, device=x.device)             # y: [S, K], weighted
     combine = (out, sync) if sync is not None and t <= COMBINE_MAX_TOKENS else None
     assert all_reduce is None or (combine and norm), "the all-reduce runs in the norm's program"

@@ -257,6 +257,19 @@ def _sum_over_ranks(x, t, offs_h, h_ok, ar_ptrs, ar_epochs, ar_rank, ar_half, AR
 
 
 @triton.jit
+def _add_rmsnorm_row(x, res_ptr, nw_ptr, offs_h, h_ok, hidden, eps):
+    # one row in one tile: (x + res rounded to x's dtype, its rmsnorm with DeepSeek's roundings, as kernels/norm.py)
+    ty = x.dtype
+    r = tl.load(res_ptr + offs_h, mask=h_ok, other=0.0)
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    y = (xf * rstd).to(ty).to(tl.float32)
+    nw = tl.load(nw_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    return x, (nw * y).to(ty)
+
+
+@triton.jit
 def _shared_gate_up(x_ptr, res_ptr, nw_ptr, eps, hidden, sw_ptr, sh_ptr, shared_i, stride_swe, stride_swn, stride_sh,
                     j, SH_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # One token's shared experts inside the router's launch: program j owns SH_ROWS intermediate rows r of one shared
@@ -273,14 +286,9 @@ def _shared_gate_up(x_ptr, res_ptr, nw_ptr, eps, hidden, sw_ptr, sh_ptr, shared_
     wg = tl.load(w_ptrs, mask=w_ok, other=0.0)                                       # [SR, BH] gate rows
     wu = tl.load(w_ptrs + shared_i * stride_swn, mask=w_ok, other=0.0)               # [SR, BH] up rows
     pdl_enter(PDL)
-    x = tl.load(x_ptr + offs_h, mask=h_ok, other=0.0)
-    ty = x.dtype
-    r = tl.load(res_ptr + offs_h, mask=h_ok, other=0.0)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(ty)
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    y = (xf * rstd).to(ty).to(tl.float32)
-    n = (tl.load(nw_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * y).to(ty).to(tl.float32)
+    _, n = _add_rmsnorm_row(tl.load(x_ptr + offs_h, mask=h_ok, other=0.0), res_ptr, nw_ptr, offs_h, h_ok, hidden,
+                            eps)
+    n = n.to(tl.float32)
     g = tl.sum(wg.to(tl.float32) * n[None, :], axis=1)                               # [SR] exact products, fp32 sums
     u = tl.sum(wu.to(tl.float32) * n[None, :], axis=1)
     tl.store(sh_ptr + s * stride_sh + rows, (g * tl.sigmoid(g) * u).to(sh_ptr.dtype.element_ty), mask=r_ok)
@@ -317,15 +325,8 @@ def _moe_route_kernel(x_ptr, w_ptr, logits_ptr, sync_ptr, n_experts, hidden, str
         x = tl.load(x_ptr + t * stride_x + offs_h, mask=h_ok, other=0.0)
         if AR_WORLD > 1:        # x is this rank's share (tensor parallelism): the row summed over the ranks
             x = _sum_over_ranks(x, t, offs_h, h_ok, ar_ptrs, ar_epochs, ar_rank, ar_half, AR_WORLD)
-        if NORM_IN:
-            ty = x.dtype
-            r = tl.load(res_ptr + t * stride_res + offs_h, mask=h_ok, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(ty)                   # residual_out, rounded
-            xf = x.to(tl.float32)
-            rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-            y = (xf * rstd).to(ty).to(tl.float32)
-            nw = tl.load(nw_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-            normed = (nw * y).to(ty)
+        if NORM_IN:             # x: residual_out, rounded
+            x, normed = _add_rmsnorm_row(x, res_ptr + t * stride_res, nw_ptr, offs_h, h_ok, hidden, eps)
             if tl.program_id(0) == 0:
                 tl.store(res_out_ptr + t * stride_res_out + offs_h, x, mask=h_ok)
                 tl.store(normed_ptr + t * stride_normed + offs_h, normed.to(normed_ptr.dtype.element_ty), mask=h_ok)

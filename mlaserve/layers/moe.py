@@ -293,11 +293,9 @@ class RoutedExperts(ExpertStack):
         (norm(out + residual), out + residual); with `all_reduce`, out summed over the ranks first. `h`, `h_ready`:
         as `fused_moe_norm`'s (the shared slots' first half done in the router's launch)."""
         kw = {} if all_reduce is None else {"all_reduce": all_reduce}       # (the torch reference takes none)
-        if h is not None:
-            kw.update(h=h, h_ready=h_ready)
         return self.ops.fused_moe_norm(x, self.w13, self.w2, weights, ids, residual, norm.weight, norm.eps,
                                        sync=self.combine_sync, w13_scale=self.w13_scale, w2_scale=self.w2_scale,
-                                       num_routed_experts=self.n_routed, **kw)
+                                       num_routed_experts=self.n_routed, h=h, h_ready=h_ready, **kw)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """ids: local slots ([0, n_routed), the shared slots, or -1 for another rank's expert)."""
@@ -396,21 +394,20 @@ class MoE(torch.nn.Module):
         # [T, K (+ n_shared)]: the shared slots E .. E + n_shared - 1 (weight 1) ride along in the fused call
         n_shared = ex.n_shared if fuse_shared else 0
         residual = None
+        # one token: the shared slots' gate / up in the router's launch (`moe_route_norm(shared=...)`), into h
+        fold = next_norm is not None and norm is not None and self.shared_in_router(x, sum_in, n_shared)
+        h = torch.empty(self.gate.cfg.num_experts_per_tok + n_shared, ex.i, dtype=x.dtype, device=x.device) \
+            if fold else None
         # row_mask: padding rows get every slot -1 (in the router's launch)
-        if next_norm is not None and norm is not None and self.shared_in_router(x, sum_in, n_shared):
-            # one token: the shared experts' gate / up run in the router's launch (`moe_route_norm(shared=...)`)
-            h = torch.empty(self.gate.cfg.num_experts_per_tok + n_shared, ex.i, dtype=x.dtype, device=x.device)
-            weights, ids, x, residual = self.gate.route_normed(
-                x, *norm, n_shared=n_shared, row_mask=row_mask,
-                shared=(ex.w13[ex.n_routed:ex.n_routed + n_shared], h[h.shape[0] - n_shared:]))
-            return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce, h=h, h_ready=n_shared)
         if norm is None:
             weights, ids = self.gate(x, n_shared=n_shared, row_mask=row_mask)  # [T, K] f32, [T, K] int32 global
         else:
+            shared = (ex.w13[ex.n_routed:ex.n_routed + n_shared], h[h.shape[0] - n_shared:]) if fold else None
             weights, ids, x, residual = self.gate.route_normed(x, *norm, n_shared=n_shared, all_reduce=sum_in,
-                                                               row_mask=row_mask)
+                                                               row_mask=row_mask, shared=shared)
         if next_norm is not None:
-            return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce)
+            return ex.forward_norm(x, weights, ids, residual, next_norm, all_reduce, h=h,
+                                   h_ready=n_shared if fold else 0)
         if ep:                                                                # EP: local ids, -1 elsewhere
             out = ex(x, weights, ex.ep.to_local(ids, ex.n_total))
             return (out + ex.shared_forward(x) if ex.n_shared else out), residual
