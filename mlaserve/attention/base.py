@@ -39,3 +39,10 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def decode(self, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Absorbed MLA. q: [T, H, L] latent query, q_pe: [T, H, R] roped query -> o_latent [T, H, L]."""
+
+    def decode_chain(self, layer: int, q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, rope: tuple,
+                     rope_kw: dict, ctx: ForwardContext) -> torch.Tensor | None:
+        """The whole absorbed decode in one launch where the backend has one for this batch: W_UK (q_nope [T, H, Dn]
+        @ w_kc [H, Dn, L]), the rope and cache write (`mla_rope_kv_store`'s `rope` arguments and `rope_kw`), the
+        attention and W_UV (w_vc [H, Dv, L]) -> o [T, H, Dv]; None: the caller runs the parts."""
+        return None

@@ -5,6 +5,7 @@ import torch
 
 from mlaserve.attention.base import BaseAttnBackend, ExpandKV, KVNew
 from mlaserve.core import ForwardContext
+from mlaserve.kernels.mla_chain import chain_fits, mla_decode_chain
 from mlaserve.kernels.mla_decode import mla_decode
 from mlaserve.kernels.mla_prefill import mla_prefill, prefix_chunk_slots
 
@@ -33,3 +34,12 @@ class TritonMLABackend(BaseAttnBackend):
                           self.sm_scale, kv_lora_rank=self.kv_lora_rank, num_q=ctx.num_q,
                           kv_scale=ctx.kv_pool.kv_scale, num_kv_splits=ctx.num_kv_splits, q_pe=q_pe,
                           tree_mask=ctx.tree_mask)
+
+    def decode_chain(self, layer: int, q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, rope: tuple,
+                     rope_kw: dict, ctx: ForwardContext) -> torch.Tensor | None:
+        # one token of at most 16 heads, the split count fixed (CUDA graphs): kernels/mla_chain.py
+        if ctx.num_q != 1 or ctx.tree_mask is not None or not rope[5].is_contiguous() \
+                or not chain_fits(q_nope, w_vc, self.kv_lora_rank, ctx.num_kv_splits):
+            return None
+        return mla_decode_chain(q_nope, w_kc, w_vc, *rope, ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,
+                                self.sm_scale, num_kv_splits=ctx.num_kv_splits, **rope_kw)

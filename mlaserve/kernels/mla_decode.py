@@ -121,42 +121,16 @@ def split_bounds(SeqLens, ReqPoolIdx, num_splits, BLOCK_N: tl.constexpr):
     return b, split, seq_len, pool_row, start, tl.minimum(start + split_len, seq_len)
 
 
-# NOTE: ReqPoolIdx / SeqLens are not specialized on 16-byte alignment: a mixed batch passes its decodes' part as a
-# slice at any offset, and each alignment would be one more compile on first use (a 1.5 s serving stall)
-@triton.jit(do_not_specialize=["num_splits", "ReqPoolIdx", "SeqLens"])
-def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, MidO, MidLse, Out,
-                       qk_scale, v_scale, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_rtt,
-                       stride_ot, stride_oh, H, num_q, num_splits,
-                       L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp.
-    L / R that are not powers of two >= 16 run padded to BLOCK_L / BLOCK_R (zero columns add nothing).
-
-        MidO None (one split)  | the partial is the output: written to Out
-        MidO given             | partials to MidO / MidLse, merged by _mla_decode_reduce_kernel
-    """
-    pdl_enter(PDL)
-    hb = tl.program_id(1)
-    b, split, seq_len, pool_row, start, end = split_bounds(SeqLens, ReqPoolIdx, num_splits, BLOCK_N)
-
-    # rows = (query token j, head h) pairs of request b, j-major: one cache tile is read once for all of them.
-    rows = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < num_q * H
-    j = rows // H
-    h = rows % H
-    t = (b * num_q + j).to(tl.int64)
-    limit = seq_len - num_q + j + 1                  # [BLOCK_H] row sees cache positions < limit (causal)
-    if TreeMask is not None:                         # bit i: row sees position seq_len - num_q + i (i <= j)
-        tree_bits = tl.load(TreeMask + t, mask=row_ok, other=0).to(tl.int64)
-
+@triton.jit
+def attend_tiles(q_nope, q_pe, KV, ReqToToken, pool_row, start, end, limit, tree_bits, seq_len, num_q, qk_scale,
+                 stride_kv, stride_rtt, TreeMask, L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    """Online softmax of query rows q_nope [BLOCK_H, BL] / q_pe [BLOCK_H, BR] over cache positions [start, end) of
+    one request (its pool row), row r seeing positions < limit[r] (and its tree bits with a TreeMask):
+    (acc [BLOCK_H, BL] unnormalised output, m_i running max, l_i running sum), all fp32, log2 domain."""
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
-    q_row = Q + t * stride_qt + h * stride_qh
-    pe_row = QPe + t * stride_pt + h * stride_ph
-    q_nope = _load_cols(q_row[:, None] + offs_l[None, :], row_ok, offs_l, L, BLOCK_L)      # [BLOCK_H, BL]
-    q_pe = _load_cols(pe_row[:, None] + offs_r[None, :], row_ok, offs_r, R, BLOCK_R)       # [BLOCK_H, BR]
-
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
@@ -185,8 +159,15 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_nope, input_precision=DOT_PREC)
         m_i = m_new
+    return acc, m_i, l_i
 
-    pdl_release(PDL)
+
+@triton.jit
+def store_split(acc, m_i, l_i, Out, MidO, MidLse, t, h, row_ok, split, start, seq_len, v_scale, stride_ot, stride_oh,
+                H, num_splits, L: tl.constexpr, BLOCK_L: tl.constexpr):
+    """A split's rows (tokens t, heads h [BLOCK_H]) from `attend_tiles`: normalised, to Out when MidO is None (one
+    split), else to MidO [T*H*S, L] with their log2-sum-exp to MidLse [T*H*S]."""
+    offs_l = tl.arange(0, BLOCK_L)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None] * v_scale
@@ -199,9 +180,55 @@ def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, Mi
         mid = th * num_splits + split                # [BLOCK_H] row of MidO [T*H*S, L] / MidLse [T*H*S]
         # NOTE: a split past the end (short contexts under a graph's fixed split count) writes only its -inf lse;
         # the reduce skips its MidO rows, so empty splits cost no memory traffic.
-        _store_cols(MidO + mid[:, None] * L + offs_l[None, :], o, row_ok & (rows * 0 + start < seq_len), offs_l,
+        _store_cols(MidO + mid[:, None] * L + offs_l[None, :], o, row_ok & (h * 0 + start < seq_len), offs_l,
                     L, BLOCK_L)
         tl.store(MidLse + mid, lse, mask=row_ok)
+
+
+# NOTE: ReqPoolIdx / SeqLens are not specialized on 16-byte alignment: a mixed batch passes its decodes' part as a
+# slice at any offset, and each alignment would be one more compile on first use (a 1.5 s serving stall)
+@triton.jit(do_not_specialize=["num_splits", "ReqPoolIdx", "SeqLens"])
+def _mla_decode_kernel(Q, QPe, KV, ReqToToken, ReqPoolIdx, SeqLens, TreeMask, MidO, MidLse, Out,
+                       qk_scale, v_scale, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_rtt,
+                       stride_ot, stride_oh, H, num_q, num_splits,
+                       L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                       DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    """Stage 1: one (request, head block, split) -> normalised partial output and its log2-sum-exp.
+    L / R that are not powers of two >= 16 run padded to BLOCK_L / BLOCK_R (zero columns add nothing).
+
+        MidO None (one split)  | the partial is the output: written to Out
+        MidO given             | partials to MidO / MidLse, merged by _mla_decode_reduce_kernel
+    """
+    pdl_enter(PDL)
+    hb = tl.program_id(1)
+    b, split, seq_len, pool_row, start, end = split_bounds(SeqLens, ReqPoolIdx, num_splits, BLOCK_N)
+
+    # rows = (query token j, head h) pairs of request b, j-major: one cache tile is read once for all of them.
+    rows = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < num_q * H
+    j = rows // H
+    h = rows % H
+    t = (b * num_q + j).to(tl.int64)
+    limit = seq_len - num_q + j + 1                  # [BLOCK_H] row sees cache positions < limit (causal)
+    tree_bits = t                                    # (read only with a tree mask)
+    if TreeMask is not None:                         # bit i: row sees position seq_len - num_q + i (i <= j)
+        tree_bits = tl.load(TreeMask + t, mask=row_ok, other=0).to(tl.int64)
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_row = Q + t * stride_qt + h * stride_qh
+    pe_row = QPe + t * stride_pt + h * stride_ph
+    q_nope = _load_cols(q_row[:, None] + offs_l[None, :], row_ok, offs_l, L, BLOCK_L)      # [BLOCK_H, BL]
+    q_pe = _load_cols(pe_row[:, None] + offs_r[None, :], row_ok, offs_r, R, BLOCK_R)       # [BLOCK_H, BR]
+
+    acc, m_i, l_i = attend_tiles(q_nope, q_pe, KV, ReqToToken, pool_row, start, end, limit, tree_bits, seq_len, num_q,
+                                 qk_scale, stride_kv, stride_rtt, TreeMask, L, R, BLOCK_L, BLOCK_R, BLOCK_H, BLOCK_N,
+                                 DOT_DTYPE, DOT_PREC)
+
+    pdl_release(PDL)
+    store_split(acc, m_i, l_i, Out, MidO, MidLse, t, h, row_ok, split, start, seq_len, v_scale, stride_ot,
+                stride_oh, H, num_splits, L, BLOCK_L)
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -110,9 +110,14 @@ class MLAAttention(torch.nn.Module):
                 pool.kv_buffer(self.layer_id), ctx.out_slots)
         rope_kw = dict(kv_scale=pool.kv_scale, norm_weight=norm.weight, eps=norm.eps)
         if ctx.mode is ForwardMode.DECODE and self.absorb and ctx.parts is None:
-            # absorbed decode: W_UK's per-head GEMM rides in the rope's launch (it reads q's other columns)
-            q_lat = self.ops.rope_head_gemm(q[..., : self.dn], self.w_kc, *rope, **rope_kw)     # [T, H, L]
-            return self.o_proj(self._decode_absorbed(q_lat, q, ctx).reshape(t, self.h * self.dv))
+            # absorbed decode: one launch for the whole chain where the backend has it (one token), else W_UK's
+            # per-head GEMM rides in the rope's launch (it reads q's other columns)
+            o = _decode_chain(ctx.attn_backend, self.layer_id, q[..., : self.dn], self.w_kc, self.w_vc, rope,
+                              rope_kw, ctx) if self.ops.name == "triton" else None
+            if o is None:
+                q_lat = self.ops.rope_head_gemm(q[..., : self.dn], self.w_kc, *rope, **rope_kw)     # [T, H, L]
+                o = self._decode_absorbed(q_lat, q, ctx)
+            return self.o_proj(o.reshape(t, self.h * self.dv))
         self.ops.mla_rope_kv_store(*rope, **rope_kw)
         k_pe = latent[:, self.l:]                                             # [T, R] (roped)
         # the new tokens' k_nope / v (kv_b_proj) here where the backend takes them: inside a piecewise graph's piece
@@ -157,6 +162,11 @@ class MLAAttention(torch.nn.Module):
 @compile_opaque
 def _decode(backend, layer: int, q: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
     return backend.decode(layer, q, q_pe, ctx)
+
+
+@compile_opaque
+def _decode_chain(backend, layer: int, q_nope, w_kc, w_vc, rope, rope_kw, ctx: ForwardContext) -> torch.Tensor | None:
+    return backend.decode_chain(layer, q_nope, w_kc, w_vc, rope, rope_kw, ctx)
 
 
 @compile_opaque
