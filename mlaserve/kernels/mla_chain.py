@@ -120,11 +120,6 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
     in_a = pid < A_PROGRAMS + ROPE_PROGRAMS
     in_b = pid < num_splits
     in_c = pid < C_PROGRAMS
-    # split pid's cache positions [start, end): num_splits equal runs of whole BLOCK_N tiles (as mla_decode's)
-    seq_len = tl.load(SeqLens)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = pid * split_len
-    end = tl.minimum(start + split_len, seq_len)
 
     # weights before the wait: w_kc [H, Dn, L] columns of phase A, w_vc [H, Dv, L] rows of phase C (as [L, BN_C])
     offs_d = tl.arange(0, BLOCK_DN)
@@ -139,6 +134,11 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
     w_c = tl.load(WVC + hc * stride_wvh + cols_c[None, :] * stride_wvd + offs_l[:, None],
                   mask=(DO_C & in_c) & (offs_l < L)[:, None] & (cols_c < DV)[None, :], other=0.0)    # [BL, BN_C]
     pdl_enter(PDL)
+    # split pid's cache positions [start, end): num_splits equal runs of whole BLOCK_N tiles (as mla_decode's)
+    seq_len = tl.load(SeqLens)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = pid * split_len
+    end = tl.minimum(start + split_len, seq_len)
 
     # phase B's cache rows into L2 first: their HBM latency overlaps phase A (a new token's row is written in A;
     # asking for it early is harmless)
