@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session of 2026-12-07 (third), one H100 (carry .whl: ../shared/device/wheels.sh):
-#   tests:   the one-launch MLA decode chain (kernels/mla_chain.py) and what it touches, the fast path
+#   tests:   the one-launch MLA decode chain (kernels/mla_chain.py) and what it touches, the fast path (chain on)
 #   probe:   benchmarks/probe_mla_chain.py: one launch against the four, 27 layer calls a graph
 #   ab:      bench one-batch V2-Lite bs 1 / 16 (in 256 / out 32), MLASERVE_MLA_CHAIN=1 / 0 alternated, three rounds
 #   profile: benchmarks/profile_decode.py V2-Lite bs 1 with the chain on and off (kernels of one replayed step)
@@ -12,7 +12,7 @@ for PART in "$@"; do
   echo "=== $PART $(date +%T)"
   case $PART in
     tests)
-      timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels/test_mla_chain.py \
+      MLASERVE_MLA_CHAIN=1 timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels/test_mla_chain.py \
         tests/kernels/test_mla_decode.py tests/kernels/test_mla_absorb.py tests/attention \
         tests/models/test_gpu_fastpath.py} > "$OUT/tests.txt" 2>&1
       grep -a "FAILED\|Error" "$OUT/tests.txt" | head -20; tail -3 "$OUT/tests.txt" ;;
