@@ -2,7 +2,7 @@
 # Session of 2026-12-07 (third), one H100 (carry .whl: ../shared/device/wheels.sh):
 #   tests:   the one-launch MLA decode chain (kernels/mla_chain.py) and what it touches, the fast path (chain on)
 #   probe:   benchmarks/probe_mla_chain.py: one launch against the four, 27 layer calls a graph
-#   ab:      bench one-batch V2-Lite bs 1 / 16 (in 256 / out 32), MLASERVE_MLA_CHAIN=1 / 0 alternated, three rounds
+#   ab:      bench one-batch V2-Lite bs 1 / 16 (in 256 / out 32), MLASERVE_MLA_CHAIN=1 / 0 alternated, two rounds
 #   profile: benchmarks/profile_decode.py V2-Lite bs 1 with the chain on and off (kernels of one replayed step)
 #   bash benchmarks/gpu_session61.sh PART...
 source benchmarks/gpu_v2l_env.sh
@@ -19,7 +19,7 @@ for PART in "$@"; do
     probe)
       timeout 200 python3 benchmarks/probe_mla_chain.py 2>&1 | grep -av Warning | tee "$OUT/probe.md" ;;
     ab)
-      for round in 1 2 3; do
+      for round in 1 2; do
         for s in 1 0; do
           MLASERVE_MLA_CHAIN=$s timeout 150 $B --model-config $V2L --batch-size ${AB_BS:-1} \
             --output-file "$OUT/ab_r${round}_c$s.md" 2>&1 | grep -a "^|" | grep -av "engine\|---" | sed "s/^/chain=$s /"

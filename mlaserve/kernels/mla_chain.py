@@ -43,7 +43,10 @@ NUM_WARPS = 8
 
 
 def enabled() -> bool:
-    """`MLASERVE_MLA_CHAIN=1` takes the one launch where it fits; off by default until measured on a GPU."""
+    """`MLASERVE_MLA_CHAIN=1` takes the one launch where it fits. Off by default: on an H100 it took 0.05 ms off the
+    V2-Lite bs-1 graph at 256 cached tokens (+1.1-1.3% tok/s) but was 9-13% slower than the four launches at 4096
+    (phase C's programs each merge all their head's partials), and a graph's split count cannot follow the context
+    (benchmarks/results/mla-chain-h100.md)."""
     return os.environ.get("MLASERVE_MLA_CHAIN", "0") == "1"
 
 
