@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from mlaserve.bench.timing import time_cuda
+from mlaserve.kernels import mla_chain
 from mlaserve.kernels.mla_absorb import head_gemm, rope_head_gemm
 from mlaserve.kernels.mla_chain import mla_decode_chain
 from mlaserve.kernels.mla_decode import mla_decode
@@ -38,8 +39,12 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--splits", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--chunk-s", type=int, default=None, help="phase C's partials a step (mla_chain.CHUNK_S)")
     args = ap.parse_args()
-    print(f"{torch.cuda.get_device_name()}: {args.layers} layer calls a graph, H={H}, bf16; us per layer call")
+    if args.chunk_s:
+        mla_chain.CHUNK_S = args.chunk_s
+    print(f"{torch.cuda.get_device_name()}: {args.layers} layer calls a graph, H={H}, bf16, phase C merging "
+          f"{mla_chain.CHUNK_S} partials a step; us per layer call")
     print("| ctx | splits | four launches | one launch | speed-up | max diff |")
     print("|---|---|---|---|---|---|")
     for ctx in args.ctx:
