@@ -14,7 +14,6 @@ import torch
 from mlaserve.bench.timing import time_cuda
 from mlaserve.kernels import mla_chain
 from mlaserve.kernels.mla_absorb import head_gemm, rope_head_gemm
-from mlaserve.kernels.mla_chain import mla_decode_chain
 from mlaserve.kernels.mla_decode import mla_decode
 
 H, DN, R, L, DV = 16, 128, 64, 512, 128
@@ -69,7 +68,7 @@ def main() -> None:
                 return outs
 
             def one():
-                return [mla_decode_chain(x["q"][..., :DN], x["w_kc"], x["w_vc"], *rope(x), req_to_token, pool_idx,
+                return [mla_chain.mla_decode_chain(x["q"][..., :DN], x["w_kc"], x["w_vc"], *rope(x), req_to_token, pool_idx,
                                          seq_lens, 0.1, num_kv_splits=splits, norm_weight=x["norm_w"], eps=1e-6)
                         for x in layers]
             # NOTE: the rope rotates q_pe in place on every call: the two forms read the same (repeatedly rotated)

@@ -1,8 +1,8 @@
 """Process-wide MLASERVE_* switches, read and checked here (a bad value is one error naming the variable).
 
-So far only the debugging switch below lives here; the kernels' A/B switches (MLASERVE_PDL, MLASERVE_PAD_MASK,
-MLASERVE_PEER_PUSH, MLASERVE_KERNEL_SUMS, MLASERVE_PEER_MAX_BYTES, MLASERVE_GEMV1, MLASERVE_SHARED_IN_ROUTER) are
-still read where they act.
+The kernels' 0 / 1 A/B switches are read through `on_off` where they act (MLASERVE_GEMV1, MLASERVE_SHARED_IN_ROUTER,
+MLASERVE_MLA_CHAIN); the others (MLASERVE_PDL, MLASERVE_PAD_MASK, MLASERVE_PEER_PUSH, MLASERVE_KERNEL_SUMS,
+MLASERVE_PEER_MAX_BYTES) are still read on their own.
 Torch-free: the CLI and the HTTP process import it too.
 """
 from __future__ import annotations
@@ -11,6 +11,14 @@ import faulthandler
 import os
 import signal
 import sys
+
+
+def on_off(name: str, default: bool) -> bool:
+    """A 0 / 1 switch: True for "1", False for "0", `default` when unset; any other value is one error."""
+    v = os.environ.get(name, "1" if default else "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 def dump_stacks_every() -> float | None:

@@ -11,13 +11,12 @@ projections on an H200 (decode-profile-h200.md), where their bytes take 2-3.6 us
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mlaserve.env import on_off
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta, pdl_release
 from mlaserve.kernels.precision import dot_precision
 
@@ -81,10 +80,7 @@ def _gemv1_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: 
 
 def gemv1_enabled() -> bool:
     """`linear` takes `gemv1` for one-row inputs (MLASERVE_GEMV1=0: cuBLAS there, for A/B runs)."""
-    v = os.environ.get("MLASERVE_GEMV1", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"MLASERVE_GEMV1={v!r}: expected 0 or 1")
-    return v == "1"
+    return on_off("MLASERVE_GEMV1", True)
 
 
 def gemv1(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

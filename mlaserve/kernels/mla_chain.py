@@ -22,12 +22,12 @@ Under the interpreter programs run one after another (a spin would never end), s
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from mlaserve.env import on_off
 from mlaserve.kernels.mla_absorb import head_gemm_ref, rope_head_gemm_ref
 from mlaserve.kernels.mla_decode import (LOG2E, _TL_DTYPE, _padded, attend_tiles, choose_num_kv_splits, decode_programs,
                                          mla_decode_ref, pick_config, store_split)
@@ -47,7 +47,7 @@ def enabled() -> bool:
     V2-Lite bs-1 graph at 256 cached tokens (+1.1-1.3% tok/s) but was 9-13% slower than the four launches at 4096
     (phase C's programs each merge all their head's partials), and a graph's split count cannot follow the context
     (benchmarks/results/mla-chain-h100.md)."""
-    return os.environ.get("MLASERVE_MLA_CHAIN", "0") == "1"
+    return on_off("MLASERVE_MLA_CHAIN", False)
 
 
 @functools.lru_cache(maxsize=None)

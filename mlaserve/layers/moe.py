@@ -9,14 +9,13 @@ ep = tp; shared ones stay split over all ranks).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from mlaserve.config import ModelConfig, QuantConfig
 from mlaserve.core import compile_opaque
 from mlaserve.distributed import TensorParallel
 from mlaserve.distributed.expert import AllToAllDispatcher, ExpertParallel
+from mlaserve.env import on_off
 from mlaserve.kernels.allreduce import LLGroup
 from mlaserve.kernels.fused_moe import COMBINE_MAX_TOKENS
 from mlaserve.kernels.gemv import bucket_rows, cublas_linear, pads_rows
@@ -39,17 +38,14 @@ ROUTE_SMALL_GATE = 64 * 2048
 # on an H100 (benchmarks/results/decode-fold-h100.md): 0.8-1.0 us faster than norm + router for V2-Lite's gate at
 # 1-16 tokens; for V3's 256 x 7168 gate 1.2 us faster at one token, 3.6 us slower at 4 and 24 us at 16.
 NORM_FOLD_MAX_TOKENS = 16
-# One token's shared experts: their gate / up inside the router's launch, beside the routing programs
-# (`moe_route_norm(shared=...)`), so their weights stream while the routing waits and selects.
+NORM_FOLD_MAX_TOKENS_LARGE = 1
 
 
 def shared_in_router_enabled() -> bool:
-    """MLASERVE_SHARED_IN_ROUTER=0: the shared slots' gate / up in the fused-MoE call instead (A/B runs)."""
-    v = os.environ.get("MLASERVE_SHARED_IN_ROUTER", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"MLASERVE_SHARED_IN_ROUTER={v!r}: expected 0 or 1")
-    return v == "1"
-NORM_FOLD_MAX_TOKENS_LARGE = 1
+    """One token's shared experts run their gate / up inside the router's launch, beside the routing programs
+    (`moe_route_norm(shared=...)`), so their weights stream while the routing waits and selects.
+    MLASERVE_SHARED_IN_ROUTER=0: in the fused-MoE call instead (A/B runs)."""
+    return on_off("MLASERVE_SHARED_IN_ROUTER", True)
 
 
 class DenseMLP(torch.nn.Module):

@@ -73,9 +73,12 @@ def test_chain_phases_with_an_fp8_cache(device: str, kv_dtype: torch.dtype) -> N
 
 
 def test_chain_fits_only_one_token_of_few_heads_on_a_gpu(device: str, monkeypatch) -> None:
-    monkeypatch.setenv("MLASERVE_MLA_CHAIN", "1")
     q = torch.zeros(1, 16, 128, device=device)
     w_vc = torch.zeros(16, 128, 512, device=device)
+    monkeypatch.setenv("MLASERVE_MLA_CHAIN", "yes")
+    with pytest.raises(ValueError, match="MLASERVE_MLA_CHAIN='yes': expected 0 or 1"):
+        chain_fits(q, w_vc, 512, 64)
+    monkeypatch.setenv("MLASERVE_MLA_CHAIN", "1")
     if device == "cpu":
         assert not chain_fits(q, w_vc, 512, 64)                      # one launch needs a GPU
         return
