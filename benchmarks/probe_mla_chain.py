@@ -68,8 +68,9 @@ def main() -> None:
                 return outs
 
             def one():
-                return [mla_chain.mla_decode_chain(x["q"][..., :DN], x["w_kc"], x["w_vc"], *rope(x), req_to_token, pool_idx,
-                                         seq_lens, 0.1, num_kv_splits=splits, norm_weight=x["norm_w"], eps=1e-6)
+                return [mla_chain.mla_decode_chain(x["q"][..., :DN], x["w_kc"], x["w_vc"], *rope(x), req_to_token,
+                                                   pool_idx, seq_lens, 0.1, num_kv_splits=splits,
+                                                   norm_weight=x["norm_w"], eps=1e-6)
                         for x in layers]
             # NOTE: the rope rotates q_pe in place on every call: the two forms read the same (repeatedly rotated)
             # values only when compared right after one another from the same state, as below
