@@ -40,6 +40,7 @@ BN_A = 64                  # q_lat columns per phase-A program: 16 heads x 512 /
 BN_C = 32                  # W_UV output columns per phase-C program: 16 heads x 128 / 32 = 64 programs
 CHUNK_S = 8                # partials a phase-C program merges per step
 NUM_WARPS = 8
+STAMPS = tl.constexpr(16)  # int64 values a program writes under TIMING: 8 points x (globaltimer, clock64)
 
 
 def enabled() -> bool:
@@ -84,6 +85,18 @@ def _prefetch_rows(addr, nbytes):
 
 
 @triton.jit
+def _stamp(Times, pid, k: tl.constexpr, TIMING: tl.constexpr):
+    # TIMING (benchmarks/probe_mla_chain.py --stamps): point k of program pid, as (%globaltimer ns, %clock64)
+    if TIMING:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        clock = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                          pack=1)
+        tl.store(Times + pid * STAMPS + 2 * k, now)
+        tl.store(Times + pid * STAMPS + 2 * k + 1, clock)
+
+
+@triton.jit
 def _arrive(counter):
     tl.debug_barrier()                               # every thread's stores before the release
     tl.atomic_add(counter, 1, sem="release", scope="gpu")
@@ -98,7 +111,7 @@ def _wait_for(counter, target):
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
+def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
                       q_pe_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_ptr, slot_ptr, scale_ptr, nw_ptr, eps, H,
                       L_rt, stride_qpt, stride_qph, stride_kt, stride_ct, stride_pos, stride_cache, stride_slot,
                       ReqToToken, ReqPoolIdx, SeqLens, kv_addr, qk_scale, v_scale,
@@ -112,9 +125,11 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
                       ROPE_BLOCK_H: tl.constexpr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
                       IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
                       SOFT_ROUND: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                      PHASE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                      PHASE: tl.constexpr, PREFETCH: tl.constexpr, TIMING: tl.constexpr, PDL: tl.constexpr):
     # PHASE 0: all three phases in this launch, counters between them; 1 / 2 / 3: that phase alone.
+    # TIMING: each program stamps points 0-7 (start, waited, A done, B may start, B done, C may start, C done, out).
     pid = tl.program_id(0)
+    _stamp(Times, pid, 0, TIMING)
     NB_A: tl.constexpr = (L + BN_A - 1) // BN_A
     NB_C: tl.constexpr = (DV + BN_C - 1) // BN_C
     DO_A: tl.constexpr = PHASE == 0 or PHASE == 1
@@ -137,6 +152,7 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
     w_c = tl.load(WVC + hc * stride_wvh + cols_c[None, :] * stride_wvd + offs_l[:, None],
                   mask=(DO_C & in_c) & (offs_l < L)[:, None] & (cols_c < DV)[None, :], other=0.0)    # [BL, BN_C]
     pdl_enter(PDL)
+    _stamp(Times, pid, 1, TIMING)
     # split pid's cache positions [start, end): num_splits equal runs of whole BLOCK_N tiles (as mla_decode's)
     seq_len = tl.load(SeqLens)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -167,11 +183,13 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
                                   SOFT_ROUND)
         if PHASE == 0:
             _arrive(Sync)
+        _stamp(Times, pid, 2, TIMING)
 
     # ---- phase B: split `pid` of the attention over the cache, rows = heads
     if DO_B and in_b:
         if PHASE == 0:
             _wait_for(Sync, A_PROGRAMS + ROPE_PROGRAMS)
+        _stamp(Times, pid, 3, TIMING)
         h = tl.arange(0, BLOCK_H)
         h_ok = h < H
         offs_r = tl.arange(0, BLOCK_R)
@@ -188,11 +206,13 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
                     num_splits, L, BLOCK_L)
         if PHASE == 0:
             _arrive(Sync + 1)
+        _stamp(Times, pid, 4, TIMING)
 
     # ---- phase C: head hc's partials merged (rounded as the reduce stores them), then W_UV's BN_C columns
     if DO_C and in_c:
         if PHASE == 0:
             _wait_for(Sync + 1, num_splits)
+        _stamp(Times, pid, 5, TIMING)
         used = tl.cdiv(seq_len, split_len)                                     # the splits that saw tokens
         offs_s = tl.arange(0, BLOCK_S)
         lse = tl.load(MidLse + hc * num_splits + offs_s, mask=offs_s < used, other=float("-inf"))
@@ -209,6 +229,7 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
         o = (o / den).to(Out.dtype.element_ty).to(tl.float32)
         res = tl.sum(o[:, None] * w_c.to(tl.float32), axis=0)                                         # [BN_C]
         tl.store(Out + hc * stride_oh + cols_c, res.to(Out.dtype.element_ty), mask=cols_c < DV)
+        _stamp(Times, pid, 6, TIMING)
 
     if PHASE == 0:
         tl.debug_barrier()
@@ -216,6 +237,7 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync,
             tl.atomic_xchg(Sync, 0, sem="relaxed", scope="gpu")              # ready for the next launch
             tl.atomic_xchg(Sync + 1, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(Sync + 2, 0, sem="relaxed", scope="gpu")
+    _stamp(Times, pid, 7, TIMING)
 
 
 def mla_decode_chain(q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, q_pe: torch.Tensor,
@@ -223,13 +245,14 @@ def mla_decode_chain(q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tenso
                      kv_cache: torch.Tensor, out_slots: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_idx: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, *,
                      num_kv_splits: int | None = None, kv_scale: float | torch.Tensor | None = None,
-                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, phase: int = 0) -> torch.Tensor:
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, phase: int = 0,
+                     times: torch.Tensor | None = None) -> torch.Tensor:
     """`rope_head_gemm(q_nope, w_kc, q_pe, k_pe, kv_c, positions, cos_sin_cache, kv_cache, out_slots, ...)`, then
     `mla_decode(q_lat, kv_cache, ...)` with q_pe, then `head_gemm(o_lat, w_vc, trans=True)`, for one token (same
     in-place effects on q_pe, k_pe, kv_c and the cache). Returns o [1, H, Dv] in q's dtype.
 
     phase: 0 one launch (a CUDA device: `chain_fits`); 1, 2, 3 each phase as its own launch, in order (the
-    interpreter, tests)."""
+    interpreter, tests). times: int64 [>= programs, STAMPS], each program's timer stamps (the probe's --stamps)."""
     t, h, dn = q_nope.shape
     l, dv = w_kc.shape[2], w_vc.shape[1]
     assert t == 1 and h <= CHAIN_MAX_HEADS, f"the chain decodes one token of <= {CHAIN_MAX_HEADS} heads, got {t} x {h}"
@@ -250,7 +273,11 @@ def mla_decode_chain(q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tenso
     mid_lse = torch.empty((h, splits), dtype=torch.float32, device=q_nope.device)
     out = q_nope.new_empty((1, h, dv))
     scale = 1.0 if kv_scale is None else float(kv_scale)
-    args = (q_nope, w_kc, q_lat, w_vc, out, mid_o, mid_lse, _counters(q_nope.device), *rope_args,
+    if times is not None:
+        assert times.dtype == torch.int64 and times.is_contiguous() and times.numel() >= programs * STAMPS.value, \
+            f"times must be contiguous int64 [>= {programs}, {STAMPS.value}]"
+    sync = _counters(q_nope.device)
+    args = (q_nope, w_kc, q_lat, w_vc, out, mid_o, mid_lse, sync, sync if times is None else times, *rope_args,
             req_to_token, req_pool_idx, seq_lens, kv_cache.data_ptr(), sm_scale * scale * LOG2E, scale,
             q_nope.stride(1), w_kc.stride(0), w_kc.stride(1), w_vc.stride(0), w_vc.stride(1), out.stride(1),
             req_to_token.stride(0), splits, programs)
@@ -269,11 +296,13 @@ def mla_decode_chain(q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tenso
         assert q_nope.is_cuda, "one launch needs a GPU (its phases wait on each other): phase=1, 2, 3 elsewhere"
         # the bulk prefetch wants 16-byte aligned rows of whole 16-byte units
         prefetch = kv_cache.data_ptr() % 16 == 0 and meta["ROW_BYTES"] % 16 == 0
-        _mla_chain_kernel[(programs,)](*args, **meta, PHASE=0, PREFETCH=prefetch, **pdl_meta(q_nope.device))
+        _mla_chain_kernel[(programs,)](*args, **meta, PHASE=0, PREFETCH=prefetch,
+                                       TIMING=times is not None, **pdl_meta(q_nope.device))
         return out
     assert phase in (1, 2, 3), f"phase must be 0, 1, 2 or 3, got {phase}"
     for p in (1, 2, 3) if phase == 1 else (phase,):
-        _mla_chain_kernel[(programs,)](*args, **meta, PHASE=p, PREFETCH=False, PDL=False, launch_pdl=False)
+        _mla_chain_kernel[(programs,)](*args, **meta, PHASE=p, PREFETCH=False, TIMING=False, PDL=False,
+                                       launch_pdl=False)
     return out
 
 

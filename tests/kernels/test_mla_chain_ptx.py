@@ -25,11 +25,11 @@ SCRIPT = textwrap.dedent("""
                   BLOCK_S=128, BN_A=64, BN_C=32, CHUNK_S=8, ROW_BYTES=1152, A_PROGRAMS=128, ROPE_PROGRAMS=1,
                   C_PROGRAMS=64, R_HALF=32, BLOCK_RH=32, ROPE_BLOCK_H=16, NORM=True, HAS_SCALE=False, IS_FP8=False,
                   FP8_MAX=448.0, MANT_BITS=3, MIN_EXP=-6, SOFT_ROUND=False, DOT_DTYPE=triton.language.bfloat16,
-                  DOT_PREC="tf32", PHASE=0, PREFETCH=True, PDL=True)
+                  DOT_PREC="tf32", PHASE=0, PREFETCH=True, TIMING=TIMING_VALUE, PDL=True)
     sig = {}
     for n in k.arg_names:
         sig[n] = ("constexpr" if n in consts else scalars.get(n) or ("*i32" if n in int_ptrs else "*fp32" if n in
-                  fp32_ptrs else "*bf16" if n in ptrs else "*i64" if n == "pos_ptr" else "i32"))
+                  fp32_ptrs else "*bf16" if n in ptrs else "*i64" if n in ("pos_ptr", "Times") else "i32"))
     src = ASTSource(fn=k, signature=sig, constexprs=consts)
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2})
     sys.stdout.write(out.asm["ptx"])
@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_the_phases_are_ordered_by_release_and_acquire():
-    ptx = compile_output(SCRIPT)
+    ptx = compile_output(SCRIPT.replace("TIMING_VALUE", "False"))
+    assert "%globaltimer" not in ptx and "%clock64" not in ptx, "the probe's stamps must cost nothing when off"
     lines = ptx.splitlines()
 
     def first(pattern: str) -> int:
@@ -50,4 +51,10 @@ def test_the_phases_are_ordered_by_release_and_acquire():
     assert "bar.sync" in lines[arrive - 4] or any("bar.sync" in ln for ln in lines[arrive - 6:arrive]), \
         "the release must follow a barrier over every thread's stores"
     assert len(re.findall(r"ld\.global\.gpu\.acquire\.b32", ptx)) >= 2        # phase B's wait and phase C's
+    assert not re.search(r"\b(ld|st)\.local\b", ptx), "registers spilled"
+
+
+def test_the_probes_stamps_read_both_timers():
+    ptx = compile_output(SCRIPT.replace("TIMING_VALUE", "True"))
+    assert ptx.count("%globaltimer") >= 8 and ptx.count("%clock64") >= 8, "eight stamps of both timers expected"
     assert not re.search(r"\b(ld|st)\.local\b", ptx), "registers spilled"

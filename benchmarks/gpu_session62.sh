@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Session of 2026-12-07 (fourth), one H100 (carry .whl: ../shared/device/wheels.sh):
+#   tests:  the one-token MoE preload / early release (kernels/fused_moe.py) and the chain's stamps (GPU tests)
+#   stamps: benchmarks/probe_mla_chain.py --stamps: where the one-launch chain's time goes, 256 / 4096 tokens
+#   ab:     bench one-batch V2-Lite bs 1 (in 256 / out 32) under VARIANTS (default below), two rounds alternated
+#   v3:     bench one-batch V3 4L FP8 bs 1 under the MoE variants, once each
+#   bash benchmarks/gpu_session62.sh PART...
+source benchmarks/gpu_v2l_env.sh
+cat "$OUT/env.txt"
+B="python3 -m mlaserve.cli bench one-batch --load-format dummy --input-len 256 --output-len 32"
+# a variant: NAME=ENV1,ENV2 (each ENV one of the switches set to 1; the others 0)
+VARIANTS=${VARIANTS:-"base= preload=MLASERVE_MOE_PRELOAD early=MLASERVE_MOE_PRELOAD,MLASERVE_MOE_EARLY_RELEASE \
+chain=MLASERVE_MLA_CHAIN all=MLASERVE_MLA_CHAIN,MLASERVE_MOE_PRELOAD,MLASERVE_MOE_EARLY_RELEASE"}
+run_variant() {  # run_variant NAME=SWITCHES OUTFILE ARGS...
+  local name=${1%%=*} on=${1#*=} file=$2; shift 2
+  local envs="MLASERVE_MLA_CHAIN=0 MLASERVE_MOE_PRELOAD=0 MLASERVE_MOE_EARLY_RELEASE=0"
+  for s in ${on//,/ }; do envs="$envs $s=1"; done
+  env $envs timeout 150 $B "$@" --output-file "$file" 2>&1 | grep -a "^|" | grep -av "engine\|---" | sed "s/^/$name /"
+}
+for PART in "$@"; do
+  echo "=== $PART $(date +%T)"
+  case $PART in
+    tests)
+      timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels/test_fused_moe.py \
+        tests/kernels/test_mla_chain.py} > "$OUT/tests.txt" 2>&1
+      grep -a "FAILED\|Error" "$OUT/tests.txt" | head -20; tail -3 "$OUT/tests.txt" ;;
+    stamps)
+      timeout 200 python3 benchmarks/probe_mla_chain.py --stamps 2>&1 | grep -av Warning | tee "$OUT/stamps.md" ;;
+    ab)
+      for round in 1 2; do
+        for v in $VARIANTS; do run_variant "$v" "$OUT/ab_r${round}_${v%%=*}.md" --model-config $V2L --batch-size 1; done
+      done ;;
+    v3)
+      for v in base= early=MLASERVE_MOE_PRELOAD,MLASERVE_MOE_EARLY_RELEASE; do
+        run_variant "$v" "$OUT/v3_${v%%=*}.md" --model-config $V3_4L --batch-size 1
+      done ;;
+    *) echo "unknown part $PART" ;;
+  esac
+done
+echo "=== done $(date +%T)"
