@@ -4,6 +4,8 @@
 #   stamps: benchmarks/probe_mla_chain.py --stamps: where the one-launch chain's time goes, 256 / 4096 tokens
 #   ab:     bench one-batch V2-Lite bs 1 (in 256 / out 32) under VARIANTS (default below), two rounds alternated
 #   v3:     bench one-batch V3 4L FP8 bs 1 under the MoE variants, once each
+#   sweep:  the stamps at cache tiles of 64 / 32 / 16 tokens and 8 / 4 warps (CONFIGS: "BLOCK_N:WARPS ...")
+#   abbn:   bench one-batch V2-Lite bs 1 with the chain at the tiles of BNS (default "32 16") and off, two rounds
 #   bash benchmarks/gpu_session62.sh PART...
 source benchmarks/gpu_v2l_env.sh
 cat "$OUT/env.txt"
@@ -33,6 +35,23 @@ for PART in "$@"; do
     v3)
       for v in base= early=MLASERVE_MOE_PRELOAD,MLASERVE_MOE_EARLY_RELEASE; do
         run_variant "$v" "$OUT/v3_${v%%=*}.md" --model-config $V3_4L --batch-size 1
+      done ;;
+    sweep)
+      for cfg in ${CONFIGS:-64:8 32:8 16:8 64:4 32:4}; do
+        timeout 120 python3 benchmarks/probe_mla_chain.py --stamps --block-n ${cfg%%:*} --warps ${cfg#*:} 2>&1 \
+          | grep -av Warning | tee -a "$OUT/sweep.md"
+        timeout 120 python3 benchmarks/probe_mla_chain.py --splits 128 --block-n ${cfg%%:*} --warps ${cfg#*:} 2>&1 \
+          | grep -av Warning | tee -a "$OUT/sweep.md"
+      done ;;
+    abbn)
+      for round in 1 2; do
+        for bn in ${BNS:-32 16}; do
+          MLASERVE_MLA_CHAIN=1 timeout 150 python3 -c "import sys; from mlaserve.kernels import mla_chain; \
+mla_chain.CHAIN_BLOCK_N = $bn; from mlaserve.cli import main; sys.exit(main(sys.argv[1:]))" ${B#python3 -m mlaserve.cli } \
+            --model-config $V2L --batch-size 1 --output-file "$OUT/bn${bn}_r$round.md" 2>&1 | grep -a "^|" \
+            | grep -av "engine\|---" | sed "s/^/chain bn=$bn /"
+        done
+        run_variant base= "$OUT/off_r$round.md" --model-config $V2L --batch-size 1
       done ;;
     *) echo "unknown part $PART" ;;
   esac

@@ -61,8 +61,11 @@ def summarize(t: torch.Tensor, a_prog: int, c_prog: int, splits: int, used: int)
         rows.append([g[:, 1].min(), g[:, 1].max(), g[:a_prog, 2].max(), g[:splits, 3].min(),
                      g[:splits, 3].max(), g[:used, 4].max(), g[:c_prog, 5].min(), g[:c_prog, 5].max(),
                      g[:c_prog, 6].max(), g[:, 7].max(), nxt,
-                     (c[:a_prog - 1, 2] - c[:a_prog - 1, 1]).median(), c[a_prog - 1, 2] - c[a_prog - 1, 1],
-                     (c[:used, 4] - c[:used, 3]).median(), (c[:c_prog, 6] - c[:c_prog, 5]).median()])
+                     (c[:a_prog - 1, 8] - c[:a_prog - 1, 1]).median(), (c[:a_prog - 1, 2] - c[:a_prog - 1, 1]).median(),
+                     c[a_prog - 1, 2] - c[a_prog - 1, 1],
+                     (c[:used, 9] - c[:used, 3]).median(), (c[:used, 10] - c[:used, 9]).median(),
+                     (c[:used, 4] - c[:used, 10]).median(),
+                     (c[:c_prog, 11] - c[:c_prog, 5]).median(), (c[:c_prog, 6] - c[:c_prog, 11]).median()])
     med = [statistics.median(float(r[j]) for r in rows if r[j] == r[j]) for j in range(len(rows[0]))]
     cells = [f"{med[0]:.2f} / {med[1]:.2f}", f"{med[2]:.2f}", f"{med[3]:.2f} / {med[4]:.2f}", f"{med[5]:.2f}",
              f"{med[6]:.2f} / {med[7]:.2f}", *(f"{v:.2f}" for v in med[8:])]
@@ -71,16 +74,20 @@ def summarize(t: torch.Tensor, a_prog: int, c_prog: int, splits: int, used: int)
 
 def stamps(args) -> None:
     print(f"{torch.cuda.get_device_name()}: {args.layers} layer calls a graph, H={H}, bf16; medians over the calls")
+    print(f"block_n {mla_chain.CHAIN_BLOCK_N or pick_config(H).block_n}, {mla_chain.NUM_WARPS} warps. Points from "
+          "the call's first start: waited, A done, B starts, B done, C starts, C done, out, and the gap to the next "
+          "call's first wait; then inside a program: A's q arrives, A's work (to its release), the rope program's, "
+          "B's q arrives, B attends, B stores + releases, C merges, C's W_UV + store")
     print("| ctx | splits | used | waited (first / last) | A done | B starts (first / last) | B done | C starts "
-          "(first / last) | C done | out | gap to next call | A work | rope work | B work | C work |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(first / last) | C done | out | gap | A q | A work | rope | B q | B attend | B store | C merge | C W_UV |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for ctx in args.ctx:
         layers = [_layer(ctx, 1000 + i) for i in range(args.layers)]
         req_to_token, pool_idx, seq_lens, positions, out_slots = _inputs(ctx)
         for splits in args.splits:
             programs = mla_chain.chain_programs(H, L, DV, 1, splits)
             a_prog, c_prog = H * L // mla_chain.BN_A + 1, H * DV // mla_chain.BN_C
-            bn = pick_config(H).block_n
+            bn = mla_chain.CHAIN_BLOCK_N or pick_config(H).block_n
             split_len = -(-(-(-ctx // splits)) // bn) * bn
             used = -(-ctx // split_len)
             times = torch.zeros(args.layers, programs, mla_chain.STAMPS.value, dtype=torch.int64, device="cuda")
@@ -104,13 +111,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--chunk-s", type=int, default=None, help="phase C's partials a step (mla_chain.CHUNK_S)")
     ap.add_argument("--stamps", action="store_true", help="where the one launch's time goes (see the docstring)")
+    ap.add_argument("--block-n", type=int, default=None, help="cached tokens a tile (mla_chain.CHAIN_BLOCK_N)")
+    ap.add_argument("--warps", type=int, default=None, help="mla_chain.NUM_WARPS")
     args = ap.parse_args()
+    mla_chain.CHAIN_BLOCK_N = args.block_n
+    mla_chain.NUM_WARPS = args.warps or mla_chain.NUM_WARPS
     if args.stamps:
         return stamps(args)
     if args.chunk_s:
         mla_chain.CHUNK_S = args.chunk_s
     print(f"{torch.cuda.get_device_name()}: {args.layers} layer calls a graph, H={H}, bf16, phase C merging "
-          f"{mla_chain.CHUNK_S} partials a step; us per layer call")
+          f"{mla_chain.CHUNK_S} partials a step, the chain's tiles {mla_chain.CHAIN_BLOCK_N or pick_config(H).block_n}"
+          f" tokens, {mla_chain.NUM_WARPS} warps; us per layer call")
     print("| ctx | splits | four launches | one launch | speed-up | max diff |")
     print("|---|---|---|---|---|---|")
     for ctx in args.ctx:

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mlaserve.env import on_off
 from mlaserve.kernels import quant
 from mlaserve.kernels.allreduce import LL_DMAX, LL_ROWS, LLGroup, ll_all_reduce_rows
 from mlaserve.kernels.norm import check_norm_operands, fused_add_rmsnorm_ref
@@ -78,6 +77,10 @@ SORTED, SLOT_BLOCKS, EXPERT_SCAN = tl.constexpr(0), tl.constexpr(1), tl.constexp
 # reads would overlap the router (f150b91). On an H200 the V2-Lite bs-1 graph replay was 2.31 / 2.23 ms with it
 # against 2.13 / 2.14 ms without (alternated twice), V3 4 layers FP8 1.54 / 1.50 against 1.54 / 1.50 ms: removed
 # (benchmarks/results/merge-moe-h200.md).
+# NOTE: at one token, the second GEMM reading its expert id and first weight tile before its PDL wait (the ids are
+# the router's, complete before the first GEMM passed its wait), with or without the first GEMM releasing it at its
+# start, gained nothing on an H100 (e66bbfe): V2-Lite bs-1 graph replay 2.58 / 2.58 ms (preload), 2.56 / 2.56 (and
+# the early release) against 2.50 / 2.59 without, alternated (benchmarks/results/chain-stamps-h100.md). Removed.
 ALIGN_CHUNK = 128                   # slots per step of the one-program scatter ([C, C] rank tile)
 ALIGN_TWO_LAUNCH_MAX_READS = 128 * 128 * 128
 
@@ -313,38 +316,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
 
 
 # ------------------------------------------------------------------------------------------ grouped GEMM
-def preload_enabled() -> bool:
-    """At one token the second GEMM reads its first weight tile before its PDL wait (`_fused_moe_kernel`'s
-    PRELOAD); MLASERVE_MOE_PRELOAD=1 turns it on (A/B runs)."""
-    return on_off("MLASERVE_MOE_PRELOAD", False)
-
-
-def early_release_enabled() -> bool:
-    """At one token the first GEMM lets the second launch from its start (EARLY_RELEASE), so the second's preloads
-    overlap it; MLASERVE_MOE_EARLY_RELEASE=1 turns it on (A/B runs)."""
-    return on_off("MLASERVE_MOE_EARLY_RELEASE", False)
-
-
-@triton.jit
-def _b_tile(b_ptrs, k_ok, n_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-    if EVEN_K and EVEN_N:
-        return tl.load(b_ptrs)
-    return tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-
-
 @triton.jit
 def _mac(acc, a, a_s, b_ptrs, k_ok, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr,
          DOT_PREC: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     # acc [BM, TN] += a [BM, BK] @ b [BK, TN] (times a_s [BM] * b_s [TN] in fp8 mode; SCALAR_BS: the tile lies in
     # one 128-row scale block, bs_ptrs is one pointer and the two scales fold into one [BM] factor: one FMA per element)
-    return _mac_b(acc, a, a_s, _b_tile(b_ptrs, k_ok, n_ok, EVEN_K, EVEN_N), n_ok, bs_ptrs, FP8, INTERPRET, DOT_PREC,
-                  SCALAR_BS)
-
-
-@triton.jit
-def _mac_b(acc, a, a_s, b, n_ok, bs_ptrs, FP8: tl.constexpr, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr,
-           SCALAR_BS: tl.constexpr):
-    # `_mac` with the b tile loaded
+    if EVEN_K and EVEN_N:
+        b = tl.load(b_ptrs)
+    else:
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     if FP8:
         if SCALAR_BS:
             acc += tl.dot(a, b) * (a_s * tl.load(bs_ptrs))[:, None]
@@ -442,8 +422,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
                       GROUP_SIZE_M: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                      AR_WORLD: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      PRELOAD: tl.constexpr, EARLY_RELEASE: tl.constexpr):
+                      AR_WORLD: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
     # c[slot, n] = sum_k a[slot // A_DIV, k] * w[e, n, k]; GATED: c = silu(gate) * up with up rows at N + n.
     # COMBINE (second GEMM): also out[t] = sum of the token's TOP_K rows of c (`_combine_tile`); NORM_OUT: and then
     # the next layer's input norm of out + residual (`_norm_rows`).
@@ -452,14 +431,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
     # EXPERT_SCAN: the sorted layout's row blocks, each program working out its own block's expert and slots from
     # the flat topk_ids [S] (expert_ids_ptr) and the num_experts (E) stacked experts, with no align launch.
     # sorted_ids_ptr and num_post_pad_ptr are read by SORTED only.
-    # PRELOAD (the second GEMM, SLOT_BLOCKS): the program reads its expert id and its first weight tile before the
-    # PDL wait. The ids are the router's output, which completed before the first GEMM's programs passed their wait,
-    # and this launch starts only after all of those (`kernels/pdl.py`). EARLY_RELEASE (the first GEMM): the next
-    # launch may start as soon as every program is past its wait, so the second GEMM's preloads overlap this one.
-    if not PRELOAD:
-        pdl_enter(PDL)                    # (the experts' weights to read are the router's output)
-    if EARLY_RELEASE:
-        pdl_release(PDL)
+    pdl_enter(PDL)                        # (the experts' weights to read are the router's output)
     num_pid_m = tl.cdiv(num_padded, BLOCK_SIZE_M)
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_pid_m, tl.cdiv(N, TILE_N), GROUP_SIZE_M)
     offs_n = pid_n * TILE_N + tl.arange(0, TILE_N)
@@ -488,7 +460,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                      tl.where(e == num_experts, -1, e).to(tl.int64), pid_n * TILE_N, offs_n, n_ok, N, K, num_slots,
                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED,
                      MUL_WEIGHT, FP8, QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M,
-                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N, PRELOAD, EARLY_RELEASE)
+                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N)
     else:
         if ROUTING == SLOT_BLOCKS:        # the grid has exactly num_slots row blocks: every one is used
             used = num_slots * BLOCK_SIZE_M
@@ -502,7 +474,7 @@ def _fused_moe_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weight
                      tl.load(expert_ids_ptr + pid_m).to(tl.int64), pid_n * TILE_N, offs_n, n_ok, N, K, num_slots,
                      stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn, A_DIV, GATED,
                      MUL_WEIGHT, FP8, QUANT_A, INTERPRET, ROUND_BF16, DOT_PREC, GROUP_N, GROUP_K, TILE_N, BLOCK_SIZE_M,
-                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N, PRELOAD, EARLY_RELEASE)
+                     BLOCK_SIZE_K, PDL, SCALAR_BS, EVEN_K, EVEN_N)
     if COMBINE:
         _combine_tile(c_ptr, out_ptr, sync_ptr, used // BLOCK_SIZE_M, pid_n, offs_n, n_ok, num_slots, stride_cm,
                       stride_om, nres_ptr, nw_ptr, nh_ptr, nro_ptr, eps, N, stride_res, ar_ptrs, ar_epochs, ar_rank,
@@ -526,14 +498,11 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
                  QUANT_A: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_PREC: tl.constexpr,
                  GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE_M: tl.constexpr,
                  BLOCK_SIZE_K: tl.constexpr, PDL: tl.constexpr, SCALAR_BS: tl.constexpr, EVEN_K: tl.constexpr,
-                 EVEN_N: tl.constexpr, PRELOAD: tl.constexpr, EARLY_RELEASE: tl.constexpr):
+                 EVEN_N: tl.constexpr):
     # One row block's output tile: c[slots, n0 + offs_n] (rows of slots >= num_slots are padding and not stored).
-    # PRELOAD: the caller has not waited yet (PDL); the first weight tile is read before the wait.
     valid = slots < num_slots
     c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :]
     if expert < 0:                        # slots of id -1 (another rank's expert): they contribute zero
-        if PRELOAD:
-            pdl_enter(PDL)
         if not GATED:                     # (their h rows are never read: the second GEMM lands here too)
             tl.store(c_ptrs, tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=c_ptr.dtype.element_ty),
                      mask=valid[:, None] & n_ok[None, :])
@@ -550,16 +519,7 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
             up_bs = b_scale_ptr + expert * stride_bse + ((N + offs_n) // GROUP_N) * stride_bsn
         acc = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_SIZE_M, TILE_N], dtype=tl.float32)
-        k_first = 0
-        if PRELOAD:                       # (not GATED: one weight tile a K step)
-            k_ok = offs_k < K
-            b = _b_tile(b_ptrs, k_ok, n_ok, EVEN_K, EVEN_N)
-            pdl_enter(PDL)
-            a, a_s = _a_tile(a_ptrs, a_scale_ptr, rows, stride_asm, 0, valid, k_ok, FP8, QUANT_A, INTERPRET, GROUP_K,
-                             BLOCK_SIZE_M, EVEN_K)
-            acc = _mac_b(acc, a, a_s, b, n_ok, bs_ptrs, FP8, INTERPRET, DOT_PREC, SCALAR_BS)
-            k_first = BLOCK_SIZE_K
-        for k0 in range(k_first, K, BLOCK_SIZE_K):
+        for k0 in range(0, K, BLOCK_SIZE_K):
             k_ok = offs_k < K - k0
             # NOTE: padding rows stay masked: pointed at a real row instead, their loads cost 15-30% of the V3
             # GEMMs at 4096-8192 tokens on an H200 (benchmarks/results/moe-prefill-h200.md)
@@ -568,16 +528,22 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
             # sums, no gain on an H200 at prefill sizes (benchmarks/results/moe-tma-h200.md): V3 4096 tokens, best
             # gate + up 3497 against 3518 us, down 1792 against 1779 us; V2-Lite down 268 against 284 us, whole call
             # 883 against 877 us; it faulted twice on V3's full expert stack (illegal address, not found). Removed.
-            a, a_s = _a_tile(a_ptrs, a_scale_ptr, rows, stride_asm, k0, valid, k_ok, FP8, QUANT_A, INTERPRET, GROUP_K,
-                             BLOCK_SIZE_M, EVEN_K)
+            if EVEN_K:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
+            if QUANT_A:
+                a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
+            elif FP8:
+                a_s = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
             k_blk = k0 // GROUP_K
             acc = _mac(acc, a, a_s, b_ptrs + k0, k_ok, n_ok, bs_ptrs + k_blk, FP8, INTERPRET, DOT_PREC, SCALAR_BS,
                        EVEN_K, EVEN_N)
             if GATED:
                 acc_up = _mac(acc_up, a, a_s, b_ptrs + N * stride_bn + k0, k_ok, n_ok, up_bs + k_blk, FP8,
                               INTERPRET, DOT_PREC, SCALAR_BS, EVEN_K, EVEN_N)
-        if not EARLY_RELEASE:
-            pdl_release(PDL)
+        pdl_release(PDL)
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up                              # silu(gate) * up
         if MUL_WEIGHT:
@@ -585,22 +551,6 @@ def _expert_rows(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr
         if ROUND_BF16:
             acc = bf16_rne(acc)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _a_tile(a_ptrs, a_scale_ptr, rows, stride_asm, k0, valid, k_ok, FP8: tl.constexpr, QUANT_A: tl.constexpr,
-            INTERPRET: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr):
-    # the row block's activations at K step k0 and, in fp8 mode, their scales [BM]
-    if EVEN_K:
-        a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
-    else:
-        a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
-    a_s = tl.zeros([BLOCK_SIZE_M], dtype=tl.float32)
-    if QUANT_A:
-        a, a_s = quant_group_rows(a.to(tl.float32), INTERPRET)
-    elif FP8:
-        a_s = tl.load(a_scale_ptr + rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
-    return a, a_s
 
 
 def _quant_act(a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -643,9 +593,6 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
     # a: [T or S, K] rows, w: [E, N or 2N, K] -> c: [S, N]; combine = (out [T, N], sync): also out = c summed per token
     # norm = (residual, norm weight, eps, h, residual_out), with combine: also the next layer's input norm
     mode, expert_ids = routing.mode, routing.ids
-    one_token = mode == SLOT_BLOCKS.value
-    preload = one_token and not gated and preload_enabled()
-    early_release = one_token and gated and early_release_enabled()
     sorted_ids, num_post_pad = (routing.sorted_ids, routing.num_post_pad) if mode == SORTED.value else \
         (expert_ids, expert_ids)                                              # not read
     num_blocks = expert_ids.numel()
@@ -688,7 +635,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         NORM_OUT=norm is not None, BLOCK_D=triton.next_power_of_2(n_out) if norm else 16, **pdl_meta(a.device),
         AR_WORLD=all_reduce.world if all_reduce else 1,
         SCALAR_BS=fp8 and block_shape[0] % tile_n == 0 and even_n, EVEN_K=k % cfg["BLOCK_SIZE_K"] == 0, EVEN_N=even_n,
-        PRELOAD=preload, EARLY_RELEASE=early_release, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 # One token: its k slots name distinct experts (moe_topk / moe_route pick each routed expert at most once while the

@@ -40,7 +40,8 @@ BN_A = 64                  # q_lat columns per phase-A program: 16 heads x 512 /
 BN_C = 32                  # W_UV output columns per phase-C program: 16 heads x 128 / 32 = 64 programs
 CHUNK_S = 8                # partials a phase-C program merges per step
 NUM_WARPS = 8
-STAMPS = tl.constexpr(16)  # int64 values a program writes under TIMING: 8 points x (globaltimer, clock64)
+CHAIN_BLOCK_N = None       # cached tokens a tile (None: mla_decode's entry for the heads; the probe sweeps it)
+STAMPS = tl.constexpr(24)  # int64 values a program writes under TIMING: 12 points x (globaltimer, clock64)
 
 
 def enabled() -> bool:
@@ -87,10 +88,16 @@ def _prefetch_rows(addr, nbytes):
 @triton.jit
 def _stamp(Times, pid, k: tl.constexpr, TIMING: tl.constexpr):
     # TIMING (benchmarks/probe_mla_chain.py --stamps): point k of program pid, as (%globaltimer ns, %clock64)
+    _stamp_after(Times, pid, k, pid.to(tl.float32), TIMING)
+
+
+@triton.jit
+def _stamp_after(Times, pid, k: tl.constexpr, dep, TIMING: tl.constexpr):
+    # `_stamp` once the fp32 scalar dep is computed (a load's arrival: a reduction of what it loaded)
     if TIMING:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,f", [dep], dtype=tl.int64, is_pure=False,
                                         pack=1)
-        clock = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+        clock = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,f", [dep], dtype=tl.int64, is_pure=False,
                                           pack=1)
         tl.store(Times + pid * STAMPS + 2 * k, now)
         tl.store(Times + pid * STAMPS + 2 * k + 1, clock)
@@ -127,7 +134,8 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
                       SOFT_ROUND: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
                       PHASE: tl.constexpr, PREFETCH: tl.constexpr, TIMING: tl.constexpr, PDL: tl.constexpr):
     # PHASE 0: all three phases in this launch, counters between them; 1 / 2 / 3: that phase alone.
-    # TIMING: each program stamps points 0-7 (start, waited, A done, B may start, B done, C may start, C done, out).
+    # TIMING: each program stamps points 0-7 (start, waited, A done, B may start, B done, C may start, C done, out)
+    # and 8-11 (A's q arrived, B's q arrived, B's tiles attended, C's partials merged).
     pid = tl.program_id(0)
     _stamp(Times, pid, 0, TIMING)
     NB_A: tl.constexpr = (L + BN_A - 1) // BN_A
@@ -173,6 +181,8 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
     if DO_A and in_a:
         if pid < A_PROGRAMS:
             a = tl.load(Q + ha * stride_qh + offs_d, mask=offs_d < DN, other=0.0).to(tl.float32)           # [BDN]
+            if TIMING:
+                _stamp_after(Times, pid, 8, tl.max(a, axis=0), TIMING)
             q_lat = tl.sum(a[:, None] * w_a.to(tl.float32), axis=0)                                      # [BN_A]
             tl.store(QLat + ha * L + cols_a, q_lat.to(QLat.dtype.element_ty), mask=cols_a < L)
         else:
@@ -197,11 +207,15 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
                          other=0.0)                                                                  # [BH, BL]
         q_pe = tl.load(q_pe_ptr + h[:, None] * stride_qph + offs_r[None, :],
                        mask=h_ok[:, None] & (offs_r < R)[None, :], other=0.0)                        # [BH, BR]
+        if TIMING:
+            _stamp_after(Times, pid, 9, tl.max(tl.max(q_nope.to(tl.float32), axis=1), axis=0), TIMING)
         t = tl.zeros([BLOCK_H], tl.int64)
         limit = t + seq_len
         acc, m_i, l_i = attend_tiles(q_nope, q_pe, cache_ptr, ReqToToken, pool_row, start, end, limit, t, seq_len, 1,
                                      qk_scale, stride_cache, stride_rtt, None, L, R, BLOCK_L, BLOCK_R, BLOCK_H,
                                      BLOCK_N, DOT_DTYPE, DOT_PREC)
+        if TIMING:
+            _stamp_after(Times, pid, 10, tl.max(tl.max(acc, axis=1), axis=0) + tl.max(l_i, axis=0), TIMING)
         store_split(acc, m_i, l_i, Out, MidO, MidLse, t, h, h_ok, pid, start, seq_len, v_scale, 0, 0, H,
                     num_splits, L, BLOCK_L)
         if PHASE == 0:
@@ -227,6 +241,8 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
                            mask=s_ok[:, None] & (offs_l < L)[None, :], other=0.0)                   # [CS, BL]
             o += tl.sum(rows * w[:, None], axis=0)
         o = (o / den).to(Out.dtype.element_ty).to(tl.float32)
+        if TIMING:
+            _stamp_after(Times, pid, 11, tl.max(o, axis=0), TIMING)
         res = tl.sum(o[:, None] * w_c.to(tl.float32), axis=0)                                         # [BN_C]
         tl.store(Out + hc * stride_oh + cols_c, res.to(Out.dtype.element_ty), mask=cols_c < DV)
         _stamp(Times, pid, 6, TIMING)
@@ -266,6 +282,7 @@ def mla_decode_chain(q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tenso
                                                                 out_slots, kv_scale=kv_scale, norm_weight=norm_weight,
                                                                 eps=eps)
     cfg = pick_config(h)
+    block_n = CHAIN_BLOCK_N or cfg.block_n
     splits = num_kv_splits or choose_num_kv_splits(decode_programs(1, h), int(seq_lens.max()))
     programs = chain_programs(h, l, dv, rope_programs, splits)
     q_lat = q_nope.new_empty((h, l))
@@ -282,7 +299,7 @@ def mla_decode_chain(q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tenso
             q_nope.stride(1), w_kc.stride(0), w_kc.stride(1), w_vc.stride(0), w_vc.stride(1), out.stride(1),
             req_to_token.stride(0), splits, programs)
     meta = dict(DN=dn, L=l, R=q_pe.shape[2], DV=dv, BLOCK_DN=_padded(dn), BLOCK_L=_padded(l),
-                BLOCK_R=_padded(q_pe.shape[2]), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+                BLOCK_R=_padded(q_pe.shape[2]), BLOCK_H=cfg.block_h, BLOCK_N=block_n,
                 BLOCK_S=triton.next_power_of_2(splits), BN_A=BN_A, BN_C=BN_C, CHUNK_S=CHUNK_S,
                 ROW_BYTES=kv_cache.stride(0) * kv_cache.element_size(), A_PROGRAMS=h * triton.cdiv(l, BN_A),
                 ROPE_PROGRAMS=rope_programs, C_PROGRAMS=h * triton.cdiv(dv, BN_C),

@@ -490,39 +490,6 @@ def test_fused_moe_in_gemm_combine_cuda_graph(fp8: bool, tokens: int, monkeypatc
     assert not sync.any()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_fused_moe_one_token_preload_cuda_graph(fp8: bool, monkeypatch) -> None:
-    """One token in a CUDA graph (PDL on where the GPU has it), the second GEMM preloading before its wait and the
-    first releasing it at its start: each replay on new inputs and new routing equals the switches off, bit for bit."""
-    s = Shape(64, 8 if fp8 else 6, 1024, 384)
-    w = fp8_weights(s, "cuda") if fp8 else dense_weights(s, torch.bfloat16, "cuda")
-    x = torch.randn(1, s.hidden, device="cuda", dtype=torch.bfloat16)
-    topk_weights, topk_ids = routing(1, s, "cuda", active=50)
-    sync = torch.zeros(64, dtype=torch.int32, device="cuda")
-    graphs = []
-    for on in ("0", "1"):
-        monkeypatch.setenv("MLASERVE_MOE_PRELOAD", on)
-        monkeypatch.setenv("MLASERVE_MOE_EARLY_RELEASE", on)
-        fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, sync=sync)     # compile
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused_moe(x, **w, topk_weights=topk_weights, topk_ids=topk_ids, sync=sync)
-        graphs.append((graph, out))
-    for _ in range(10):
-        x.copy_(torch.randn_like(x))
-        new_weights, new_ids = routing(1, s, "cuda", active=50)
-        topk_weights.copy_(new_weights)
-        topk_ids.copy_(new_ids)
-        for graph, _ in graphs:
-            graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(graphs[0][1], graphs[1][1])
-        assert rel_err(graphs[1][1], (spec_ref if fp8 else device_ref)(x, w, topk_weights, topk_ids)) < \
-            (FP8_TOL if fp8 else TOL)[torch.bfloat16]
-    assert not sync.any()
-
-
 # --- one token: each (token, k) slot is its own row block, no align launch ----------------------------------------
 
 N_SHARED = 2
@@ -579,30 +546,6 @@ def test_fused_moe_one_token_runs_no_sort(dtype: torch.dtype, fp8: bool, fuse_qu
     assert rel_err(got, sorted_out) < tol / 4
     ref = (spec_ref if fp8 and fuse_quant is not False else device_ref)(x, w, topk_weights, topk_ids)
     assert rel_err(got, ref) < tol
-
-
-@pytest.mark.parametrize("dtype,fp8,variant", [
-    (torch.float32, False, "routed"), (torch.float16, False, "shared"), (torch.float32, False, "ep"),
-    (torch.bfloat16, True, "shared"), (torch.float16, True, "ep")])
-def test_fused_moe_one_token_preload_and_early_release_change_no_bit(dtype: torch.dtype, fp8: bool, variant: str,
-                                                                     device: str,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """MLASERVE_MOE_PRELOAD (the second GEMM's first weight tile before its wait, the K loop's first step peeled)
-    and MLASERVE_MOE_EARLY_RELEASE move only when things happen: the same bits as with both off."""
-    monkeypatch.setattr(fm, "COMBINE_MAX_TOKENS", 1)
-    w, topk_weights, topk_ids, x, e = one_token_case(variant, fp8, dtype, device)
-    kw = dict(topk_weights=topk_weights, topk_ids=topk_ids, config=FP8_CFG if fp8 else CFG, num_routed_experts=e)
-    outs = []
-    for on in ("0", "1"):
-        monkeypatch.setenv("MLASERVE_MOE_PRELOAD", on)
-        monkeypatch.setenv("MLASERVE_MOE_EARLY_RELEASE", on)
-        assert fm.preload_enabled() == fm.early_release_enabled() == (on == "1")
-        sync = torch.zeros(64, dtype=torch.int32, device=device)
-        outs.append((fused_moe(x, **w, **kw), fused_moe(x, **w, **kw, sync=sync)))
-        assert not sync.any()
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    tol = (FP8_TOL if fp8 else TOL)[dtype]
-    assert rel_err(outs[1][1], (spec_ref if fp8 else device_ref)(x, w, topk_weights, topk_ids)) < tol
 
 
 def sorted_routing(ids: torch.Tensor, block_m: int, e: int) -> fm.Routing:
