@@ -5,6 +5,7 @@
 #   ab:     bench one-batch V2-Lite bs 1 (in 256 / out 32) under VARIANTS (default below), two rounds alternated
 #   v3:     bench one-batch V3 4L FP8 bs 1 under the MoE variants, once each
 #   sweep:  the stamps at cache tiles of 64 / 32 / 16 tokens and 8 / 4 warps (CONFIGS: "BLOCK_N:WARPS ...")
+#   inmodel: benchmarks/probe_chain_in_model.py: the chain's stamps inside the V2-Lite bs-1 decode graph, tiles of BNS
 #   abbn:   bench one-batch V2-Lite bs 1 with the chain at the tiles of BNS (default "32 16") and off, two rounds
 #   bash benchmarks/gpu_session62.sh PART...
 source benchmarks/gpu_v2l_env.sh
@@ -52,6 +53,12 @@ mla_chain.CHAIN_BLOCK_N = $bn; from mlaserve.cli import main; sys.exit(main(sys.
             | grep -av "engine\|---" | sed "s/^/chain bn=$bn /"
         done
         run_variant base= "$OUT/off_r$round.md" --model-config $V2L --batch-size 1
+      done ;;
+    inmodel)
+      for bn in ${BNS:-64 32 16}; do
+        timeout 150 python3 benchmarks/probe_chain_in_model.py --block-n $bn -- ${B#python3 -m mlaserve.cli bench one-batch } \
+          --model-config $V2L --batch-size 1 --output-file "$OUT/inmodel_bn$bn.md" 2>&1 | grep -av Warning \
+          | grep -a "^|\|^in the model\|Error\|error" | grep -av "^|---" | tee -a "$OUT/inmodel.md"
       done ;;
     *) echo "unknown part $PART" ;;
   esac
