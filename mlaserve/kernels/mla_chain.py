@@ -10,11 +10,12 @@ then fetches what it needs. Here one grid of P programs, P at most the GPU's SMs
 runs three phases, separated by counters in global memory:
 
     phase A  programs 0 .. H * L / BN_A - 1: one head's BN_A columns of q_lat = q_nope @ w_kc[h];
-             the next ROPE programs: the rope and cache write (`rope_kv_store_program`)
+             the next ROPE programs: the rope and cache write (`rope_kv_apply`)
     phase B  programs 0 .. S - 1: split s of the attention; its cache rows are asked into L2 while phase A runs
     phase C  programs 0 .. H * Dv / BN_C - 1: head h's merge of its S partials, then BN_C columns of W_UV
 
-The w_kc and w_vc tiles are loaded before the PDL wait. A phase's writers add one to its counter after their stores
+The w_kc tiles, the step's inputs and the rope's operands are read before the PDL wait, phase B's rows asked into
+L2, and the w_vc tiles after phase A. A phase's writers add one to its counter after their stores
 (release); its readers spin on it (acquire). The last program to leave resets the counters for the next launch.
 Under the interpreter programs run one after another (a spin would never end), so there, and in tests, `phase=1, 2,
 3` runs each phase as a launch of its own and the counters are not used.
@@ -30,10 +31,10 @@ import triton.language as tl
 from mlaserve.env import on_off
 from mlaserve.kernels.mla_absorb import head_gemm_ref, rope_head_gemm_ref
 from mlaserve.kernels.mla_decode import (LOG2E, _TL_DTYPE, _padded, attend_tiles, choose_num_kv_splits, decode_programs,
-                                         mla_decode_ref, pick_config, store_split)
+                                         mla_decode_ref, pick_config, store_split, tile_slots)
 from mlaserve.kernels.pdl import pdl_enter, pdl_meta
 from mlaserve.kernels.precision import dot_precision
-from mlaserve.kernels.rope import rope_kv_store_program, rope_launch_args
+from mlaserve.kernels.rope import rope_kv_apply, rope_kv_operands, rope_launch_args
 
 CHAIN_MAX_HEADS = 16       # one head block of mla_decode's H = 16 entry serves every head
 BN_A = 64                  # q_lat columns per phase-A program: 16 heads x 512 / 64 = 128 programs
@@ -147,7 +148,10 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
     in_b = pid < num_splits
     in_c = pid < C_PROGRAMS
 
-    # weights before the wait: w_kc [H, Dn, L] columns of phase A, w_vc [H, Dv, L] rows of phase C (as [L, BN_C])
+    # before the wait: phase A's w_kc [H, Dn, L] columns, and what no kernel of this step writes (its inputs: the
+    # sequence length, pool row, req_to_token, position and slot; the cache rows of earlier steps): phase B's
+    # bounds, with its rows asked into L2, and the rope's cos / sin and slot. (The kernel before this one is the q /
+    # kv_a projection, and each PDL kernel completes after the one before it: kernels/pdl.py.)
     offs_d = tl.arange(0, BLOCK_DN)
     offs_l = tl.arange(0, BLOCK_L)
     ha = pid // NB_A
@@ -155,27 +159,25 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
     w_a = tl.load(WKC + ha * stride_wkh + offs_d[:, None] * stride_wkd + cols_a[None, :],
                   mask=(DO_A & (pid < A_PROGRAMS)) & (offs_d < DN)[:, None] & (cols_a < L)[None, :],
                   other=0.0)                                                                         # [BDN, BN_A]
-    hc = pid // NB_C
-    cols_c = (pid % NB_C) * BN_C + tl.arange(0, BN_C)
-    w_c = tl.load(WVC + hc * stride_wvh + cols_c[None, :] * stride_wvd + offs_l[:, None],
-                  mask=(DO_C & in_c) & (offs_l < L)[:, None] & (cols_c < DV)[None, :], other=0.0)    # [BL, BN_C]
-    pdl_enter(PDL)
-    _stamp(Times, pid, 1, TIMING)
+    is_rope = DO_A & (pid >= A_PROGRAMS) & in_a
+    cos, sin, slot = rope_kv_operands((pid * 0).to(tl.int64), is_rope, pid == A_PROGRAMS, pos_ptr, cs_ptr, slot_ptr,
+                                      stride_pos, stride_slot, R_HALF, BLOCK_RH)
     # split pid's cache positions [start, end): num_splits equal runs of whole BLOCK_N tiles (as mla_decode's)
     seq_len = tl.load(SeqLens)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = pid * split_len
     end = tl.minimum(start + split_len, seq_len)
-
-    # phase B's cache rows into L2 first: their HBM latency overlaps phase A (a new token's row is written in A;
-    # asking for it early is harmless)
     pool_row = tl.load(ReqPoolIdx).to(tl.int64)
-    if DO_B and PREFETCH:
+    first_slots = tile_slots(ReqToToken, pool_row, stride_rtt, start, tl.where(DO_B & in_b, end, start), BLOCK_N)
+    if DO_B and PREFETCH:            # (this step's new row is written in phase A: asking for it early is harmless)
         if in_b:
-            for n0 in range(start, end, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                slot = tl.load(ReqToToken + pool_row * stride_rtt + pos, mask=pos < end, other=0).to(tl.int64)
-                _prefetch_rows(kv_addr + slot * ROW_BYTES, tl.full([BLOCK_N], ROW_BYTES, tl.int32))
+            if start < end:
+                _prefetch_rows(kv_addr + first_slots * ROW_BYTES, tl.full([BLOCK_N], ROW_BYTES, tl.int32))
+            for n0 in range(start + BLOCK_N, end, BLOCK_N):
+                _prefetch_rows(kv_addr + tile_slots(ReqToToken, pool_row, stride_rtt, n0, end, BLOCK_N) * ROW_BYTES,
+                               tl.full([BLOCK_N], ROW_BYTES, tl.int32))
+    pdl_enter(PDL)
+    _stamp(Times, pid, 1, TIMING)
 
     # ---- phase A: W_UK, and the rope + cache write
     if DO_A and in_a:
@@ -186,14 +188,19 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
             q_lat = tl.sum(a[:, None] * w_a.to(tl.float32), axis=0)                                      # [BN_A]
             tl.store(QLat + ha * L + cols_a, q_lat.to(QLat.dtype.element_ty), mask=cols_a < L)
         else:
-            rope_kv_store_program((pid * 0).to(tl.int64), pid - A_PROGRAMS, q_pe_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr,
-                                  cache_ptr, slot_ptr, scale_ptr, nw_ptr, eps, H, L_rt, stride_qpt, stride_qph,
-                                  stride_kt, stride_ct, stride_pos, stride_cache, stride_slot, R_HALF, BLOCK_RH,
-                                  ROPE_BLOCK_H, BLOCK_L, NORM, HAS_SCALE, IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP,
-                                  SOFT_ROUND)
+            rope_kv_apply((pid * 0).to(tl.int64), pid - A_PROGRAMS, cos, sin, slot, q_pe_ptr, k_ptr, kvc_ptr,
+                          cache_ptr, scale_ptr, nw_ptr, eps, H, L_rt, stride_qpt, stride_qph, stride_kt, stride_ct,
+                          stride_cache, R_HALF, BLOCK_RH, ROPE_BLOCK_H, BLOCK_L, NORM, HAS_SCALE, IS_FP8, FP8_MAX,
+                          MANT_BITS, MIN_EXP, SOFT_ROUND)
         if PHASE == 0:
             _arrive(Sync)
         _stamp(Times, pid, 2, TIMING)
+
+    # phase C's w_vc [H, Dv, L] rows (as [L, BN_C]), asked for after phase A's reads: needed after phase B
+    hc = pid // NB_C
+    cols_c = (pid % NB_C) * BN_C + tl.arange(0, BN_C)
+    w_c = tl.load(WVC + hc * stride_wvh + cols_c[None, :] * stride_wvd + offs_l[:, None],
+                  mask=(DO_C & in_c) & (offs_l < L)[:, None] & (cols_c < DV)[None, :], other=0.0)    # [BL, BN_C]
 
     # ---- phase B: split `pid` of the attention over the cache, rows = heads
     if DO_B and in_b:
@@ -213,7 +220,7 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
         limit = t + seq_len
         acc, m_i, l_i = attend_tiles(q_nope, q_pe, cache_ptr, ReqToToken, pool_row, start, end, limit, t, seq_len, 1,
                                      qk_scale, stride_cache, stride_rtt, None, L, R, BLOCK_L, BLOCK_R, BLOCK_H,
-                                     BLOCK_N, DOT_DTYPE, DOT_PREC)
+                                     BLOCK_N, DOT_DTYPE, DOT_PREC, first_slots)
         if TIMING:
             _stamp_after(Times, pid, 10, tl.max(tl.max(acc, axis=1), axis=0) + tl.max(l_i, axis=0), TIMING)
         store_split(acc, m_i, l_i, Out, MidO, MidLse, t, h, h_ok, pid, start, seq_len, v_scale, 0, 0, H,
@@ -228,12 +235,19 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
             _wait_for(Sync + 1, num_splits)
         _stamp(Times, pid, 5, TIMING)
         used = tl.cdiv(seq_len, split_len)                                     # the splits that saw tokens
+        # the first CHUNK_S partials are asked for with the log-sum-exps: one round trip to L2 where there is one
+        # chunk, not two
+        s = tl.arange(0, CHUNK_S)
+        s_ok = s < used
+        rows = tl.load(MidO + (hc * num_splits + s)[:, None] * L + offs_l[None, :],
+                       mask=s_ok[:, None] & (offs_l < L)[None, :], other=0.0)                       # [CS, BL]
+        lse_first = tl.load(MidLse + hc * num_splits + s, mask=s_ok, other=float("-inf"))           # [CS]
         offs_s = tl.arange(0, BLOCK_S)
         lse = tl.load(MidLse + hc * num_splits + offs_s, mask=offs_s < used, other=float("-inf"))
         top = tl.max(lse, axis=0)
         den = tl.sum(tl.exp2(lse - top), axis=0)
-        o = tl.zeros([BLOCK_L], tl.float32)
-        for s0 in range(0, used, CHUNK_S):
+        o = tl.sum(rows * tl.exp2(lse_first - top)[:, None], axis=0)
+        for s0 in range(CHUNK_S, used, CHUNK_S):
             s = s0 + tl.arange(0, CHUNK_S)
             s_ok = s < used
             w = tl.exp2(tl.load(MidLse + hc * num_splits + s, mask=s_ok, other=float("-inf")) - top)      # [CS]

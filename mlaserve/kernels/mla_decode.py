@@ -122,13 +122,21 @@ def split_bounds(SeqLens, ReqPoolIdx, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def tile_slots(ReqToToken, pool_row, stride_rtt, n0, end, BLOCK_N: tl.constexpr):
+    """The cache slots of positions n0 .. n0 + BLOCK_N - 1 of one request (0 at and past end), int64."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(ReqToToken + pool_row * stride_rtt + pos, mask=pos < end, other=0).to(tl.int64)
+
+
+@triton.jit
 def attend_tiles(q_nope, q_pe, KV, ReqToToken, pool_row, start, end, limit, tree_bits, seq_len, num_q, qk_scale,
                  stride_kv, stride_rtt, TreeMask, L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, first_slots=None):
     """Online softmax of query rows q_nope [BLOCK_H, BL] / q_pe [BLOCK_H, BR] over cache positions [start, end) of
     one request (its pool row), row r seeing positions < limit[r] (and its tree bits with a TreeMask):
-    (acc [BLOCK_H, BL] unnormalised output, m_i running max, l_i running sum), all fp32, log2 domain."""
+    (acc [BLOCK_H, BL] unnormalised output, m_i running max, l_i running sum), all fp32, log2 domain.
+    first_slots: the first tile's cache slots [BLOCK_N] (`tile_slots`), read by the caller already."""
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -137,7 +145,12 @@ def attend_tiles(q_nope, q_pe, KV, ReqToToken, pool_row, start, end, limit, tree
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        slot = tl.load(ReqToToken + pool_row * stride_rtt + pos, mask=pos_ok, other=0).to(tl.int64)
+        if first_slots is None:
+            slot = tile_slots(ReqToToken, pool_row, stride_rtt, n0, end, BLOCK_N)
+        elif n0 == start:
+            slot = first_slots
+        else:
+            slot = tile_slots(ReqToToken, pool_row, stride_rtt, n0, end, BLOCK_N)
         kv_row = KV + slot * stride_kv
         kv_nope = _load_cols(kv_row[:, None] + offs_l[None, :], pos_ok, offs_l, L, BLOCK_L)     # [BLOCK_N, BL]
         kv_pe = _load_cols(kv_row[:, None] + L + offs_r[None, :], pos_ok, offs_r, R, BLOCK_R)   # [BLOCK_N, BR]

@@ -63,12 +63,37 @@ def rope_kv_store_program(t, hb, q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_p
                           MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
     # Program (t, hb) rotates heads [hb * BLOCK_H, (hb + 1) * BLOCK_H) of token t; hb == 0 also handles k / kv.
     # (Also run inside mla_absorb's combined launch, which hands it its (t, hb).)
+    cos, sin, slot = rope_kv_operands(t, True, hb == 0, pos_ptr, cs_ptr, slot_ptr, stride_pos, stride_slot, R_HALF,
+                                      BLOCK_RH)
+    rope_kv_apply(t, hb, cos, sin, slot, q_ptr, k_ptr, kvc_ptr, cache_ptr, scale_ptr, nw_ptr, eps, H, L, stride_qt,
+                  stride_qh, stride_kt, stride_ct, stride_cache, R_HALF, BLOCK_RH, BLOCK_H, BLOCK_L, NORM, HAS_SCALE,
+                  IS_FP8, FP8_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+
+
+@triton.jit
+def rope_kv_operands(t, active, with_slot, pos_ptr, cs_ptr, slot_ptr, stride_pos, stride_slot,
+                     R_HALF: tl.constexpr, BLOCK_RH: tl.constexpr):
+    """Token t's (cos [BLOCK_RH], sin [BLOCK_RH], cache slot; the slot read only `with_slot`, else 0; nothing read
+    unless `active`): what `rope_kv_apply` needs besides the rows it rotates. Positions and slots are the step's
+    inputs, no kernel's output: a PDL kernel may read them before its wait (mla_chain does)."""
     i = tl.arange(0, BLOCK_RH)                                                # pair index (padded to a power of 2)
     i_ok = i < R_HALF
-    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * (2 * R_HALF) + i, mask=i_ok, other=0.0)      # [R/2] (mscale folded in)
-    sin = tl.load(cs_ptr + pos * (2 * R_HALF) + R_HALF + i, mask=i_ok, other=0.0)
+    pos = tl.load(pos_ptr + t * stride_pos, mask=active, other=0).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * (2 * R_HALF) + i, mask=i_ok & active, other=0.0)      # [R/2] (mscale folded in)
+    sin = tl.load(cs_ptr + pos * (2 * R_HALF) + R_HALF + i, mask=i_ok & active, other=0.0)
+    slot = tl.load(slot_ptr + t * stride_slot, mask=active & with_slot, other=0).to(tl.int64)
+    return cos, sin, slot
 
+
+@triton.jit
+def rope_kv_apply(t, hb, cos, sin, slot, q_ptr, k_ptr, kvc_ptr, cache_ptr, scale_ptr, nw_ptr, eps, H, L, stride_qt,
+                  stride_qh, stride_kt, stride_ct, stride_cache, R_HALF: tl.constexpr, BLOCK_RH: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                  SOFT_ROUND: tl.constexpr):
+    # `rope_kv_store_program` with its operands (`rope_kv_operands`) read
+    i = tl.arange(0, BLOCK_RH)
+    i_ok = i < R_HALF
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = (heads < H)[:, None] & i_ok[None, :]
     q_row = q_ptr + t * stride_qt + heads[:, None].to(tl.int64) * stride_qh    # [BH, 1]
@@ -83,7 +108,7 @@ def rope_kv_store_program(t, hb, q_ptr, k_ptr, kvc_ptr, pos_ptr, cs_ptr, cache_p
         tl.store(k_row + i, k_lo, mask=i_ok)
         tl.store(k_row + R_HALF + i, k_hi, mask=i_ok)
         # cache row: [ kv_c (L) | rot(k_pe) (R) ]
-        c_row = cache_ptr + tl.load(slot_ptr + t * stride_slot).to(tl.int64) * stride_cache
+        c_row = cache_ptr + slot * stride_cache
         lo = tl.arange(0, BLOCK_L)
         kv = tl.load(kvc_ptr + t * stride_ct + lo, mask=lo < L, other=0.0)
         if NORM:                                     # kv_a_layernorm, as rmsnorm_ref rounds it; kv_c updated in place

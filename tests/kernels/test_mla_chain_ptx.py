@@ -1,7 +1,8 @@
 """The one-launch MLA decode chain (`kernels/mla_chain.py`) in the PTX Triton generates for Hopper (no GPU needed):
 its phases must be ordered by the counters (a release add after phase A's stores, acquire loads spinning before
-phase B), its prefetch must come after the PDL wait, and its registers must not spill. Under the interpreter the
-phases run as separate launches, so only the compiled code shows this."""
+phase B), phase B's prefetch must be issued before the PDL wait (it reads the step's inputs and older cache rows, no
+kernel's output), and its registers must not spill. Under the interpreter the phases run as separate launches, so
+only the compiled code shows this."""
 from __future__ import annotations
 
 import re
@@ -47,7 +48,7 @@ def test_the_phases_are_ordered_by_release_and_acquire():
     prefetch = first(r"cp\.async\.bulk\.prefetch\.L2\.global")
     arrive = first(r"red\.global\.gpu\.release\.add\.u32")
     spin = first(r"ld\.global\.gpu\.acquire\.b32")
-    assert wait < prefetch < arrive < spin, (wait, prefetch, arrive, spin)
+    assert prefetch < wait < arrive < spin, (prefetch, wait, arrive, spin)
     assert "bar.sync" in lines[arrive - 4] or any("bar.sync" in ln for ln in lines[arrive - 6:arrive]), \
         "the release must follow a barrier over every thread's stores"
     assert len(re.findall(r"ld\.global\.gpu\.acquire\.b32", ptx)) >= 2        # phase B's wait and phase C's
