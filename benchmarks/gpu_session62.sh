@@ -6,6 +6,11 @@
 #   v3:     bench one-batch V3 4L FP8 bs 1 under the MoE variants, once each
 #   sweep:  the stamps at cache tiles of 64 / 32 / 16 tokens and 8 / 4 warps (CONFIGS: "BLOCK_N:WARPS ...")
 #   inmodel: benchmarks/probe_chain_in_model.py: the chain's stamps inside the V2-Lite bs-1 decode graph, tiles of BNS
+#   newold: GPU tests of the chain and what it shares (new tree), then the stamps (alone and in the model) of the new
+#           tree and of .old (carried: a git archive of the tree before), then bench one-batch V2-Lite bs 1 with the
+#           chain (new), the chain (.old) and without, two rounds
+#   final:  GPU tests of the chain (and the fast path's greedy equality with it on), then bench one-batch V2-Lite bs 1
+#           with the chain (new tree), the chain (.old) and without, two rounds
 #   abbn:   bench one-batch V2-Lite bs 1 with the chain at the tiles of BNS (default "32 16") and off, two rounds
 #   bash benchmarks/gpu_session62.sh PART...
 source benchmarks/gpu_v2l_env.sh
@@ -59,6 +64,41 @@ mla_chain.CHAIN_BLOCK_N = $bn; from mlaserve.cli import main; sys.exit(main(sys.
         timeout 150 python3 benchmarks/probe_chain_in_model.py --block-n $bn -- ${B#python3 -m mlaserve.cli bench one-batch } \
           --model-config $V2L --batch-size 1 --output-file "$OUT/inmodel_bn$bn.md" 2>&1 | grep -av Warning \
           | grep -a "^|\|^in the model\|Error\|error" | grep -av "^|---" | tee -a "$OUT/inmodel.md"
+      done ;;
+    newold)
+      MLASERVE_MLA_CHAIN=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_chain.py \
+        tests/kernels/test_mla_decode.py tests/kernels/test_rope.py tests/kernels/test_mla_absorb.py \
+        tests/models/test_gpu_fastpath.py > "$OUT/tests.txt" 2>&1
+      grep -a "FAILED\|Error" "$OUT/tests.txt" | head -20; tail -2 "$OUT/tests.txt"
+      for tree in new old; do
+        root=$PWD; [ $tree = old ] && root=$PWD/.old
+        PYTHONPATH=$root:/tmp/site timeout 100 python3 $root/benchmarks/probe_mla_chain.py --stamps --splits 128 2>&1 \
+          | grep -a "^| [0-9]" | sed "s/^/$tree alone /" | tee -a "$OUT/newold.md"
+        PYTHONPATH=$root:/tmp/site timeout 150 python3 $root/benchmarks/probe_chain_in_model.py -- \
+          ${B#python3 -m mlaserve.cli bench one-batch } --model-config $V2L --batch-size 1 2>&1 \
+          | grep -a "^| [0-9]\|^| mlaserve" | sed "s/^/$tree in model /" | tee -a "$OUT/newold.md"
+      done
+      for round in 1 2; do
+        for tree in new old off; do
+          root=$PWD; [ $tree = old ] && root=$PWD/.old
+          c=1; [ $tree = off ] && c=0
+          (cd $root && PYTHONPATH=$root:/tmp/site MLASERVE_MLA_CHAIN=$c timeout 150 $B --model-config $PWD/$V2L \
+            --batch-size 1 --output-file "$OUT/newold_r${round}_$tree.md" 2>&1) | grep -a "^|" \
+            | grep -av "engine\|---" | sed "s/^/$tree /"
+        done
+      done ;;
+    final)
+      MLASERVE_MLA_CHAIN=1 timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_chain.py \
+        tests/models/test_gpu_fastpath.py -k "chain or greedy_equals" > "$OUT/tests.txt" 2>&1
+      grep -a "^FAILED\|Error" "$OUT/tests.txt" | head -10; tail -1 "$OUT/tests.txt"
+      for round in 1 2; do
+        for tree in new old off; do
+          root=$PWD; [ $tree = old ] && root=$PWD/.old
+          c=1; [ $tree = off ] && c=0
+          (cd $root && PYTHONPATH=$root:/tmp/site MLASERVE_MLA_CHAIN=$c timeout 60 $B --model-config $V2L \
+            --batch-size 1 --output-file "$OUT/final_r${round}_$tree.md" 2>&1) | grep -a "^|" \
+            | grep -av "engine\|---" | sed "s/^/$tree /"
+        done
       done ;;
     *) echo "unknown part $PART" ;;
   esac

@@ -237,16 +237,17 @@ def _mla_chain_kernel(Q, WKC, QLat, WVC, Out, MidO, MidLse, Sync, Times,
         used = tl.cdiv(seq_len, split_len)                                     # the splits that saw tokens
         # the first CHUNK_S partials are asked for with the log-sum-exps: one round trip to L2 where there is one
         # chunk, not two
-        s = tl.arange(0, CHUNK_S)
-        s_ok = s < used
-        rows = tl.load(MidO + (hc * num_splits + s)[:, None] * L + offs_l[None, :],
-                       mask=s_ok[:, None] & (offs_l < L)[None, :], other=0.0)                       # [CS, BL]
-        lse_first = tl.load(MidLse + hc * num_splits + s, mask=s_ok, other=float("-inf"))           # [CS]
+        # (names of their own: the loop's s, s_ok and rows are not carried from here, whatever used's int type)
+        first = tl.arange(0, CHUNK_S)
+        first_ok = first < used
+        first_rows = tl.load(MidO + (hc * num_splits + first)[:, None] * L + offs_l[None, :],
+                             mask=first_ok[:, None] & (offs_l < L)[None, :], other=0.0)             # [CS, BL]
+        lse_first = tl.load(MidLse + hc * num_splits + first, mask=first_ok, other=float("-inf"))   # [CS]
         offs_s = tl.arange(0, BLOCK_S)
         lse = tl.load(MidLse + hc * num_splits + offs_s, mask=offs_s < used, other=float("-inf"))
         top = tl.max(lse, axis=0)
         den = tl.sum(tl.exp2(lse - top), axis=0)
-        o = tl.sum(rows * tl.exp2(lse_first - top)[:, None], axis=0)
+        o = tl.sum(first_rows * tl.exp2(lse_first - top)[:, None], axis=0)
         for s0 in range(CHUNK_S, used, CHUNK_S):
             s = s0 + tl.arange(0, CHUNK_S)
             s_ok = s < used
