@@ -46,10 +46,11 @@ STAMPS = tl.constexpr(24)  # int64 values a program writes under TIMING: 12 poin
 
 
 def enabled() -> bool:
-    """`MLASERVE_MLA_CHAIN=1` takes the one launch where it fits. Off by default: on an H100 it took 0.05 ms off the
-    V2-Lite bs-1 graph at 256 cached tokens (+1.1-1.3% tok/s) but was 9-13% slower than the four launches at 4096
-    (phase C's programs each merge all their head's partials), and a graph's split count cannot follow the context
-    (benchmarks/results/mla-chain-h100.md)."""
+    """`MLASERVE_MLA_CHAIN=1` takes the one launch where it fits. Off by default: on an H100 (2026-12-07, tree
+    779072c) it took 0.10-0.17 ms off the V2-Lite bs-1 graph at 256 cached tokens (390-395 tok/s against 354-378),
+    but alone it is about 10% slower than the four launches at 4096 (21.5 against 19.4-19.6 us a layer: phase C's
+    programs each merge all their head's partials), and a graph's split count cannot follow the context
+    (benchmarks/results/chain-stamps-h100.md, mla-chain-h100.md)."""
     return on_off("MLASERVE_MLA_CHAIN", False)
 
 
