@@ -15,12 +15,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_mla_chain import DV, H, L, summarize  # noqa: E402  (this folder's probe)
+from probe_mla_chain import STAMP_HEADER, stamp_row  # noqa: E402  (this folder's probe)
 
 from mlaserve.attention import triton as backend  # noqa: E402
 from mlaserve.bench.one_batch import main as one_batch  # noqa: E402
 from mlaserve.kernels import mla_chain  # noqa: E402
-from mlaserve.kernels.mla_decode import pick_config  # noqa: E402
 
 
 def main() -> int:
@@ -49,17 +48,11 @@ def main() -> int:
     if "splits" not in state:
         print("the chain never ran (MLASERVE_MLA_CHAIN, one token, chain_fits)")
         return 1
-    ctx, splits = int(state["seq_lens"][0]), state["splits"]
-    bn = mla_chain.CHAIN_BLOCK_N or pick_config(H).block_n
-    split_len = -(-(-(-ctx // splits)) // bn) * bn
-    a_prog, c_prog = H * L // mla_chain.BN_A + 1, H * DV // mla_chain.BN_C
-    programs = mla_chain.chain_programs(H, L, DV, 1, splits)
-    cells, rate = summarize(times[:, :programs].cpu(), a_prog, c_prog, splits, -(-ctx // split_len))
-    print(f"in the model, block_n {bn}, {mla_chain.NUM_WARPS} warps, {state['calls']} chain calls; the last step:")
-    print("| ctx | splits | used | waited (first / last) | A done | B starts (first / last) | B done | C starts "
-          "(first / last) | C done | out | gap | A q | A work | rope | B q | B attend | B store | C merge | C W_UV |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {ctx} | {splits} | {-(-ctx // split_len)} | " + " | ".join(cells) + f" |  (clock {rate:.3f} GHz)")
+    tiles = mla_chain.CHAIN_BLOCK_N or "the default"
+    print(f"in the model, tiles of {tiles} tokens, {mla_chain.NUM_WARPS} warps, {state['calls']} chain calls; "
+          "the last step:")
+    print(STAMP_HEADER)
+    print(stamp_row(times.cpu(), int(state["seq_lens"][0]), state["splits"]))
     return rc
 
 

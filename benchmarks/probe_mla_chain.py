@@ -72,24 +72,34 @@ def summarize(t: torch.Tensor, a_prog: int, c_prog: int, splits: int, used: int)
     return cells, rate
 
 
+STAMP_HEADER = ("| ctx | splits | used | waited (first / last) | A done | B starts (first / last) | B done | C starts "
+                "(first / last) | C done | out | gap | A q | A work | rope | B q | B attend | B store | C merge | "
+                "C W_UV |\n|" + "---|" * 19)
+
+
+def stamp_row(t: torch.Tensor, ctx: int, splits: int) -> str:
+    """One STAMP_HEADER row from the stamps [calls, >= programs, STAMPS] of V2-Lite-shaped chain calls at ctx cached
+    tokens over splits splits."""
+    bn = mla_chain.CHAIN_BLOCK_N or pick_config(H).block_n
+    split_len = -(-(-(-ctx // splits)) // bn) * bn           # (as the kernel: equal runs of whole tiles)
+    used = -(-ctx // split_len)
+    programs = mla_chain.chain_programs(H, L, DV, 1, splits)
+    cells, rate = summarize(t[:, :programs], H * L // mla_chain.BN_A + 1, H * DV // mla_chain.BN_C, splits, used)
+    return f"| {ctx} | {splits} | {used} | " + " | ".join(cells) + f" |  (clock {rate:.3f} GHz)"
+
+
 def stamps(args) -> None:
     print(f"{torch.cuda.get_device_name()}: {args.layers} layer calls a graph, H={H}, bf16; medians over the calls")
     print(f"block_n {mla_chain.CHAIN_BLOCK_N or pick_config(H).block_n}, {mla_chain.NUM_WARPS} warps. Points from "
           "the call's first start: waited, A done, B starts, B done, C starts, C done, out, and the gap to the next "
           "call's first wait; then inside a program: A's q arrives, A's work (to its release), the rope program's, "
           "B's q arrives, B attends, B stores + releases, C merges, C's W_UV + store")
-    print("| ctx | splits | used | waited (first / last) | A done | B starts (first / last) | B done | C starts "
-          "(first / last) | C done | out | gap | A q | A work | rope | B q | B attend | B store | C merge | C W_UV |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(STAMP_HEADER)
     for ctx in args.ctx:
         layers = [_layer(ctx, 1000 + i) for i in range(args.layers)]
         req_to_token, pool_idx, seq_lens, positions, out_slots = _inputs(ctx)
         for splits in args.splits:
             programs = mla_chain.chain_programs(H, L, DV, 1, splits)
-            a_prog, c_prog = H * L // mla_chain.BN_A + 1, H * DV // mla_chain.BN_C
-            bn = mla_chain.CHAIN_BLOCK_N or pick_config(H).block_n
-            split_len = -(-(-(-ctx // splits)) // bn) * bn
-            used = -(-ctx // split_len)
             times = torch.zeros(args.layers, programs, mla_chain.STAMPS.value, dtype=torch.int64, device="cuda")
 
             def one():
@@ -100,8 +110,7 @@ def stamps(args) -> None:
                                                num_kv_splits=splits, norm_weight=x["norm_w"], eps=1e-6,
                                                times=times[i])
             time_cuda(one, iters=10)            # the last replay's stamps stay in `times`
-            cells, rate = summarize(times.cpu(), a_prog, c_prog, splits, used)
-            print(f"| {ctx} | {splits} | {used} | " + " | ".join(cells) + f" |  (clock {rate:.3f} GHz)")
+            print(stamp_row(times.cpu(), ctx, splits))
 
 
 def main() -> None:
