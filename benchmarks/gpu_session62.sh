@@ -2,6 +2,7 @@
 # Session of 2026-12-07 (fourth), one H100 (carry .whl: ../shared/device/wheels.sh):
 #   tests:  the one-token MoE preload / early release (kernels/fused_moe.py) and the chain's stamps (GPU tests)
 #   stamps: benchmarks/probe_mla_chain.py --stamps: where the one-launch chain's time goes, 256 / 4096 tokens
+#   (ab and v3 ran at e66bbfe: their MLASERVE_MOE_* switches were removed after them, with the preload they set)
 #   ab:     bench one-batch V2-Lite bs 1 (in 256 / out 32) under VARIANTS (default below), two rounds alternated
 #   v3:     bench one-batch V3 4L FP8 bs 1 under the MoE variants, once each
 #   sweep:  the stamps at cache tiles of 64 / 32 / 16 tokens and 8 / 4 warps (CONFIGS: "BLOCK_N:WARPS ...")
