@@ -109,9 +109,11 @@ def replay_host(positions, out_slots, req_pool_idx, pad_to=None):
     graphs.staged[i] = torch.cuda.Event()
     graphs.staged[i].record()
     marks.append(time.perf_counter())
-    graphs.graphs[cbs].replay()
+    graph = graphs.graph_of(cbs, max(positions) + 1)           # (as the runner's: the chain graph at bs 1)
+    graph.replay()
     marks.append(time.perf_counter())
-    return graphs.outputs[cbs][:bs], graphs.req_pool_idx[:bs]
+    out = graphs.chain_output if graph is graphs.chain_graph else graphs.outputs[cbs]
+    return out[:bs], graphs.req_pool_idx[:bs]
 
 
 graphs.replay_host = replay_host
@@ -160,7 +162,7 @@ for bs in a.bs:
             step(reqs, None)
         prof.disable()
     release(reqs)
-    g = graph_replay_s(runner, bs)
+    g = graph_replay_s(runner, bs, 256 + a.steps)          # the last step's sequence (its graph)
     inner = " ".join(ms(cols[k]) for k in ("staging", "copy", "launch")) if cols["enter"] else "(no graph)"
     print(f"{bs:3d} {ms(cols['step'])} {ms(cols['fwd'])} {ms(cols['smp'])} {ms(cols['res'])} | "
           f"{ms(cols['g01'])} {ms(cols['g12'])} {g * 1e3 if g else float('nan'):7.3f} | "

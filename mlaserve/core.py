@@ -49,6 +49,9 @@ class ForwardContext:
     num_q: int = 1                   # query tokens per request in DECODE mode
     logits_indices: torch.Tensor | None = None   # rows of T whose logits are wanted (None: all)
     num_kv_splits: int | None = None     # split-KV count of the decode kernel (fixed under CUDA graphs)
+    # the decode may run its attention chain as one launch (kernels/mla_chain.py): set by the decode graphs' short-
+    # context bs-1 graph only (engine/graph.py), whose split count is sized for the contexts it replays
+    chain: bool = False
     global_num_tokens: list[int] | None = None   # DP attention: tokens of each DP group this step (agreed)
     # decode graphs: [D * P] bool (D DP groups, else 1), the MoE's rows (gathered under DP attention) that are a
     # request's; the others, padding, route to no expert. None: every row routes

@@ -37,9 +37,10 @@ class TritonMLABackend(BaseAttnBackend):
 
     def decode_chain(self, layer: int, q_nope: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, rope: tuple,
                      rope_kw: dict, ctx: ForwardContext) -> torch.Tensor | None:
-        # one token of at most 16 heads, the split count fixed (CUDA graphs): kernels/mla_chain.py
-        if ctx.num_q != 1 or ctx.tree_mask is not None or not rope[5].is_contiguous() \
+        # one token of at most 16 heads in the decode graphs' short-context graph (ctx.chain): kernels/mla_chain.py
+        if not ctx.chain or ctx.num_q != 1 or ctx.tree_mask is not None or not rope[5].is_contiguous() \
                 or not chain_fits(q_nope, w_vc, self.kv_lora_rank, ctx.num_kv_splits):
             return None
+        ctx.attn_cache["chain_ran"] = True             # (the graph runner keeps its chain graph only if it did)
         return mla_decode_chain(q_nope, w_kc, w_vc, *rope, ctx.req_to_token, ctx.req_pool_idx, ctx.seq_lens,
                                 self.sm_scale, num_kv_splits=ctx.num_kv_splits, **rope_kw)

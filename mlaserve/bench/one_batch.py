@@ -62,11 +62,13 @@ def model_dir(args: argparse.Namespace) -> str:
 def bench_config(args: argparse.Namespace, path: str, tp: int, ep: int, device: str | None = None) -> ServerConfig:
     """The resolved server config one bench run at (tp, ep) builds its runner from (ConfigError when refused)."""
     max_bs, width = max(args.batch_size), _table_width(args)
+    context = getattr(args, "context_length", None) or width
     server = ServerConfig.from_flat(model_path=path, load_format=args.load_format, dtype=args.dtype,
                                     tp_size=tp, ep_size=ep, device=device or args.device,
-                                    max_total_tokens=max_bs * width + 64, disable_cuda_graph=args.disable_cuda_graph,
+                                    max_total_tokens=max(max_bs * width, context) + 64,
+                                    disable_cuda_graph=args.disable_cuda_graph,
                                     attention_backend=args.attention_backend,
-                                    context_length=width,
+                                    context_length=context,
                                     enable_torch_compile=args.enable_torch_compile,
                                     torch_compile_max_bs=args.torch_compile_max_bs,
                                     cuda_graph_max_bs=args.cuda_graph_max_bs,
@@ -170,13 +172,13 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
         alloc.free(pool.slots(r.req_pool_idx, r.kv_len))
         pool.free(r.req_pool_idx)
     step = statistics.median(steps) if steps else float("nan")
-    return (graph_stats_of(runner, bs) if graph_stats else {}) | {
+    return (graph_stats_of(runner, bs, input_len + output_len - 1) if graph_stats else {}) | {
         "batch_size": bs, "input_len": input_len, "output_len": output_len, "prefill_s": prefill_s,
         "prefill_tok_s": bs * input_len / prefill_s, "decode_step_s": step, "decode_tok_s": bs / step}
 
 
-def graph_stats_of(runner: ModelRunner, bs: int) -> dict:
-    return {"graph_replay_s": graph_replay_s(runner, bs), "kernels_per_step": graph_kernels(runner, bs)}
+def graph_stats_of(runner: ModelRunner, bs: int, seq_len: int) -> dict:
+    return {"graph_replay_s": graph_replay_s(runner, bs, seq_len), "kernels_per_step": graph_kernels(runner, bs, seq_len)}
 
 
 def _spec_slots(runner: ModelRunner) -> int:
@@ -222,28 +224,31 @@ def _spec_decode(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllo
             "accept_length": made / (len(steps) * bs)}
 
 
-def graph_replay_s(runner: ModelRunner, bs: int) -> float | None:
-    """GPU time of one decode step alone (the captured graph replayed on the last inputs), or None."""
+def graph_replay_s(runner: ModelRunner, bs: int, seq_len: int) -> float | None:
+    """GPU time of one decode step alone (the captured graph of a step whose longest sequence is seq_len, replayed
+    on the last inputs), or None."""
     g = runner.graphs
     if g is None or not g.can_run(bs):
         return None
+    graph = g.graph_of(bs, seq_len)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(20):
         start.record()
-        g.graphs[min(b for b in g.batch_sizes if b >= bs)].replay()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
 
 
-def graph_kernels(runner: ModelRunner, bs: int) -> int | None:
-    """GPU kernels one decode step launches (the captured graph replayed once under the torch profiler), or None."""
+def graph_kernels(runner: ModelRunner, bs: int, seq_len: int) -> int | None:
+    """GPU kernels one decode step launches (`graph_replay_s`'s graph replayed once under the torch profiler), or
+    None."""
     g = runner.graphs
     if g is None or not g.can_run(bs):
         return None
-    graph = g.graphs[min(b for b in g.batch_sizes if b >= bs)]
+    graph = g.graph_of(bs, seq_len)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
@@ -324,7 +329,7 @@ def bench_rank(group: RankGroup | None, args: argparse.Namespace, path: str, cei
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
                 row = one_batch(runner, pool, alloc, bs, args.input_len, args.output_len, graph_stats=False)
             if runner.spec is None:
-                row |= graph_stats_of(runner, bs)
+                row |= graph_stats_of(runner, bs, args.input_len + args.output_len - 1)
             out = Path(args.profile_dir or DEFAULT_PROFILE_DIR)       # (a parser of build_parser's without main)
             out.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(out / f"one_batch_bs{bs}.json"))
@@ -351,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--input-len", "--input", type=int, default=256)         # SGLang's bench_one_batch spellings too
     ap.add_argument("--output-len", "--output", type=int, default=32)
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="the longest sequence the runner is sized for, as a server's (the decode graphs' split "
+                         "counts follow it); default input + output + 8, the least the run needs")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "torch"))
@@ -389,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.model_path and not (args.load_format == "dummy" and args.model_config):
         ap.error("give --model-path, or --load-format dummy with --model-config")
+    if args.context_length is not None and args.context_length < _table_width(args):
+        ap.error(f"--context-length {args.context_length} is shorter than the run's sequences "
+                 f"({_table_width(args)} tokens: input + output + 8)")
     # flags that would act on nothing: one line, as `serve` refuses them
     if args.model_path and args.model_config:
         ap.error("--model-config: the shapes come from --model-path's config.json; give one of the two")

@@ -27,6 +27,7 @@ import torch
 
 from mlaserve.core import ForwardContext, ForwardMode, make_compile_opaque
 from mlaserve.engine.spec_tree import DraftTree, accept_tree, draft_tree, query_counts, slots_per_step, verify_tree
+from mlaserve.kernels import mla_chain
 from mlaserve.kernels.mla_decode import choose_num_kv_splits, decode_programs
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,11 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # size 1's second graph, the attention chain's (`_capture`), its logits, the longest context it replays for
+        self.chain_graph: torch.cuda.CUDAGraph | None = None
+        self.chain_output: torch.Tensor | None = None
+        self.chain_context = 0
+        self.chain_replays = 0
         self.ctxs: dict[int, ForwardContext] = {}
         req_to_token[dummy_req, 0] = 0
         self.pool = None
@@ -124,7 +130,8 @@ class DecodeGraphRunner:
         logger.info("compiled %d eager decode sizes (bs %s) in %.1f s", len(self.batch_sizes), self.batch_sizes,
                     time.monotonic() - t0)
 
-    def _ctx(self, bs: int, kv_pool, attn_backend, req_to_token, max_context: int) -> ForwardContext:
+    def _ctx(self, bs: int, kv_pool, attn_backend, req_to_token, max_context: int,
+             chain: bool = False) -> ForwardContext:
         splits = choose_num_kv_splits(decode_programs(bs, self.model.num_local_heads), max_context)
         return ForwardContext(
             mode=ForwardMode.DECODE, positions=self.positions[:bs], out_slots=self.out_slots[:bs],
@@ -133,7 +140,16 @@ class DecodeGraphRunner:
             req_to_token=req_to_token, kv_pool=kv_pool, attn_backend=attn_backend, num_q=1,
             logits_indices=None, num_kv_splits=splits,
             global_num_tokens=[bs] * self.dp_size if self.dp_size else None,
-            moe_row_mask=self._row_mask(bs))
+            moe_row_mask=self._row_mask(bs), chain=chain)
+
+    def _chain_context(self, max_context: int) -> int | None:
+        """The longest context the bs-1 chain graph replays for, or None where there is none to capture: the chain
+        is on (MLASERVE_MLA_CHAIN), a CUDA device, no DP attention (its graphs replay agreed sizes, bs 0 included),
+        size 1 captured, and few enough local heads (`mla_chain.CHAIN_MAX_HEADS`)."""
+        if not (mla_chain.enabled() and self.device.type == "cuda" and self.dp_size is None
+                and self.batch_sizes[0] == 1 and self.model.num_local_heads <= mla_chain.CHAIN_MAX_HEADS):
+            return None
+        return min(max_context, mla_chain.CHAIN_MAX_CONTEXT)
 
     @torch.no_grad()
     def _capture(self, kv_pool, attn_backend, req_to_token, max_context: int) -> None:
@@ -141,24 +157,47 @@ class DecodeGraphRunner:
         stream = torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):             # largest first: later graphs reuse its memory
             ctx = self._ctx(bs, kv_pool, attn_backend, req_to_token, max_context)
-            ids, pos = self.input_ids[:bs], self.positions[:bs]
-            fn = self._fn(bs)
-            self.group_counts.fill_(bs)                       # the warm-ups route every row, as a full step
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):                        # warm up: Triton and torch.compile compile here
-                    self._prologue(bs)
-                    fn(ids, pos, ctx)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self._prologue(bs)
-                out = fn(ids, pos, ctx).logits
-            self.pool = graph.pool()
-            self.graphs[bs], self.outputs[bs], self.ctxs[bs] = graph, out, ctx
+            self.graphs[bs], self.outputs[bs] = self._capture_one(bs, ctx, stream)
+            self.ctxs[bs] = ctx
+        chain_context = self._chain_context(max_context)
+        if chain_context is not None:
+            # the one-launch attention chain (kernels/mla_chain.py) at one token: faster than the four launches at
+            # short contexts, slower at long ones, and a graph's split count is fixed; so size 1 has a second
+            # graph, its splits sized for chain_context, replayed while the context is at most that
+            ctx = self._ctx(1, kv_pool, attn_backend, req_to_token, chain_context, chain=True)
+            graph, out = self._capture_one(1, ctx, stream)
+            if ctx.attn_cache.get("chain_ran"):
+                self.chain_graph, self.chain_output, self.chain_context = graph, out, chain_context
+            else:                                         # the layers' shapes did not fit the one launch
+                logger.info("the attention chain does not fit this model's decode: no chain graph")
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (bs %s) in %.1f s", len(self.graphs),
-                    self.batch_sizes, time.monotonic() - t0)
+        chain = f" and the one-launch attention chain's bs-1 graph for contexts up to {self.chain_context} tokens" \
+            if self.chain_graph is not None else ""
+        logger.info("captured %d decode CUDA graphs (bs %s)%s in %.1f s", len(self.graphs), self.batch_sizes, chain,
+                    time.monotonic() - t0)
+
+    def _capture_one(self, bs: int, ctx: ForwardContext, stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        ids, pos = self.input_ids[:bs], self.positions[:bs]
+        fn = self._fn(bs)
+        self.group_counts.fill_(bs)                       # the warm-ups route every row, as a full step
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):                            # warm up: Triton and torch.compile compile here
+                self._prologue(bs)
+                fn(ids, pos, ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            self._prologue(bs)
+            out = fn(ids, pos, ctx).logits
+        self.pool = graph.pool()
+        return graph, out
+
+    def graph_of(self, bs: int, seq_len: int) -> torch.cuda.CUDAGraph:
+        """The graph a step of bs requests replays when its longest sequence (cached + the new token) is seq_len."""
+        if bs == 1 and self.chain_graph is not None and seq_len <= self.chain_context:
+            return self.chain_graph
+        return self.graphs[self._capture_size(bs)]
 
     def _fn(self, bs: int):
         return self.compiled if self.compiled is not None and bs <= self.compile_max_bs else self.model
@@ -223,6 +262,10 @@ class DecodeGraphRunner:
             return out[:bs], self.req_pool_idx[:bs]
         self.staged[i] = torch.cuda.Event()
         self.staged[i].record()
+        if cbs == 1 and self.chain_graph is not None and positions and positions[0] < self.chain_context:
+            self.chain_graph.replay()                     # the context (position + 1) is at most chain_context
+            self.chain_replays += 1
+            return self.chain_output, self.req_pool_idx[:1]
         self.graphs[cbs].replay()
         return self.outputs[cbs][:bs], self.req_pool_idx[:bs]
 

@@ -45,13 +45,18 @@ CHAIN_BLOCK_N = None       # cached tokens a tile (None: mla_decode's entry for 
 STAMPS = tl.constexpr(24)  # int64 values a program writes under TIMING: 12 points x (globaltimer, clock64)
 
 
+# the longest context (cached tokens + the new one) the decode graphs' bs-1 chain graph replays for; longer steps
+# replay the four launches' graph (engine/graph.py). Phase C's programs each merge all of their head's partials, so
+# the one launch loses to the four at long contexts (H100: 21.5 against 19.4-19.6 us a layer at 4096 tokens)
+CHAIN_MAX_CONTEXT = 1024
+
+
 def enabled() -> bool:
-    """`MLASERVE_MLA_CHAIN=1` takes the one launch where it fits. Off by default: on an H100 (2026-12-07, tree
-    779072c) it took 0.10-0.17 ms off the V2-Lite bs-1 graph at 256 cached tokens (390-395 tok/s against 354-378),
-    but alone it is about 10% slower than the four launches at 4096 (21.5 against 19.4-19.6 us a layer: phase C's
-    programs each merge all their head's partials), and a graph's split count cannot follow the context
+    """`MLASERVE_MLA_CHAIN=0` turns the one launch off; on by default, in the decode graphs' bs-1 graph for
+    contexts up to CHAIN_MAX_CONTEXT (engine/graph.py). On an H100 (2026-12-07, tree 779072c) it took 0.10-0.17 ms
+    off the V2-Lite bs-1 graph at 256 cached tokens (390-395 tok/s against 354-378)
     (benchmarks/results/chain-stamps-h100.md, mla-chain-h100.md)."""
-    return on_off("MLASERVE_MLA_CHAIN", False)
+    return on_off("MLASERVE_MLA_CHAIN", True)
 
 
 @functools.lru_cache(maxsize=None)

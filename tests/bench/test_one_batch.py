@@ -55,6 +55,25 @@ def test_the_seeds_bench_one_batch_flags(tmp_path, capsys, monkeypatch):
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"mlaserve bench one-batch: error: {line}")
 
 
+def test_context_length_sizes_the_runner_as_a_server(tmp_path, capsys):
+    """--context-length (SGLang's name): the runner's longest sequence and room for it in the KV pool, as a server's
+    (its decode graphs' split counts follow it); shorter than the run's sequences: one line."""
+    cfg = make_config(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()), num_layers=2, shrink=True, fp8=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    base = ["--load-format", "dummy", "--model-config", str(tmp_path / "config.json"), "--device", "cpu",
+            "--batch-size", "1", "--input-len", "12", "--output-len", "3"]
+    server = one_batch.bench_config(one_batch.build_parser().parse_args(base + ["--context-length", "4096"]),
+                                    str(tmp_path), 1, 1)
+    assert server.load.context_length == 4096 and server.cache.max_total_tokens >= 4096
+    default = one_batch.bench_config(one_batch.build_parser().parse_args(base), str(tmp_path), 1, 1)
+    assert default.load.context_length == 12 + 3 + 8
+    with pytest.raises(SystemExit):
+        one_batch.main(base + ["--context-length", "16"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mlaserve bench one-batch: error: --context-length 16 is shorter than the run's sequences (23 tokens: input "
+        "+ output + 8)")
+
+
 @pytest.mark.parametrize("extra,line", [
     (["--model-path", "/m"], "--model-config: the shapes come from --model-path's config.json"),
     (["--profile-dir", "/tmp/p"], "--profile-dir: acts only with --profile"),
@@ -154,7 +173,7 @@ def test_profile_writes_the_trace_and_takes_graph_stats_outside_it(tmp_path, mon
     cfg = make_config(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()), num_layers=2, shrink=True, fp8=False)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     seen = []
-    monkeypatch.setattr(one_batch, "graph_stats_of", lambda runner, bs: seen.append(
+    monkeypatch.setattr(one_batch, "graph_stats_of", lambda runner, bs, seq_len: seen.append(
         (bs, torch.autograd.profiler._is_profiler_enabled)) or {"graph_replay_s": None, "kernels_per_step": None})
     prof = tmp_path / "prof"
     assert one_batch.main(["--load-format", "dummy", "--model-config", str(tmp_path / "config.json"), "--batch-size",

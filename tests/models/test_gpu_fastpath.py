@@ -86,6 +86,25 @@ def test_fast_path_greedy_equals_reference(checkpoints, variant):
     assert_all_equal(ref, fast)
 
 
+@pytest.mark.parametrize("variant", ["v2-lite", "v3-odd-dims"])
+def test_chain_graph_short_contexts_then_the_four_launches(checkpoints, monkeypatch, variant):
+    """bs 1 replays the attention chain's graph while the context is at most mla_chain.CHAIN_MAX_CONTEXT (here 64)
+    and the four launches' graph after it: one request of 40 prompt tokens and 48 greedy ones, in float32, equal to
+    the all-reference path; 24 of its decode steps (positions 40-63) ran the chain graph."""
+    from mlaserve.kernels import mla_chain
+
+    monkeypatch.setattr(mla_chain, "CHAIN_MAX_CONTEXT", 64)
+    path = checkpoints(variant)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, 4000) for _ in range(40)]]
+    ref = greedy_outputs(scheduler(path, "torch", graphs=False, dtype="float32"), prompts, 48)
+    sched = scheduler(path, "triton", graphs=True, dtype="float32")
+    graphs = sched.runner.graphs
+    assert graphs.chain_graph is not None and graphs.chain_context == 64
+    assert_all_equal(ref, greedy_outputs(sched, prompts, 48))
+    assert graphs.chain_replays == 64 - 40
+
+
 @pytest.mark.parametrize("variant", ["v2-lite", "v2", "v3", "v3-odd-dims"])
 def test_float32_prompt_logprobs_through_the_runner_match_hf(checkpoints, variant):
     """`--dtype float32` on the GPU is float32: prompt log-probs from the scheduler + ModelRunner (Triton kernels,
