@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Session of 2026-12-07 (fifth), one H100 (carry .whl: ../shared/device/wheels.sh): the attention chain's bs-1 graph
-# on by default for contexts up to mla_chain.CHAIN_MAX_CONTEXT (engine/graph.py)
+# (MLASERVE_MLA_CHAIN=1) for contexts up to mla_chain.CHAIN_MAX_CONTEXT (engine/graph.py); not yet run (no GPU lent)
 #   tests: GPU tests of the chain, and the fast path's greedy equality (the chain graph, then the four launches')
 #   probe: benchmarks/probe_mla_chain.py at contexts around the cap, the chain at the cap graph's split counts (16 for
 #          1024 tokens, 32 for 2048) and the four launches at a server graph's 128
-#   ab:    bench one-batch V2-Lite bs 1 in 256 / out 32, default (chain graph) and MLASERVE_MLA_CHAIN=0, alternated
+#   ab:    bench one-batch V2-Lite bs 1 in 256 / out 32, MLASERVE_MLA_CHAIN=1 (chain graph) and 0, alternated
 #          twice: as sized by the run (context 296), as a server's (--context-length 32768: the four launches' graph
 #          at 128 splits) and at input 900 (the chain graph's last sizes)
 #   bash benchmarks/gpu_session63.sh PART...
@@ -20,7 +20,7 @@ for PART in "$@"; do
   echo "=== $PART $(date +%T)"
   case $PART in
     tests)
-      timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_chain.py \
+      MLASERVE_MLA_CHAIN=1 timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_chain.py \
         tests/models/test_gpu_fastpath.py -k "${TESTS_K:-chain or greedy_equals or pad_correctly}" > "$OUT/tests.txt" 2>&1
       grep -a "^FAILED\|Error" "$OUT/tests.txt" | head -10; tail -1 "$OUT/tests.txt" ;;
     probe)

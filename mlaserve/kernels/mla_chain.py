@@ -52,11 +52,12 @@ CHAIN_MAX_CONTEXT = 1024
 
 
 def enabled() -> bool:
-    """`MLASERVE_MLA_CHAIN=0` turns the one launch off; on by default, in the decode graphs' bs-1 graph for
-    contexts up to CHAIN_MAX_CONTEXT (engine/graph.py). On an H100 (2026-12-07, tree 779072c) it took 0.10-0.17 ms
-    off the V2-Lite bs-1 graph at 256 cached tokens (390-395 tok/s against 354-378)
-    (benchmarks/results/chain-stamps-h100.md, mla-chain-h100.md)."""
-    return on_off("MLASERVE_MLA_CHAIN", True)
+    """`MLASERVE_MLA_CHAIN=1` captures the decode graphs' second bs-1 graph, the one launch's, replayed for contexts
+    up to CHAIN_MAX_CONTEXT (engine/graph.py). On an H100 (2026-12-07, tree 779072c) the one launch took 0.10-0.17
+    ms off the V2-Lite bs-1 graph at 256 cached tokens (390-395 tok/s against 354-378)
+    (benchmarks/results/chain-stamps-h100.md, mla-chain-h100.md). Off by default until the two-graph form has run
+    on a GPU (`benchmarks/gpu_session63.sh`: no GPU was lent the session that built it)."""
+    return on_off("MLASERVE_MLA_CHAIN", False)
 
 
 @functools.lru_cache(maxsize=None)

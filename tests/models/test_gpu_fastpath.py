@@ -93,6 +93,7 @@ def test_chain_graph_short_contexts_then_the_four_launches(checkpoints, monkeypa
     the all-reference path; 24 of its decode steps (positions 40-63) ran the chain graph."""
     from mlaserve.kernels import mla_chain
 
+    monkeypatch.setenv("MLASERVE_MLA_CHAIN", "1")
     monkeypatch.setattr(mla_chain, "CHAIN_MAX_CONTEXT", 64)
     path = checkpoints(variant)
     rng = random.Random(4)
