@@ -47,7 +47,8 @@ STAMPS = tl.constexpr(24)  # int64 values a program writes under TIMING: 12 poin
 
 # the longest context (cached tokens + the new one) the decode graphs' bs-1 chain graph replays for; longer steps
 # replay the four launches' graph (engine/graph.py). Phase C's programs each merge all of their head's partials, so
-# the one launch loses to the four at long contexts (H100: 21.5 against 19.4-19.6 us a layer at 4096 tokens)
+# the one launch loses to the four at long contexts (H100: 21.5 against 19.4-19.6 us a layer at 4096 tokens; faster
+# at 256). 1024 lies between the two; the crossover itself is not measured yet (benchmarks/gpu_session63.sh probe)
 CHAIN_MAX_CONTEXT = 1024
 
 
