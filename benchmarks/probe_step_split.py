@@ -109,10 +109,9 @@ def replay_host(positions, out_slots, req_pool_idx, pad_to=None):
     graphs.staged[i] = torch.cuda.Event()
     graphs.staged[i].record()
     marks.append(time.perf_counter())
-    graph = graphs.graph_of(cbs, max(positions) + 1)           # (as the runner's: the chain graph at bs 1)
+    graph, out = graphs.pick(cbs, positions)                   # (as the runner's: the chain graph at bs 1)
     graph.replay()
     marks.append(time.perf_counter())
-    out = graphs.chain_output if graph is graphs.chain_graph else graphs.outputs[cbs]
     return out[:bs], graphs.req_pool_idx[:bs]
 
 

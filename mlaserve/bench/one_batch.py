@@ -178,7 +178,8 @@ def one_batch(runner: ModelRunner, pool: ReqToTokenPool, alloc: TokenSlotAllocat
 
 
 def graph_stats_of(runner: ModelRunner, bs: int, seq_len: int) -> dict:
-    return {"graph_replay_s": graph_replay_s(runner, bs, seq_len), "kernels_per_step": graph_kernels(runner, bs, seq_len)}
+    return {"graph_replay_s": graph_replay_s(runner, bs, seq_len),
+            "kernels_per_step": graph_kernels(runner, bs, seq_len)}
 
 
 def _spec_slots(runner: ModelRunner) -> int:

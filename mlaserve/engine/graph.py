@@ -193,11 +193,16 @@ class DecodeGraphRunner:
         self.pool = graph.pool()
         return graph, out
 
+    def pick(self, cbs: int, positions: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(the graph, its logits) a step of captured size cbs replays at these positions: size 1's chain graph while
+        the context (position + 1) is at most chain_context, else the size's graph."""
+        if cbs == 1 and self.chain_graph is not None and positions and positions[0] < self.chain_context:
+            return self.chain_graph, self.chain_output
+        return self.graphs[cbs], self.outputs[cbs]
+
     def graph_of(self, bs: int, seq_len: int) -> torch.cuda.CUDAGraph:
         """The graph a step of bs requests replays when its longest sequence (cached + the new token) is seq_len."""
-        if bs == 1 and self.chain_graph is not None and seq_len <= self.chain_context:
-            return self.chain_graph
-        return self.graphs[self._capture_size(bs)]
+        return self.pick(self._capture_size(bs), [seq_len - 1])[0]
 
     def _fn(self, bs: int):
         return self.compiled if self.compiled is not None and bs <= self.compile_max_bs else self.model
@@ -262,12 +267,10 @@ class DecodeGraphRunner:
             return out[:bs], self.req_pool_idx[:bs]
         self.staged[i] = torch.cuda.Event()
         self.staged[i].record()
-        if cbs == 1 and self.chain_graph is not None and positions and positions[0] < self.chain_context:
-            self.chain_graph.replay()                     # the context (position + 1) is at most chain_context
-            self.chain_replays += 1
-            return self.chain_output, self.req_pool_idx[:1]
-        self.graphs[cbs].replay()
-        return self.outputs[cbs][:bs], self.req_pool_idx[:bs]
+        graph, out = self.pick(cbs, positions)
+        graph.replay()
+        self.chain_replays += graph is self.chain_graph
+        return out[:bs], self.req_pool_idx[:bs]
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
                req_pool_idx: torch.Tensor, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
