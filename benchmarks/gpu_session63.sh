@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session of 2026-12-07 (fifth), one H100 (carry .whl: ../shared/device/wheels.sh): the attention chain's bs-1 graph
-# (MLASERVE_MLA_CHAIN=1) for contexts up to mla_chain.CHAIN_MAX_CONTEXT (engine/graph.py); not yet run (no GPU lent)
+# (MLASERVE_MLA_CHAIN=1) for contexts up to mla_chain.CHAIN_MAX_CONTEXT (engine/graph.py);
+# ran 2026-12-07 (sixth session): benchmarks/results/chain-graph-h100.md
 #   tests: GPU tests of the chain, and the fast path's greedy equality (the chain graph, then the four launches')
 #   probe: benchmarks/probe_mla_chain.py at contexts around the cap, the chain at the cap graph's split counts (16 for
 #          1024 tokens, 32 for 2048) and the four launches at a server graph's 128

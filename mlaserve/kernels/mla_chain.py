@@ -47,18 +47,18 @@ STAMPS = tl.constexpr(24)  # int64 values a program writes under TIMING: 12 poin
 
 # the longest context (cached tokens + the new one) the decode graphs' bs-1 chain graph replays for; longer steps
 # replay the four launches' graph (engine/graph.py). Phase C's programs each merge all of their head's partials, so
-# the one launch loses to the four at long contexts (H100: 21.5 against 19.4-19.6 us a layer at 4096 tokens; faster
-# at 256). 1024 lies between the two; the crossover itself is not measured yet (benchmarks/gpu_session63.sh probe)
-CHAIN_MAX_CONTEXT = 1024
+# the one launch loses to the four at long contexts. H100 (benchmarks/results/chain-graph-h100.md): at 2048 tokens
+# the one launch at this cap's 32 splits took 17.30 us a layer against the four launches' 18.70 at a server graph's
+# 128; at 4096 it was about 10% slower (chain-stamps-h100.md). The crossover between the two is not measured
+CHAIN_MAX_CONTEXT = 2048
 
 
 def enabled() -> bool:
-    """`MLASERVE_MLA_CHAIN=1` captures the decode graphs' second bs-1 graph, the one launch's, replayed for contexts
-    up to CHAIN_MAX_CONTEXT (engine/graph.py). On an H100 (2026-12-07, tree 779072c) the one launch took 0.10-0.17
-    ms off the V2-Lite bs-1 graph at 256 cached tokens (390-395 tok/s against 354-378)
-    (benchmarks/results/chain-stamps-h100.md, mla-chain-h100.md). Off by default until the two-graph form has run
-    on a GPU (`benchmarks/gpu_session63.sh`: no GPU was lent the session that built it)."""
-    return on_off("MLASERVE_MLA_CHAIN", False)
+    """The decode graphs' second bs-1 graph, the one launch's, replayed for contexts up to CHAIN_MAX_CONTEXT
+    (engine/graph.py); on by default, `MLASERVE_MLA_CHAIN=0` turns it off. On an H100 (2026-12-07, tree 1bf557f) it
+    took 0.03-0.17 ms off the V2-Lite bs-1 graph replay in five alternated pairs (366-393 tok/s against 357-377;
+    benchmarks/results/chain-graph-h100.md)."""
+    return on_off("MLASERVE_MLA_CHAIN", True)
 
 
 @functools.lru_cache(maxsize=None)
